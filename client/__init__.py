@@ -1,0 +1,1 @@
+"""The site agent: connects out to the coordinator, runs installed tasks, ships updates."""

@@ -1,0 +1,192 @@
+"""The site agent: register, long-poll, train, upload; reconnect with backoff.
+
+Only rank 0 of a site runs this. It dials out (a site never listens), serves only
+the tasks in its allow list, and survives the coordinator going away: every call
+that fails transiently is retried under one backoff policy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import grpc
+import torch
+
+from fedra.client.config import SiteConfig
+from fedra.client.connection import TRANSIENT, Assignment, Connection, Session, new_nonce
+from fedra.client.task import FitSettings, Task, load_task
+from fedra.faults import crash_point
+from fedra.retry import Backoff
+
+log = logging.getLogger("fedra.site")
+# Failures that mean "this task no longer counts": drop it and poll again.
+_TASK_GONE = frozenset(
+    {
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.PERMISSION_DENIED,
+    }
+)
+
+
+class SiteAgent:
+    def __init__(self, config: SiteConfig, stop: threading.Event | None = None) -> None:
+        self.config = config
+        self.stop = stop or threading.Event()
+        # Import every allowed task up front: a broken install fails at start, not mid-round.
+        self.tasks: dict[str, Task] = {ep: load_task(ep) for ep in config.allowed_tasks}
+        # Data too: a bad [data] table is an error at start, and round 1 is not slowed by it.
+        self._data: dict[str, Any] = {ep: t.load_data(config.data) for ep, t in self.tasks.items()}
+        self.conn = Connection(config.coordinator, config.site_id)
+        self.backoff = Backoff(cap_s=config.reconnect_max_s)
+        self.tag = f"site {config.site_id}"
+        self.rounds_done = 0
+
+    def run(self) -> None:
+        """Serve until ``stop`` is set."""
+        while not self.stop.is_set():
+            try:
+                session = self.conn.register(list(self.config.allowed_tasks))
+                log.info("%s: registered with %s", self.tag, self.config.coordinator)
+                self.backoff.reset()
+                self._serve(session)
+            except grpc.RpcError as exc:
+                if exc.code() not in TRANSIENT and exc.code() != grpc.StatusCode.NOT_FOUND:
+                    raise
+                delay = self.backoff.next_delay_s()
+                log.warning("%s: coordinator unreachable (%s); retrying in %.1f s", self.tag, exc.code().name, delay)
+                self.stop.wait(delay)
+        self.conn.close()
+
+    def _serve(self, session: Session) -> None:
+        while not self.stop.is_set():
+            task = self.conn.poll(session.poll_timeout_s)
+            if task is not None:
+                self._run_task(task, session)
+
+    def _run_task(self, task: Assignment, session: Session) -> None:
+        tag = f"{self.tag} run {task.run_id} round {task.round}"
+        if task.entry_point not in self.tasks:  # the coordinator should never ask; refuse anyway
+            self.conn.report_failure(task.task_id, f"task {task.entry_point!r} is not allowed here")
+            return
+        beat = _Heartbeat(self.conn, task.task_id, session.heartbeat_interval_s)
+        try:
+            with beat:
+                self._train_and_upload(task, session, tag, beat)
+        except grpc.RpcError as exc:
+            if exc.code() in _TASK_GONE:
+                log.warning("%s: task dropped: %s", tag, exc.details())
+                return
+            raise
+        except Exception as exc:  # the task's own code failed: say so, keep serving
+            log.exception("%s: training failed", tag)
+            self._report(task, f"{type(exc).__name__}: {exc}")
+
+    def _report(self, task: Assignment, reason: str) -> None:
+        try:
+            self.conn.report_failure(task.task_id, reason)
+        except grpc.RpcError as exc:
+            log.warning("%s: could not report the failure: %s", self.tag, exc.code().name)
+
+    def _train_and_upload(self, task: Assignment, session: Session, tag: str, beat: _Heartbeat) -> None:
+        impl = self.tasks[task.entry_point]
+        params = task.train.params
+        started = time.monotonic()
+        if task.init:
+            model = impl.create_model(task.seed, params)
+            payload = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            num_samples, metrics = 1, {}
+        else:
+            budget = max(task.deadline_in_s, 1.0)
+            global_state = self.conn.download(task, timeout_s=budget)
+            crash_point("after_download", task.round)
+            payload, num_samples, metrics = self._train(impl, task, global_state)
+        metrics["compute_s"] = time.monotonic() - started
+        if beat.withdrawn.is_set():
+            log.warning("%s: round closed while training; not uploading", tag)
+            return
+        self._upload(task, payload, num_samples, metrics)
+        self.rounds_done += 1
+        log.info("%s: update accepted (%s)", tag, ", ".join(f"{k} {v:.4g}" for k, v in sorted(metrics.items())))
+
+    def _train(
+        self, impl: Task, task: Assignment, global_state: dict[str, torch.Tensor]
+    ) -> tuple[dict[str, torch.Tensor], int, dict[str, float]]:
+        data = self._data[task.entry_point]
+        model = impl.create_model(task.seed, task.train.params)
+        model.load_state_dict(global_state)
+        # Evaluate the global model on local held-out data before training on it.
+        metrics = {f"eval_{k}": float(v) for k, v in impl.evaluate(model, data).items()}
+        settings = FitSettings(
+            local_steps=task.train.local_steps,
+            local_epochs=task.train.local_epochs,
+            batch_size=task.train.batch_size,
+            learning_rate=task.train.learning_rate,
+            seed=_fit_seed(task, self.config.site_id),
+            params=task.train.params,
+        )
+        result = impl.fit(model, data, settings)
+        metrics.update({k: float(v) for k, v in result.metrics.items()})
+        return delta(model.state_dict(), global_state), result.num_samples, metrics
+
+    def _upload(
+        self, task: Assignment, payload: dict[str, torch.Tensor], num_samples: int, metrics: dict[str, float]
+    ) -> None:
+        nonce = new_nonce()  # one per update: a retry of the same update reuses it
+        retry = Backoff(cap_s=self.config.reconnect_max_s)
+        while True:
+            try:
+                self.conn.upload(task, payload, num_samples, metrics, nonce, timeout_s=600.0)
+                return
+            except grpc.RpcError as exc:
+                if exc.code() not in TRANSIENT or self.stop.is_set():
+                    raise
+                delay = retry.next_delay_s()
+                log.warning("%s: upload failed (%s); retrying in %.1f s", self.tag, exc.code().name, delay)
+                self.stop.wait(delay)
+
+
+def delta(local: Mapping[str, torch.Tensor], global_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """local - global for floating-point tensors; zeros for integer buffers (not averaged)."""
+    out = {}
+    for name, g in global_state.items():
+        l = local[name].detach()
+        out[name] = (l - g) if g.is_floating_point() else torch.zeros_like(g)
+    return out
+
+
+def _fit_seed(task: Assignment, site_id: str) -> int:
+    key = f"{task.seed}:{task.run_id}:{task.round}:{site_id}".encode()
+    return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1
+
+
+class _Heartbeat:
+    """Beats while a task runs; notices when the coordinator withdraws the task."""
+
+    def __init__(self, conn: Connection, task_id: str, interval_s: float) -> None:
+        self.conn, self.task_id, self.interval_s = conn, task_id, interval_s
+        self.done = threading.Event()
+        self.withdrawn = threading.Event()
+        self.thread = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
+
+    def _beat(self) -> None:
+        while not self.done.wait(self.interval_s):
+            try:
+                if not self.conn.heartbeat(self.task_id):
+                    self.withdrawn.set()
+            except grpc.RpcError:
+                pass  # the coordinator may be restarting; the upload path retries
+
+    def __enter__(self) -> _Heartbeat:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.done.set()
+        self.thread.join()

@@ -1,0 +1,152 @@
+"""The site's one gRPC channel to the coordinator, and the message conversions."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from fedra import __version__
+from fedra.protos.codec import DEFAULT_CHUNK_BYTES, CodecError, decode_chunks, encode_chunks
+from fedra.protos.serde import train_from_proto
+from fedra.protos.v1 import site_pb2, site_pb2_grpc
+from fedra.runspec import TrainSpec
+
+# Transient: the coordinator is restarting or the network blinked. Retry with backoff.
+TRANSIENT = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+)
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """A task the coordinator gave this site."""
+
+    task_id: str
+    run_id: str
+    round: int
+    init: bool  # build the initial model instead of training
+    entry_point: str
+    train: TrainSpec
+    seed: int
+    model_sha256: str
+    model_bytes: int
+    deadline_in_s: float
+
+
+@dataclass(frozen=True)
+class Session:
+    heartbeat_interval_s: float
+    poll_timeout_s: float
+    chunk_bytes: int
+
+
+class Connection:
+    """Typed calls to the SiteService; raises grpc.RpcError like the stubs do."""
+
+    def __init__(self, address: str, site_id: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+        limit = chunk_bytes + 1024 * 1024
+        self.channel = grpc.insecure_channel(
+            address,
+            options=[
+                ("grpc.max_receive_message_length", limit),
+                ("grpc.max_send_message_length", limit),
+            ],
+        )
+        self.stub = site_pb2_grpc.SiteServiceStub(self.channel)
+        self.site_id = site_id
+        self.chunk_bytes = chunk_bytes
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def register(self, tasks: list[str], timeout_s: float = 10.0) -> Session:
+        request = site_pb2.RegisterRequest(site_id=self.site_id, tasks=tasks, version=__version__)
+        r = self.stub.Register(request, timeout=timeout_s)
+        self.chunk_bytes = min(self.chunk_bytes, r.chunk_bytes or self.chunk_bytes)
+        return Session(r.heartbeat_interval_s, r.poll_timeout_s, self.chunk_bytes)
+
+    def heartbeat(self, task_id: str, timeout_s: float = 10.0) -> bool:
+        request = site_pb2.HeartbeatRequest(site_id=self.site_id, task_id=task_id)
+        return self.stub.Heartbeat(request, timeout=timeout_s).task_current
+
+    def poll(self, poll_timeout_s: float) -> Assignment | None:
+        request = site_pb2.PollTaskRequest(site_id=self.site_id)
+        r = self.stub.PollTask(request, timeout=poll_timeout_s + 10.0)
+        return _assignment(r.task) if r.HasField("task") else None
+
+    def download(self, task: Assignment, timeout_s: float) -> dict[str, torch.Tensor]:
+        """Stream the task's global model in, checking its SHA-256 and structure."""
+        request = site_pb2.DownloadModelRequest(site_id=self.site_id, task_id=task.task_id)
+        digest = hashlib.sha256()
+
+        def chunks() -> Iterator[bytes]:
+            for message in self.stub.DownloadModel(request, timeout=timeout_s):
+                digest.update(message.data)
+                yield message.data
+
+        tensors = decode_chunks(chunks())
+        if digest.hexdigest() != task.model_sha256:
+            raise CodecError(f"model SHA-256 {digest.hexdigest()} != announced {task.model_sha256}")
+        return tensors
+
+    def upload(
+        self,
+        task: Assignment,
+        tensors: Mapping[str, torch.Tensor],
+        num_samples: int,
+        metrics: Mapping[str, float],
+        nonce: bytes,
+        timeout_s: float,
+    ) -> int:
+        """Stream an update up: a header with the payload's SHA-256, then the chunks."""
+        digest, size = hashlib.sha256(), 0
+        for chunk in encode_chunks(tensors, self.chunk_bytes):  # first pass: hash and size
+            digest.update(chunk)
+            size += len(chunk)
+        header = site_pb2.UpdateHeader(
+            site_id=self.site_id,
+            run_id=task.run_id,
+            round=task.round,
+            task_id=task.task_id,
+            num_samples=num_samples,
+            metrics=dict(metrics),
+            codec="none",
+            sha256=digest.hexdigest(),
+            nonce=nonce,
+            payload_bytes=size,
+        )
+
+        def messages() -> Iterator[site_pb2.UpdateChunk]:
+            yield site_pb2.UpdateChunk(header=header)
+            for chunk in encode_chunks(tensors, self.chunk_bytes):
+                yield site_pb2.UpdateChunk(data=chunk)
+
+        return self.stub.UploadUpdate(messages(), timeout=timeout_s).bytes_received
+
+    def report_failure(self, task_id: str, reason: str, timeout_s: float = 10.0) -> None:
+        request = site_pb2.ReportFailureRequest(site_id=self.site_id, task_id=task_id, reason=reason)
+        self.stub.ReportFailure(request, timeout=timeout_s)
+
+
+def new_nonce() -> bytes:
+    return os.urandom(16)
+
+
+def _assignment(t: site_pb2.Task) -> Assignment:
+    return Assignment(
+        task_id=t.task_id,
+        run_id=t.run_id,
+        round=t.round,
+        init=t.kind == site_pb2.TASK_KIND_INIT,
+        entry_point=t.entry_point,
+        train=train_from_proto(t.settings),
+        seed=t.seed,
+        model_sha256=t.model_sha256,
+        model_bytes=t.model_bytes,
+        deadline_in_s=t.deadline_in_s,
+    )

@@ -1,0 +1,80 @@
+"""The contract between a site and the training code it has installed.
+
+A task is an object reachable by an entry point ``package.module:attr``. The site
+imports it only if the entry point is in its own allow list; the coordinator only
+ever names it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass(frozen=True)
+class FitSettings:
+    """What the run asks of one site's local training in one round."""
+
+    local_steps: int  # optimiser steps; 0 means "use local_epochs"
+    local_epochs: int
+    batch_size: int
+    learning_rate: float
+    seed: int  # differs per (run, round, site): shuffling and dropout
+    params: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class FitResult:
+    """The outcome of local training; the trained weights stay in the model."""
+
+    num_samples: int  # size of the local training set: the FedAvg weight
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Task(Protocol):
+    """Training code a site runs. Implementations must be deterministic given their seeds."""
+
+    def create_model(self, seed: int, params: Mapping[str, str]) -> torch.nn.Module:
+        """Build the model with initial weights drawn from ``seed``."""
+        ...
+
+    def load_data(self, config: Mapping[str, Any]) -> Any:
+        """Load this site's data from the site's own ``[data]`` configuration."""
+        ...
+
+    def fit(self, model: torch.nn.Module, data: Any, settings: FitSettings) -> FitResult:
+        """Train ``model`` in place on the site's training split."""
+        ...
+
+    def evaluate(self, model: torch.nn.Module, data: Any) -> dict[str, float]:
+        """Evaluate ``model`` on the site's held-out split (``loss``, ``accuracy``, ...)."""
+        ...
+
+
+class TaskLoadError(Exception):
+    """An entry point that cannot be imported or does not name a task."""
+
+
+def load_task(entry_point: str) -> Task:
+    """Import ``package.module:attr`` and check that it is a task."""
+    module_name, sep, attr = entry_point.partition(":")
+    if not sep or not module_name or not attr:
+        raise TaskLoadError(f"task entry point {entry_point!r} must look like 'package.module:attr'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise TaskLoadError(f"cannot import task module {module_name!r}: {exc}") from exc
+    try:
+        obj = getattr(module, attr)
+    except AttributeError as exc:
+        raise TaskLoadError(f"module {module_name!r} has no attribute {attr!r}") from exc
+    if not isinstance(obj, Task):
+        raise TaskLoadError(
+            f"{entry_point!r} is not a task: it needs create_model, load_data, fit and evaluate"
+        )
+    return obj

@@ -1,0 +1,1 @@
+"""The coordinator daemon: gRPC services, round engine, aggregation strategies."""

@@ -1,0 +1,105 @@
+"""Streaming aggregation: fold updates in as they arrive, in O(model) memory.
+
+``WeightedSum`` accumulates ``sum_i n_i * delta_i`` piece by piece from the codec's
+stream, so an update is never held whole. Server optimisers then turn the mean delta
+into the next global model, FedAvg being the plain step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from fedra.protos.codec import TensorPiece, TensorSpec
+from fedra.runspec import RunSpec
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for half-precision and fp32 weights, fp64 for fp64 ones."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class WeightedSum:
+    """Running ``sum_i n_i * delta_i`` over the floating-point tensors of a model."""
+
+    def __init__(self, specs: Mapping[str, TensorSpec]) -> None:
+        self.specs = dict(specs)
+        self.sums = {
+            name: torch.zeros(spec.numel, dtype=accumulation_dtype(spec.dtype))
+            for name, spec in specs.items()
+            if spec.dtype.is_floating_point
+        }
+        self.total_weight = 0.0
+        self.count = 0
+
+    def add_pieces(self, pieces: Iterable[TensorPiece], weight: float) -> None:
+        """Fold pieces of one update (from ``StreamDecoder.feed``) in with ``weight``."""
+        for piece in pieces:
+            acc = self.sums.get(piece.name)
+            if acc is None:  # integer buffers are not averaged; they keep the global value
+                continue
+            end = piece.offset + piece.values.numel()
+            acc[piece.offset : end].add_(piece.values.to(acc.dtype), alpha=weight)
+
+    def finish_update(self, weight: float) -> None:
+        """Count one complete update of ``weight`` (call after all its pieces)."""
+        self.total_weight += weight
+        self.count += 1
+
+    def mean(self) -> dict[str, torch.Tensor]:
+        """The weighted mean delta, shaped like the model (computed in place)."""
+        if self.total_weight <= 0:
+            raise ValueError("no updates to average")
+        out = {}
+        for name, acc in self.sums.items():
+            acc.div_(self.total_weight)
+            out[name] = acc.view(self.specs[name].shape)
+        return out
+
+
+class ServerOptimizer:
+    """FedAvg, FedAvgM and FedAdam: x <- x + step(mean delta), with persisted state."""
+
+    def __init__(self, spec: RunSpec) -> None:
+        self.kind = spec.strategy
+        self.lr = spec.strategy_param("server_lr")
+        self.params = {k: spec.strategy_param(k) for k in _STATE_PARAMS[self.kind]}
+        self.state: dict[str, torch.Tensor] = {}
+
+    def step(self, model: dict[str, torch.Tensor], mean_delta: Mapping[str, torch.Tensor]) -> None:
+        """Apply one outer step to ``model`` in place."""
+        for name, delta in mean_delta.items():
+            param = model[name]
+            update = self._direction(name, delta)
+            param.add_(update.to(param.dtype), alpha=self.lr)
+
+    def _direction(self, name: str, delta: torch.Tensor) -> torch.Tensor:
+        if self.kind == "fedavg":
+            return delta
+        if self.kind == "fedavgm":
+            # Hsu et al. 2019: v <- beta v + delta; x <- x + lr v
+            m = self.state.setdefault(f"m.{name}", torch.zeros_like(delta))
+            m.mul_(self.params["momentum"]).add_(delta)
+            return m
+        # FedAdam (Reddi et al. 2021), no bias correction as in the paper:
+        # m <- b1 m + (1-b1) d; v <- b2 v + (1-b2) d^2; x <- x + lr m / (sqrt(v) + tau)
+        b1, b2, tau = self.params["beta1"], self.params["beta2"], self.params["tau"]
+        m = self.state.setdefault(f"m.{name}", torch.zeros_like(delta))
+        v = self.state.setdefault(f"v.{name}", torch.zeros_like(delta))
+        m.mul_(b1).add_(delta, alpha=1 - b1)
+        v.mul_(b2).addcmul_(delta, delta, value=1 - b2)
+        return m / (v.sqrt() + tau)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self.state)
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        self.state = {k: v.clone() for k, v in state.items()}
+
+
+_STATE_PARAMS = {
+    "fedavg": (),
+    "fedavgm": ("momentum",),
+    "fedadam": ("beta1", "beta2", "tau"),
+}

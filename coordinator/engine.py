@@ -1,0 +1,321 @@
+"""The round engine: the coordinator's domain logic, free of gRPC.
+
+Servicers call into one ``Engine``. It keeps the live state of every active run in
+memory under one lock, writes every change to the ``Store`` before acting on it, and
+runs one ``RoundDriver`` thread per run (see ``rounds``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from fedra.coordinator.aggregation import ServerOptimizer
+from fedra.coordinator.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from fedra.coordinator.recovery import restore_run
+from fedra.coordinator.rounds import RoundDriver
+from fedra.coordinator.state import INIT_ROUND, ActiveRun, Assignment
+from fedra.protos.codec import DEFAULT_CHUNK_BYTES
+from fedra.runspec import RunSpec, TrainSpec
+from fedra.storage import BlobStore, Store
+from fedra.storage.records import CheckpointRecord, RunRecord, SiteRecord
+
+log = logging.getLogger("fedra.coordinator")
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    heartbeat_interval_s: float = 5.0
+    poll_timeout_s: float = 20.0
+    # A site not heard from for this long is offline; its unfinished task fails.
+    site_timeout_s: float = 20.0
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    max_init_model_bytes: int = 16 * 2**30
+
+
+@dataclass(frozen=True)
+class TaskView:
+    """A task as handed to a site."""
+
+    task_id: str
+    run_id: str
+    round: int
+    kind: str  # init | train
+    entry_point: str
+    train: TrainSpec
+    seed: int
+    model_sha256: str
+    model_bytes: int
+    deadline_in_s: float
+
+
+class Engine:
+    """Runs, rounds and sites; every public method is safe to call from any thread."""
+
+    def __init__(
+        self,
+        store: Store,
+        models: BlobStore,
+        updates: BlobStore,
+        settings: EngineSettings | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.store, self.models, self.updates = store, models, updates
+        self.settings = settings or EngineSettings()
+        self.clock = clock
+        self.lock = threading.RLock()
+        self.changed = threading.Condition(self.lock)
+        self.runs: dict[str, ActiveRun] = {}
+        self.version = 0  # bumped on every change watchers may care about
+        self.stopping = False
+        self._drivers: dict[str, threading.Thread] = {}
+        self._site_tasks: dict[str, tuple[str, ...]] = {}
+        self._last_seen: dict[str, float] = {}
+        self._polling: Counter[str] = Counter()
+
+    # -- lifecycle -------------------------------------------------------------
+
+    def start(self) -> None:
+        """Resume every unfinished run from its last committed round."""
+        self.models.clear_tmp()
+        self.updates.clear_tmp()
+        for site in self.store.list_sites():
+            self._site_tasks[site.id] = site.tasks
+        for record in self.store.list_runs(states=("pending", "running")):
+            run = restore_run(self, record)
+            log.info("run %s: resumed at round %d", run.run_id, run.open_round or run.next_round)
+            self._launch(run)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the drivers; open rounds stay open in the database for the next start."""
+        with self.lock:
+            self.stopping = True
+            self.notify()
+        for thread in list(self._drivers.values()):
+            thread.join(timeout_s)
+        if self._last_seen:
+            self.store.touch_sites(dict(self._last_seen))
+
+    def _launch(self, run: ActiveRun) -> None:
+        with self.lock:
+            self.runs[run.run_id] = run
+            driver = RoundDriver(self, run)
+            thread = threading.Thread(target=driver.run, name=f"run-{run.run_id}", daemon=True)
+            self._drivers[run.run_id] = thread
+        thread.start()
+
+    def notify(self) -> None:
+        """Wake drivers, long polls and watchers (call with the lock held)."""
+        self.version += 1
+        self.changed.notify_all()
+
+    # -- sites -----------------------------------------------------------------
+
+    def register(self, site_id: str, tasks: list[str], version: str) -> None:
+        _check_site_id(site_id)
+        if not tasks:
+            raise InvalidArgument("tasks: a site must serve at least one task")
+        now = self.clock()
+        self.store.upsert_site(site_id, tasks, version, now)
+        with self.lock:
+            self._site_tasks[site_id] = tuple(tasks)
+            self._last_seen[site_id] = now
+            self.notify()
+        log.info("site %s: registered, serves %s", site_id, ", ".join(tasks))
+
+    def _seen(self, site_id: str) -> None:
+        if site_id not in self._site_tasks:
+            raise NotFound(f"site {site_id!r} is not registered; call Register first")
+        self._last_seen[site_id] = self.clock()
+
+    def mark_seen_for_recovery(self, site_id: str, now: float) -> None:
+        """Give a site sampled before a restart one liveness timeout to come back."""
+        self._last_seen.setdefault(site_id, now)
+
+    def is_online(self, site_id: str, now: float) -> bool:
+        last = self._last_seen.get(site_id)
+        recent = last is not None and now - last <= self.settings.site_timeout_s
+        return self._polling[site_id] > 0 or recent
+
+    def eligible_sites(self, run: ActiveRun, now: float) -> list[str]:
+        """Online sites serving the run's task and not busy with another run's task."""
+        busy = {
+            a.site_id
+            for other in self.runs.values()
+            if other is not run
+            for a in other.assignments.values()
+            if not a.final
+        }
+        return sorted(
+            s
+            for s, tasks in self._site_tasks.items()
+            if run.spec.task in tasks and s not in busy and self.is_online(s, now)
+        )
+
+    def heartbeat(self, site_id: str, task_id: str) -> bool:
+        """Record liveness; returns whether ``task_id`` (if any) still counts."""
+        with self.lock:
+            self._seen(site_id)
+            if not task_id:
+                return True
+            found = self._find_task(task_id)
+            return found is not None and found[1].site_id == site_id and not found[1].final
+
+    def poll(self, site_id: str, timeout_s: float) -> TaskView | None:
+        """Long poll: the site's current task, waiting up to ``timeout_s`` for one."""
+        deadline = time.monotonic() + max(0.0, min(timeout_s, self.settings.poll_timeout_s))
+        with self.lock:
+            self._seen(site_id)
+            self._polling[site_id] += 1
+            self.notify()  # a site coming online may complete a round's sample
+            try:
+                while not self.stopping:
+                    view = self._task_for(site_id)
+                    remaining = deadline - time.monotonic()
+                    if view is not None or remaining <= 0:
+                        return view
+                    self.changed.wait(remaining)
+                return None
+            finally:
+                self._polling[site_id] -= 1
+                self._last_seen[site_id] = self.clock()
+
+    def _task_for(self, site_id: str) -> TaskView | None:
+        for run in self.runs.values():
+            a = run.assignments.get(site_id)
+            if a is not None and a.pending and run.accepting(run.open_round or 0, run.attempt):
+                return self._view(run, a)
+        return None
+
+    def _view(self, run: ActiveRun, a: Assignment) -> TaskView:
+        assert run.open_round is not None
+        init = run.open_round == INIT_ROUND
+        return TaskView(
+            task_id=a.task_id,
+            run_id=run.run_id,
+            round=run.open_round,
+            kind="init" if init else "train",
+            entry_point=run.spec.task,
+            train=run.spec.train,
+            seed=run.spec.seed,
+            model_sha256="" if init else run.model_sha256,
+            model_bytes=0 if init else run.model_bytes,
+            deadline_in_s=max(0.0, run.deadline_at - self.clock()),
+        )
+
+    def _find_task(self, task_id: str) -> tuple[ActiveRun, Assignment] | None:
+        for run in self.runs.values():
+            a = run.by_task(task_id)
+            if a is not None:
+                return run, a
+        return None
+
+    def current_task(self, site_id: str, task_id: str) -> tuple[ActiveRun, Assignment]:
+        """The run and assignment for a task the site may act on now (lock held)."""
+        self._seen(site_id)
+        found = self._find_task(task_id)
+        if found is None:
+            raise NotFound(f"task {task_id!r} is not a task of any open round")
+        run, a = found
+        if a.site_id != site_id:
+            raise PermissionDenied(f"task {task_id!r} was not given to site {site_id!r}")
+        if not run.accepting(run.open_round or 0, run.attempt):
+            raise FailedPrecondition(f"round {run.open_round} of run {run.run_id} has closed")
+        return run, a
+
+    def open_download(self, site_id: str, task_id: str) -> tuple[str, int]:
+        """Check a site may download its task's model; returns (sha256, size)."""
+        with self.lock:
+            run, a = self.current_task(site_id, task_id)
+            if run.open_round == INIT_ROUND:
+                raise FailedPrecondition(f"task {task_id!r} builds the initial model: nothing to download")
+            return run.model_sha256, run.model_bytes
+
+    def record_download(self, task_id: str, nbytes: int, seconds: float) -> None:
+        self.store.mark_downloaded(task_id, nbytes, seconds)
+        with self.lock:
+            found = self._find_task(task_id)
+            if found is not None and found[1].state == "assigned":
+                found[1].state = "downloaded"
+            self.notify()
+
+    def report_failure(self, site_id: str, task_id: str, reason: str) -> None:
+        with self.lock:
+            run, a = self.current_task(site_id, task_id)
+            if not a.pending:
+                raise FailedPrecondition(f"task {task_id!r} is {a.state}; nothing to report")
+            self.store.fail_participation(task_id, f"site reported: {reason[:500]}", self.clock())
+            a.state = "failed"
+            self.notify()
+        log.warning("run %s round %s: site %s failed its task: %s", run.run_id, run.open_round, site_id, reason)
+
+    # -- admin -----------------------------------------------------------------
+
+    def submit(self, spec: RunSpec) -> str:
+        """Validate and persist a run, then start driving it."""
+        try:
+            spec.validate()
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from exc
+        run_id = uuid.uuid4().hex[:12]
+        now = self.clock()
+        self.store.create_run(run_id, spec.name or run_id, spec.task, spec.to_json(), now)
+        self.store.add_event(run_id, "submitted", f"task {spec.task}, {spec.rounds} rounds", now)
+        log.info("run %s: submitted (%s, %d rounds, %s)", run_id, spec.task, spec.rounds, spec.strategy)
+        self._launch(ActiveRun(run_id=run_id, spec=spec, optimizer=ServerOptimizer(spec)))
+        return run_id
+
+    def cancel(self, run_id: str) -> str:
+        record = self.get_run_record(run_id)
+        with self.lock:
+            run = self.runs.get(run_id)
+            if run is None or record.finished:
+                raise FailedPrecondition(f"run {run_id} is already {record.state}")
+            run.cancelled = True
+            self.notify()
+        return "cancelled"
+
+    def get_run_record(self, run_id: str) -> RunRecord:
+        record = self.store.get_run(run_id)
+        if record is None:
+            raise NotFound(f"no run {run_id!r}")
+        return record
+
+    def list_sites(self) -> list[tuple[SiteRecord, bool, float]]:
+        """Each known site with whether it is online and when it was last heard from."""
+        now = self.clock()
+        with self.lock:
+            return [
+                (s, self.is_online(s.id, now), self._last_seen.get(s.id, s.last_seen_at))
+                for s in self.store.list_sites()
+            ]
+
+    def export_checkpoint(self, run_id: str, round_number: int | None) -> CheckpointRecord:
+        """The checkpoint of ``round_number`` (or the latest)."""
+        self.get_run_record(run_id)
+        if round_number is None:
+            ckpt = self.store.latest_checkpoint(run_id)
+        else:
+            ckpt = self.store.get_checkpoint(run_id, round_number)
+        if ckpt is None:
+            which = "any round" if round_number is None else f"round {round_number}"
+            raise NotFound(f"run {run_id} has no committed checkpoint for {which}")
+        return ckpt
+
+    def wait_for_change(self, version: int, timeout_s: float) -> int:
+        """Block until the engine's version moves past ``version`` (or timeout); returns it."""
+        with self.lock:
+            self.changed.wait_for(lambda: self.version != version or self.stopping, timeout_s)
+            return self.version
+
+
+def _check_site_id(site_id: str) -> None:
+    if not site_id or len(site_id) > 128 or not all(c.isalnum() or c in "-_." for c in site_id):
+        raise InvalidArgument(
+            f"site_id {site_id!r}: 1-128 characters of letters, digits, '-', '_' or '.'"
+        )

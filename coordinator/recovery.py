@@ -1,0 +1,81 @@
+"""Rebuilding a run's live state from the database and blob store after a restart.
+
+The global model and optimiser state come from the last committed checkpoint. An
+open round resumes where it stopped: the same sampled sites and tasks, accepted
+updates folded in again from the spool, a fresh deadline, and sites given one
+liveness timeout to reconnect before they count as gone.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from fedra.coordinator.aggregation import ServerOptimizer, WeightedSum
+from fedra.coordinator.state import INIT_ROUND, ActiveRun
+from fedra.protos.codec import decode_chunks, spec_of
+from fedra.runspec import RunSpec
+from fedra.storage.records import RunRecord
+
+if TYPE_CHECKING:
+    from fedra.coordinator.engine import Engine
+
+log = logging.getLogger("fedra.coordinator")
+
+
+def restore_run(engine: Engine, record: RunRecord) -> ActiveRun:
+    """The ActiveRun for a pending or running run, as of its last durable state."""
+    spec = RunSpec.from_json(record.spec_json)
+    run = ActiveRun(run_id=record.id, spec=spec, optimizer=ServerOptimizer(spec))
+    chunk = engine.settings.chunk_bytes
+    ckpt = engine.store.latest_checkpoint(record.id)
+    if ckpt is not None:
+        run.model = decode_chunks(engine.models.read_chunks(ckpt.model_sha256, chunk))
+        run.model_specs = spec_of(run.model)
+        run.model_sha256, run.model_bytes = ckpt.model_sha256, ckpt.model_bytes
+        run.next_round = ckpt.round_number + 1
+        if ckpt.optimizer_sha256:
+            state = decode_chunks(engine.models.read_chunks(ckpt.optimizer_sha256, chunk))
+            run.optimizer.load_state_dict(state)
+    open_round = engine.store.get_open_round(record.id)
+    if open_round is not None:
+        _resume_open_round(engine, run, open_round.number, open_round.attempt)
+    return run
+
+
+def _resume_open_round(engine: Engine, run: ActiveRun, number: int, attempt: int) -> None:
+    if number != run.next_round:
+        raise RuntimeError(
+            f"run {run.run_id}: open round {number} does not follow the last checkpoint "
+            f"(next round {run.next_round}); the database is inconsistent"
+        )
+    parts = engine.store.list_participations(run.run_id, number, attempt)
+    now = engine.clock()
+    deadline = now + run.spec.round_deadline_s
+    engine.store.extend_deadline(run.run_id, number, deadline)
+    run.set_open(number, attempt, {p.site_id: p.task_id for p in parts}, now, deadline)
+    run.next_attempt = attempt
+    if number != INIT_ROUND:
+        assert run.model_specs is not None
+        run.accumulator = WeightedSum(run.model_specs)
+    from fedra.coordinator.uploads import fold  # uploads imports the engine module
+
+    for p in parts:
+        a = run.assignments[p.site_id]
+        engine.mark_seen_for_recovery(p.site_id, now)
+        if p.state == "accepted" and p.update_sha256 and engine.updates.exists(p.update_sha256):
+            fold(engine, run, p.update_sha256, p.num_samples)
+            a.state, a.update_sha256, a.num_samples = "accepted", p.update_sha256, p.num_samples
+        elif p.state == "accepted":
+            reason = "update lost from the spool across a restart"
+            engine.store.fail_participation(p.task_id, reason, now)
+            a.state = "failed"
+        elif p.state in ("assigned", "downloaded"):
+            a.state = p.state
+        else:
+            a.state = "failed"
+    log.info(
+        "run %s round %d: resumed attempt %d with %d of %d updates already in",
+        run.run_id, number, attempt, sum(a.state == "accepted" for a in run.assignments.values()),
+        len(parts),
+    )  # fmt: skip

@@ -1,0 +1,227 @@
+"""The round driver: one thread per run that samples sites, waits, and closes rounds.
+
+A round closes when every sampled site has answered or its deadline passes. With at
+least the quorum of updates it commits: the new global model and optimiser state are
+written as durable blobs first, then one database transaction records the checkpoint
+and closes the round. Without the quorum the attempt is retried with a fresh sample,
+up to ``max_round_attempts``, and then the run fails with the reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+import uuid
+from typing import TYPE_CHECKING
+
+from fedra.coordinator.aggregation import WeightedSum
+from fedra.faults import crash_point
+from fedra.coordinator.state import INIT_ROUND, ActiveRun
+from fedra.protos.codec import decode_chunks, encode_chunks, spec_of
+from fedra.storage.records import CheckpointRecord, ParticipationRecord
+
+if TYPE_CHECKING:
+    from fedra.coordinator.engine import Engine
+
+log = logging.getLogger("fedra.coordinator")
+_RECHECK_S = 1.0  # liveness is re-evaluated at least this often while waiting
+
+
+class RoundDriver:
+    def __init__(self, engine: Engine, run: ActiveRun) -> None:
+        self.engine, self.run_state = engine, run
+        self.tag = f"run {run.run_id}"
+
+    def run(self) -> None:
+        """Drive rounds until the run ends or the engine stops."""
+        try:
+            while self._step():
+                pass
+        except Exception as exc:  # a bug must fail the run visibly, not hang it
+            log.exception("%s: driver crashed", self.tag)
+            self._finish("failed", f"internal error: {type(exc).__name__}: {exc}")
+
+    def _step(self) -> bool:
+        run, engine = self.run_state, self.engine
+        with engine.lock:
+            if engine.stopping:
+                return False
+            if run.cancelled:
+                self._finish("cancelled", "cancelled by an operator")
+                return False
+        if run.open_round is None and not self._open_next():
+            return True  # stopping or cancelled: the next step handles it
+        outcome = self._wait()
+        if outcome == "closed":
+            return self._close()
+        return True
+
+    # -- opening -----------------------------------------------------------------
+
+    def _open_next(self) -> bool:
+        run, engine, spec = self.run_state, self.engine, self.run_state.spec
+        number, attempt = run.next_round, run.next_attempt
+        init = number == INIT_ROUND
+        wanted = 1 if init else spec.sites_per_round
+        quorum = 1 if init else spec.quorum
+        started = time.monotonic()
+        with engine.lock:
+            while True:
+                if engine.stopping or run.cancelled:
+                    return False
+                eligible = engine.eligible_sites(run, engine.clock())
+                waited = time.monotonic() - started
+                if len(eligible) >= wanted or (len(eligible) >= quorum and waited >= spec.join_timeout_s):
+                    break
+                run.waiting_reason = f"round {number}: waiting for sites, {len(eligible)} of {wanted} online"
+                engine.changed.wait(_RECHECK_S)
+            rng = random.Random(f"{run.run_id}:{spec.seed}:{number}:{attempt}")
+            sampled = sorted(rng.sample(eligible, min(wanted, len(eligible))))
+            assignments = {site: uuid.uuid4().hex for site in sampled}
+            now = engine.clock()
+            deadline = now + spec.round_deadline_s
+            engine.store.open_round(run.run_id, number, attempt, assignments, now, deadline)
+            if number == INIT_ROUND and attempt == 1:
+                engine.store.set_run_state(run.run_id, "running", "", now)
+            engine.store.add_event(
+                run.run_id, "round_opened", f"attempt {attempt}: {', '.join(sampled)}", now, number
+            )
+            run.set_open(number, attempt, assignments, now, deadline)
+            if not init:
+                assert run.model_specs is not None
+                run.accumulator = WeightedSum(run.model_specs)
+            engine.notify()
+        log.info("%s round %d: opened (attempt %d) with %s", self.tag, number, attempt, ", ".join(sampled))
+        return True
+
+    # -- waiting -----------------------------------------------------------------
+
+    def _wait(self) -> str:
+        run, engine = self.run_state, self.engine
+        with engine.lock:
+            while True:
+                if engine.stopping:
+                    return "stopping"
+                if run.cancelled:
+                    return "cancelled"
+                now = engine.clock()
+                self._fail_silent_sites(now)
+                states = [a.state for a in run.assignments.values()]
+                if all(s in ("accepted", "failed") for s in states) or now >= run.deadline_at:
+                    run.closing = True  # from here on, uploads are late
+                    engine.notify()
+                    return "closed"
+                engine.changed.wait(min(run.deadline_at - now, _RECHECK_S))
+
+    def _fail_silent_sites(self, now: float) -> None:
+        """A sampled site that went silent will not answer: stop waiting for it."""
+        engine, run = self.engine, self.run_state
+        for a in run.assignments.values():
+            if a.pending and not engine.is_online(a.site_id, now):
+                reason = f"site went silent for more than {engine.settings.site_timeout_s:g} s"
+                engine.store.fail_participation(a.task_id, reason, now)
+                a.state = "failed"
+                log.warning("%s round %s: %s: %s", self.tag, run.open_round, a.site_id, reason)
+
+    # -- closing -----------------------------------------------------------------
+
+    def _close(self) -> bool:
+        run = self.run_state
+        accepted = [a for a in run.assignments.values() if a.state == "accepted"]
+        if len(accepted) >= run.required_updates:
+            return self._commit()
+        return self._retry_or_fail(len(accepted))
+
+    def _commit(self) -> bool:
+        run, engine, spec = self.run_state, self.engine, self.run_state.spec
+        number = run.open_round
+        assert number is not None
+        if number == INIT_ROUND:
+            assert run.init_sha256 is not None
+            model = decode_chunks(engine.updates.read_chunks(run.init_sha256, engine.settings.chunk_bytes))
+        else:
+            assert run.model is not None and run.accumulator is not None
+            model = run.model
+            run.optimizer.step(model, run.accumulator.mean())
+        model_sha = engine.models.put_chunks(encode_chunks(model, engine.settings.chunk_bytes))
+        opt_state = run.optimizer.state_dict()
+        opt_sha = engine.models.put_chunks(encode_chunks(opt_state)) if opt_state else None
+        now = engine.clock()
+        parts = engine.store.list_participations(run.run_id, number, run.attempt)
+        metrics = weighted_metrics([p for p in parts if p.state == "accepted"])
+        ckpt = CheckpointRecord(run.run_id, number, model_sha, engine.models.size(model_sha), opt_sha, now)
+        crash_point("before_commit", number)
+        final = "completed" if number == spec.rounds else None
+        engine.store.commit_round(run.run_id, number, ckpt, metrics, now, final_state=final)
+        engine.store.add_event(run.run_id, "round_committed", _summary(parts, metrics), now, number)
+        with engine.lock:
+            run.model, run.model_specs = model, spec_of(model)
+            run.model_sha256, run.model_bytes = model_sha, ckpt.model_bytes
+            run.set_closed(next_round=number + 1)
+            engine.notify()
+        self._drop_round_updates(number)
+        log.info("%s round %d: committed, %s", self.tag, number, _summary(parts, metrics))
+        if final:
+            log.info("%s: completed after %d rounds", self.tag, number)
+            self._forget()
+            return False
+        return True
+
+    def _retry_or_fail(self, accepted: int) -> bool:
+        run, engine, spec = self.run_state, self.engine, self.run_state.spec
+        number, attempt = run.open_round, run.attempt
+        assert number is not None
+        reason = (
+            f"round {number} attempt {attempt}: {accepted} of the {run.required_updates} "
+            f"required updates arrived within the {spec.round_deadline_s:g} s deadline"
+        )
+        now = engine.clock()
+        engine.store.expire_attempt(run.run_id, number, attempt, reason, now)
+        engine.store.add_event(run.run_id, "attempt_failed", reason, now, number)
+        log.warning("%s: %s", self.tag, reason)
+        self._drop_round_updates(number)
+        if attempt >= spec.max_round_attempts:
+            self._finish("failed", f"{reason}; gave up after {attempt} attempts")
+            return False
+        with engine.lock:
+            run.set_closed(next_round=number, next_attempt=attempt + 1)
+            engine.notify()
+        return True
+
+    def _drop_round_updates(self, number: int) -> None:
+        for p in self.engine.store.list_participations(self.run_state.run_id, number):
+            if p.update_sha256:
+                self.engine.updates.delete(p.update_sha256)
+
+    def _finish(self, state: str, reason: str) -> None:
+        run, engine = self.run_state, self.engine
+        now = engine.clock()
+        if run.open_round is not None:
+            engine.store.expire_attempt(run.run_id, run.open_round, run.attempt, reason, now)
+        engine.store.set_run_state(run.run_id, state, reason, now)
+        engine.store.add_event(run.run_id, state, reason, now, run.open_round)
+        log.info("%s: %s: %s", self.tag, state, reason)
+        self._forget()
+
+    def _forget(self) -> None:
+        with self.engine.lock:
+            self.engine.runs.pop(self.run_state.run_id, None)
+            self.engine.notify()
+
+
+def weighted_metrics(parts: list[ParticipationRecord]) -> dict[str, float]:
+    """Sample-weighted mean of each metric over the sites that reported it."""
+    sums: dict[str, float] = {}
+    weights: dict[str, float] = {}
+    for p in parts:
+        for key, value in p.metrics.items():
+            sums[key] = sums.get(key, 0.0) + value * p.num_samples
+            weights[key] = weights.get(key, 0.0) + p.num_samples
+    return {k: sums[k] / weights[k] for k in sorted(sums) if weights[k] > 0}
+
+
+def _summary(parts: list[ParticipationRecord], metrics: dict[str, float]) -> str:
+    accepted = sum(p.state == "accepted" for p in parts)
+    shown = ", ".join(f"{k} {v:.4g}" for k, v in metrics.items())
+    return f"{accepted}/{len(parts)} updates" + (f", {shown}" if shown else "")

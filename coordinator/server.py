@@ -1,0 +1,128 @@
+"""The daemon: build the engine and gRPC server, announce readiness, stop gracefully."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from fedra.coordinator.engine import Engine, EngineSettings
+from fedra.coordinator.service import AdminService, SiteService
+from fedra.protos.v1 import admin_pb2, admin_pb2_grpc, site_pb2, site_pb2_grpc
+from fedra.storage import BlobStore, Store
+
+log = logging.getLogger("fedra.coordinator")
+READY_FILE = "coordinator.json"
+SERVICE_NAMES = (
+    site_pb2.DESCRIPTOR.services_by_name["SiteService"].full_name,
+    admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name,
+)
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    state_dir: Path
+    host: str = "127.0.0.1"
+    port: int = 50051
+    db_url: str = ""  # empty: SQLite file in the state directory
+    # Each connected site holds one worker during its long poll.
+    max_workers: int = 128
+    grace_s: float = 5.0
+    engine: EngineSettings = EngineSettings()
+
+    @property
+    def database_url(self) -> str:
+        return self.db_url or f"sqlite:///{self.state_dir / 'fedra.db'}"
+
+
+def build_engine(config: CoordinatorConfig) -> Engine:
+    config.state_dir.mkdir(parents=True, exist_ok=True)
+    store = Store(config.database_url)
+    return Engine(
+        store,
+        models=BlobStore(config.state_dir / "blobs"),
+        updates=BlobStore(config.state_dir / "updates"),
+        settings=config.engine,
+    )
+
+
+def create_server(engine: Engine, address: str, max_workers: int = 128) -> tuple[grpc.Server, int]:
+    """A gRPC server with the site, admin and health services bound to ``address``."""
+    limit = engine.settings.chunk_bytes + 1024 * 1024  # a chunk plus its envelope
+    server = grpc.server(
+        ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+        options=[
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+        ],
+    )
+    site_pb2_grpc.add_SiteServiceServicer_to_server(SiteService(engine), server)
+    admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminService(engine), server)
+    health_servicer = health.HealthServicer()
+    for name in ("", *SERVICE_NAMES):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"could not bind {address}")
+    return server, port
+
+
+def _write_ready_file(path: Path, payload: dict[str, object]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(payload, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def serve(config: CoordinatorConfig) -> None:
+    """Run the daemon until SIGTERM or SIGINT."""
+    engine = build_engine(config)
+    engine.start()
+    address = f"{config.host}:{config.port}"
+    server, port = create_server(engine, address, config.max_workers)
+    server.start()
+    ready = config.state_dir / READY_FILE
+    host = config.host if config.host not in ("0.0.0.0", "::", "[::]") else "127.0.0.1"
+    _write_ready_file(
+        ready,
+        {
+            "address": f"{host}:{port}",
+            "port": port,
+            "pid": os.getpid(),
+            "database": _redact(config.database_url),
+            "started_unix_s": time.time(),
+            "insecure": True,
+        },
+    )
+    log.warning("serving on %s:%d WITHOUT TLS: for localhost development only", host, port)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    log.info("stopping: finishing in-flight calls (grace %.0f s)", config.grace_s)
+    ready.unlink(missing_ok=True)
+    with engine.lock:
+        engine.stopping = True
+        engine.notify()  # long polls return at once
+    server.stop(config.grace_s).wait()
+    engine.stop()
+    engine.store.close()
+    log.info("stopped")
+
+
+def _redact(url: str) -> str:
+    """The database URL without its password, for the readiness file."""
+    scheme, sep, rest = url.partition("://")
+    creds, at, host = rest.rpartition("@")
+    if not at or ":" not in creds:
+        return url
+    return f"{scheme}{sep}{creds.split(':', 1)[0]}:***@{host}"

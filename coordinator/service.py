@@ -1,0 +1,241 @@
+"""gRPC servicers: validate, call the engine, map domain errors to status codes."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import grpc
+
+from fedra.coordinator import uploads
+from fedra.coordinator.engine import Engine, TaskView
+from fedra.coordinator.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    FedraError,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+)
+from fedra.coordinator.status import run_status
+from fedra.protos.serde import runspec_from_proto, train_to_proto
+from fedra.protos.v1 import admin_pb2, admin_pb2_grpc, common_pb2, site_pb2, site_pb2_grpc
+
+log = logging.getLogger("fedra.coordinator")
+F = TypeVar("F", bound=Callable[..., Any])
+
+_STATUS = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+
+def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
+    if isinstance(exc, FedraError):
+        context.abort(_STATUS.get(type(exc), grpc.StatusCode.INVALID_ARGUMENT), str(exc))
+    # Internals stay in the coordinator's log, never in the caller's status.
+    log.exception("unexpected error in %s", type(exc).__name__)
+    context.abort(grpc.StatusCode.INTERNAL, "internal coordinator error (see the coordinator log)")
+
+
+def mapped(method: F) -> F:
+    """Turn domain errors raised by a unary handler into gRPC statuses."""
+
+    @functools.wraps(method)
+    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return method(self, request, context)
+        except Exception as exc:
+            _abort(context, exc)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def mapped_stream(method: F) -> F:
+    """The same for handlers that return a response stream (generators)."""
+
+    @functools.wraps(method)
+    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        try:
+            yield from method(self, request, context)
+        except Exception as exc:
+            _abort(context, exc)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _task_to_proto(t: TaskView) -> site_pb2.Task:
+    return site_pb2.Task(
+        task_id=t.task_id,
+        run_id=t.run_id,
+        round=t.round,
+        kind=site_pb2.TASK_KIND_INIT if t.kind == "init" else site_pb2.TASK_KIND_TRAIN,
+        entry_point=t.entry_point,
+        settings=train_to_proto(t.train),
+        seed=t.seed,
+        model_sha256=t.model_sha256,
+        model_bytes=t.model_bytes,
+        deadline_in_s=t.deadline_in_s,
+        codec="none",
+    )
+
+
+def _header_from_proto(m: site_pb2.UpdateHeader) -> uploads.UpdateHeader:
+    return uploads.UpdateHeader(
+        site_id=m.site_id,
+        run_id=m.run_id,
+        round=m.round,
+        task_id=m.task_id,
+        num_samples=m.num_samples,
+        metrics=dict(m.metrics),
+        codec=m.codec,
+        sha256=m.sha256,
+        nonce=m.nonce,
+        payload_bytes=m.payload_bytes,
+    )
+
+
+class SiteService(site_pb2_grpc.SiteServiceServicer):
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    @mapped
+    def Register(self, request: site_pb2.RegisterRequest, context: Any) -> site_pb2.RegisterResponse:
+        self.engine.register(request.site_id, list(request.tasks), request.version)
+        s = self.engine.settings
+        return site_pb2.RegisterResponse(
+            heartbeat_interval_s=s.heartbeat_interval_s,
+            poll_timeout_s=s.poll_timeout_s,
+            chunk_bytes=s.chunk_bytes,
+        )
+
+    @mapped
+    def Heartbeat(self, request: site_pb2.HeartbeatRequest, context: Any) -> site_pb2.HeartbeatResponse:
+        current = self.engine.heartbeat(request.site_id, request.task_id)
+        return site_pb2.HeartbeatResponse(task_current=current)
+
+    @mapped
+    def PollTask(self, request: site_pb2.PollTaskRequest, context: Any) -> site_pb2.PollTaskResponse:
+        # Leave a margin inside the caller's own deadline so the reply gets back in time.
+        remaining = context.time_remaining()
+        timeout = self.engine.settings.poll_timeout_s
+        if remaining is not None:
+            timeout = min(timeout, max(0.0, remaining - 1.0))
+        task = self.engine.poll(request.site_id, timeout)
+        if task is None:
+            return site_pb2.PollTaskResponse()
+        return site_pb2.PollTaskResponse(task=_task_to_proto(task))
+
+    @mapped_stream
+    def DownloadModel(
+        self, request: site_pb2.DownloadModelRequest, context: Any
+    ) -> Iterator[common_pb2.ModelChunk]:
+        digest, _ = self.engine.open_download(request.site_id, request.task_id)
+        started, sent = time.monotonic(), 0
+        for chunk in self.engine.models.read_chunks(digest, self.engine.settings.chunk_bytes):
+            sent += len(chunk)
+            yield common_pb2.ModelChunk(data=chunk)
+        self.engine.record_download(request.task_id, sent, time.monotonic() - started)
+
+    @mapped
+    def UploadUpdate(
+        self, request_iterator: Iterator[site_pb2.UpdateChunk], context: Any
+    ) -> site_pb2.UploadUpdateResponse:
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("part") != "header":
+            raise InvalidArgument("an upload must start with exactly one header message")
+        ticket = uploads.begin_upload(self.engine, _header_from_proto(first.header))
+        try:
+            digest = uploads.receive(self.engine, ticket, _data_chunks(request_iterator))
+        except BaseException:
+            uploads.abort_upload(self.engine, ticket)
+            raise
+        uploads.accept(self.engine, ticket, digest, ticket.header.payload_bytes)
+        return site_pb2.UploadUpdateResponse(bytes_received=ticket.header.payload_bytes)
+
+    @mapped
+    def ReportFailure(
+        self, request: site_pb2.ReportFailureRequest, context: Any
+    ) -> site_pb2.ReportFailureResponse:
+        self.engine.report_failure(request.site_id, request.task_id, request.reason)
+        return site_pb2.ReportFailureResponse()
+
+
+def _data_chunks(messages: Iterator[site_pb2.UpdateChunk]) -> Iterator[bytes]:
+    for message in messages:
+        if message.WhichOneof("part") != "data":
+            raise InvalidArgument("only the first message of an upload may be a header")
+        yield message.data
+
+
+class AdminService(admin_pb2_grpc.AdminServiceServicer):
+    def __init__(self, engine: Engine, watch_interval_s: float = 10.0) -> None:
+        self.engine = engine
+        self.watch_interval_s = watch_interval_s
+
+    @mapped
+    def SubmitRun(self, request: admin_pb2.SubmitRunRequest, context: Any) -> admin_pb2.SubmitRunResponse:
+        if not request.HasField("spec"):
+            raise InvalidArgument("spec: required")
+        run_id = self.engine.submit(runspec_from_proto(request.spec))
+        return admin_pb2.SubmitRunResponse(run_id=run_id)
+
+    @mapped
+    def GetRun(self, request: admin_pb2.GetRunRequest, context: Any) -> admin_pb2.RunStatus:
+        return run_status(self.engine, self.engine.get_run_record(request.run_id))
+
+    @mapped
+    def ListRuns(self, request: admin_pb2.ListRunsRequest, context: Any) -> admin_pb2.ListRunsResponse:
+        records = self.engine.store.list_runs()
+        return admin_pb2.ListRunsResponse(runs=[run_status(self.engine, r) for r in records])
+
+    @mapped_stream
+    def WatchRun(self, request: admin_pb2.WatchRunRequest, context: Any) -> Iterator[admin_pb2.RunStatus]:
+        engine = self.engine
+        version = engine.version
+        last = None
+        while context.is_active():
+            record = engine.get_run_record(request.run_id)
+            status = run_status(engine, record)
+            if status != last:
+                yield status
+                last = status
+            if record.finished or engine.stopping:
+                return
+            version = engine.wait_for_change(version, self.watch_interval_s)
+
+    @mapped
+    def CancelRun(self, request: admin_pb2.CancelRunRequest, context: Any) -> admin_pb2.CancelRunResponse:
+        return admin_pb2.CancelRunResponse(state=self.engine.cancel(request.run_id))
+
+    @mapped
+    def ListSites(self, request: admin_pb2.ListSitesRequest, context: Any) -> admin_pb2.ListSitesResponse:
+        sites = [
+            admin_pb2.Site(
+                site_id=s.id,
+                tasks=list(s.tasks),
+                online=online,
+                registered_unix_s=s.registered_at,
+                last_seen_unix_s=last_seen,
+                version=s.version,
+            )
+            for s, online, last_seen in self.engine.list_sites()
+        ]
+        return admin_pb2.ListSitesResponse(sites=sites)
+
+    @mapped_stream
+    def ExportModel(
+        self, request: admin_pb2.ExportModelRequest, context: Any
+    ) -> Iterator[common_pb2.ModelChunk]:
+        round_number = None if request.latest else request.round
+        ckpt = self.engine.export_checkpoint(request.run_id, round_number)
+        for chunk in self.engine.models.read_chunks(ckpt.model_sha256, self.engine.settings.chunk_bytes):
+            yield common_pb2.ModelChunk(data=chunk)

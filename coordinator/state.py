@@ -1,0 +1,87 @@
+"""In-memory state of the runs the coordinator is driving. The database is the truth;
+this is what can be rebuilt from it at any time (see ``recovery``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from fedra.coordinator.aggregation import ServerOptimizer, WeightedSum
+from fedra.protos.codec import TensorSpec
+from fedra.runspec import RunSpec
+
+INIT_ROUND = 0
+
+
+@dataclass
+class Assignment:
+    """One site's task in the open attempt of a round."""
+
+    task_id: str
+    site_id: str
+    state: str  # assigned | downloaded | uploading | accepted | failed
+    update_sha256: str | None = None
+    num_samples: int = 0
+    before_upload: str = "assigned"  # the state an aborted upload returns to
+
+    @property
+    def final(self) -> bool:
+        return self.state in ("accepted", "failed")
+
+    @property
+    def pending(self) -> bool:
+        """Waiting for the site to pick up or finish the task."""
+        return self.state in ("assigned", "downloaded")
+
+
+@dataclass
+class ActiveRun:
+    """A run being driven: its global model, optimiser, and the round in progress."""
+
+    run_id: str
+    spec: RunSpec
+    optimizer: ServerOptimizer
+    model: dict[str, torch.Tensor] | None = None  # None until round 0 commits
+    model_specs: dict[str, TensorSpec] | None = None
+    model_sha256: str = ""
+    model_bytes: int = 0
+    next_round: int = INIT_ROUND
+    next_attempt: int = 1
+    # The round in progress (open_round is None between rounds):
+    open_round: int | None = None
+    attempt: int = 0
+    closing: bool = False  # set when the driver starts closing; later uploads are late
+    opened_at: float = 0.0
+    deadline_at: float = 0.0
+    assignments: dict[str, Assignment] = field(default_factory=dict)  # by site id
+    accumulator: WeightedSum | None = None
+    init_sha256: str | None = None  # round 0: the accepted initial model
+    cancelled: bool = False
+    waiting_reason: str = ""
+
+    @property
+    def required_updates(self) -> int:
+        return 1 if self.open_round == INIT_ROUND else self.spec.quorum
+
+    def by_task(self, task_id: str) -> Assignment | None:
+        for a in self.assignments.values():
+            if a.task_id == task_id:
+                return a
+        return None
+
+    def accepting(self, round_number: int, attempt: int) -> bool:
+        return self.open_round == round_number and self.attempt == attempt and not self.closing
+
+    def set_open(
+        self, number: int, attempt: int, assignments: dict[str, str], now: float, deadline: float
+    ) -> None:
+        self.open_round, self.attempt, self.closing = number, attempt, False
+        self.opened_at, self.deadline_at = now, deadline
+        self.assignments = {s: Assignment(t, s, "assigned") for s, t in assignments.items()}
+        self.waiting_reason = ""
+
+    def set_closed(self, next_round: int, next_attempt: int = 1) -> None:
+        self.open_round, self.closing = None, False
+        self.next_round, self.next_attempt = next_round, next_attempt
+        self.assignments, self.accumulator, self.init_sha256 = {}, None, None

@@ -1,0 +1,198 @@
+"""Receiving an update: validate the header, spool and check the payload, then accept it.
+
+Nothing touches the aggregate until the whole payload is on disk with the right
+SHA-256, the right tensor names, shapes and dtypes, and only finite values. Only then
+is it recorded as accepted (durably) and folded into the running sum, so a crash at
+any point either loses nothing or loses an update the site will be asked for again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from fedra.coordinator.engine import Engine
+from fedra.coordinator.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+)
+from fedra.coordinator.state import INIT_ROUND, ActiveRun, Assignment
+from fedra.protos.codec import MAX_HEADER_BYTES, CodecError, StreamDecoder, TensorSpec
+from fedra.storage.blobs import BlobDigestError
+from fedra.storage.store import DuplicateError
+
+log = logging.getLogger("fedra.coordinator")
+NONCE_BYTES = 16
+SUPPORTED_CODECS = ("none",)
+
+
+@dataclass(frozen=True)
+class UpdateHeader:
+    site_id: str
+    run_id: str
+    round: int
+    task_id: str
+    num_samples: int
+    metrics: dict[str, float]
+    codec: str
+    sha256: str
+    nonce: bytes
+    payload_bytes: int
+
+
+@dataclass
+class UploadTicket:
+    """An upload the engine agreed to receive; holds the task in 'uploading'."""
+
+    header: UpdateHeader
+    run: ActiveRun
+    assignment: Assignment
+    round: int
+    attempt: int
+    expected: dict[str, TensorSpec] | None  # None for the initial model
+    started: float = field(default_factory=time.monotonic)
+
+
+def begin_upload(engine: Engine, h: UpdateHeader) -> UploadTicket:
+    """Check everything the header says before a payload byte is read."""
+    _check_header_fields(h)
+    with engine.lock:
+        run, a = engine.current_task(h.site_id, h.task_id)
+        if h.run_id != run.run_id or h.round != run.open_round:
+            raise InvalidArgument(
+                f"header names run {h.run_id} round {h.round}, but task {h.task_id} is for "
+                f"run {run.run_id} round {run.open_round}"
+            )
+        if a.state == "uploading":
+            raise AlreadyExists(f"an upload for task {h.task_id} is already in progress")
+        if not a.pending:
+            raise AlreadyExists(f"task {h.task_id} is already {a.state}: one update per site per round")
+        expected = None if run.open_round == INIT_ROUND else run.model_specs
+        limit = _size_limit(engine, expected)
+        if h.payload_bytes > limit:
+            raise ResourceExhausted(
+                f"payload_bytes {h.payload_bytes} exceeds the {limit} bytes this update can take"
+            )
+        a.before_upload, a.state = a.state, "uploading"
+        return UploadTicket(h, run, a, run.open_round, run.attempt, expected)
+
+
+def _check_header_fields(h: UpdateHeader) -> None:
+    if h.codec not in SUPPORTED_CODECS:
+        raise InvalidArgument(f"codec {h.codec!r} is not supported (expected one of {SUPPORTED_CODECS})")
+    if len(h.nonce) != NONCE_BYTES:
+        raise InvalidArgument(f"nonce must be {NONCE_BYTES} bytes, got {len(h.nonce)}")
+    if len(h.sha256) != 64 or not all(c in "0123456789abcdef" for c in h.sha256):
+        raise InvalidArgument("sha256 must be 64 lower-case hex characters")
+    if h.num_samples <= 0:
+        raise InvalidArgument(f"num_samples must be > 0, got {h.num_samples}")
+    for key, value in h.metrics.items():
+        if not torch.isfinite(torch.tensor(value)):
+            raise InvalidArgument(f"metric {key!r} is not finite: {value}")
+
+
+def _size_limit(engine: Engine, expected: dict[str, TensorSpec] | None) -> int:
+    if expected is None:
+        return engine.settings.max_init_model_bytes
+    return 8 + MAX_HEADER_BYTES + sum(s.nbytes for s in expected.values())
+
+
+def receive(engine: Engine, ticket: UploadTicket, chunks: Iterable[bytes]) -> str:
+    """Spool and check the payload; returns its digest, the payload durable in the spool."""
+    h = ticket.header
+    decoder = StreamDecoder(ticket.expected)
+    with engine.updates.writer() as writer:
+        try:
+            for chunk in chunks:
+                if writer.bytes_written + len(chunk) > h.payload_bytes:
+                    raise InvalidArgument(f"payload is longer than the declared {h.payload_bytes} bytes")
+                writer.write(chunk)
+                for piece in decoder.feed(chunk):
+                    if piece.values.is_floating_point() and not bool(torch.isfinite(piece.values).all()):
+                        raise InvalidArgument(f"tensor {piece.name!r} has non-finite values")
+            if writer.bytes_written != h.payload_bytes:
+                raise InvalidArgument(
+                    f"payload ended after {writer.bytes_written} of the declared {h.payload_bytes} bytes"
+                )
+            decoder.finish()
+            _check_init_model(ticket, decoder)
+            return writer.commit(expected_digest=h.sha256)
+        except CodecError as exc:
+            raise InvalidArgument(f"payload: {exc}") from exc
+        except BlobDigestError as exc:
+            raise InvalidArgument(f"checksum mismatch: {exc}") from exc
+
+
+def _check_init_model(ticket: UploadTicket, decoder: StreamDecoder) -> None:
+    if ticket.expected is None and not any(s.dtype.is_floating_point for s in decoder.specs.values()):
+        raise InvalidArgument("the initial model has no floating-point tensors to train")
+
+
+def abort_upload(engine: Engine, ticket: UploadTicket) -> None:
+    """Give the task back to the site: nothing about it changed."""
+    with engine.lock:
+        a = ticket.assignment
+        if a.state == "uploading":
+            a.state = a.before_upload
+            engine.notify()
+
+
+def accept(engine: Engine, ticket: UploadTicket, digest: str, nbytes: int) -> None:
+    """Record the update as accepted (durably), then fold it into the round's sum."""
+    h, run, a = ticket.header, ticket.run, ticket.assignment
+    upload_s = time.monotonic() - ticket.started
+    with engine.lock:
+        if not run.accepting(ticket.round, ticket.attempt):
+            _drop_spooled(engine, run, digest)
+            a.state, a.update_sha256 = "failed", None
+            raise FailedPrecondition(
+                f"round {ticket.round} of run {run.run_id} closed before your update arrived; "
+                "poll for the next task"
+            )
+        try:
+            engine.store.accept_update(
+                h.task_id,
+                nonce=h.nonce,
+                sha256=digest,
+                num_samples=h.num_samples,
+                metrics=h.metrics,
+                bytes_up=nbytes,
+                upload_s=upload_s,
+                now=engine.clock(),
+            )
+        except DuplicateError as exc:
+            _drop_spooled(engine, run, digest)
+            abort_upload(engine, ticket)
+            raise AlreadyExists(str(exc)) from exc
+        fold(engine, run, digest, h.num_samples)
+        a.state, a.update_sha256, a.num_samples = "accepted", digest, h.num_samples
+        engine.notify()
+    log.info(
+        "run %s round %d: accepted update from %s (%d bytes, %.2fs)",
+        run.run_id, ticket.round, h.site_id, nbytes, upload_s,
+    )  # fmt: skip
+
+
+def fold(engine: Engine, run: ActiveRun, digest: str, num_samples: int) -> None:
+    """Stream a spooled update into the round's running sum (lock held)."""
+    if run.open_round == INIT_ROUND:
+        run.init_sha256 = digest
+        return
+    assert run.accumulator is not None and run.model_specs is not None
+    decoder = StreamDecoder(run.model_specs)
+    for chunk in engine.updates.read_chunks(digest, engine.settings.chunk_bytes):
+        run.accumulator.add_pieces(decoder.feed(chunk), float(num_samples))
+    decoder.finish()
+    run.accumulator.finish_update(float(num_samples))
+
+
+def _drop_spooled(engine: Engine, run: ActiveRun, digest: str) -> None:
+    # Identical updates share a blob; keep it while an accepted one refers to it.
+    if not any(a.update_sha256 == digest and a.state == "accepted" for a in run.assignments.values()):
+        engine.updates.delete(digest)

@@ -1,0 +1,3 @@
+from fedra.cli import main
+
+raise SystemExit(main())

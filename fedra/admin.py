@@ -1,0 +1,76 @@
+"""A typed client for the coordinator's AdminService (what the CLI and the demo use)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import torch
+
+from fedra.protos.codec import DEFAULT_CHUNK_BYTES, decode_chunks
+from fedra.protos.serde import runspec_to_proto
+from fedra.protos.v1 import admin_pb2, admin_pb2_grpc
+from fedra.runspec import RunSpec
+
+
+class AdminClient:
+    def __init__(self, address: str, timeout_s: float = 30.0) -> None:
+        limit = DEFAULT_CHUNK_BYTES + 1024 * 1024
+        self.channel = grpc.insecure_channel(
+            address,
+            options=[("grpc.max_receive_message_length", limit)],
+        )
+        self.stub = admin_pb2_grpc.AdminServiceStub(self.channel)
+        self.timeout_s = timeout_s
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> AdminClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def submit(self, spec: RunSpec) -> str:
+        request = admin_pb2.SubmitRunRequest(spec=runspec_to_proto(spec))
+        return self.stub.SubmitRun(request, timeout=self.timeout_s).run_id
+
+    def status(self, run_id: str) -> admin_pb2.RunStatus:
+        return self.stub.GetRun(admin_pb2.GetRunRequest(run_id=run_id), timeout=self.timeout_s)
+
+    def runs(self) -> list[admin_pb2.RunStatus]:
+        return list(self.stub.ListRuns(admin_pb2.ListRunsRequest(), timeout=self.timeout_s).runs)
+
+    def watch(self, run_id: str, timeout_s: float | None = None) -> Iterator[admin_pb2.RunStatus]:
+        """RunStatus now and after each change, until the run ends."""
+        yield from self.stub.WatchRun(admin_pb2.WatchRunRequest(run_id=run_id), timeout=timeout_s)
+
+    def cancel(self, run_id: str) -> str:
+        request = admin_pb2.CancelRunRequest(run_id=run_id)
+        return self.stub.CancelRun(request, timeout=self.timeout_s).state
+
+    def sites(self) -> list[admin_pb2.Site]:
+        return list(self.stub.ListSites(admin_pb2.ListSitesRequest(), timeout=self.timeout_s).sites)
+
+    def export_chunks(self, run_id: str, round_number: int | None = None) -> Iterator[bytes]:
+        request = admin_pb2.ExportModelRequest(
+            run_id=run_id, round=round_number or 0, latest=round_number is None
+        )
+        for chunk in self.stub.ExportModel(request, timeout=self.timeout_s):
+            yield chunk.data
+
+    def export_model(self, run_id: str, round_number: int | None = None) -> dict[str, torch.Tensor]:
+        return decode_chunks(self.export_chunks(run_id, round_number))
+
+    def export_to_file(self, run_id: str, path: Path, round_number: int | None = None) -> int:
+        """Write the model as a .safetensors file; returns its size."""
+        tmp = path.with_suffix(path.suffix + ".part")
+        size = 0
+        with tmp.open("wb") as f:
+            for chunk in self.export_chunks(run_id, round_number):
+                f.write(chunk)
+                size += len(chunk)
+        tmp.replace(path)
+        return size

@@ -1,0 +1,256 @@
+"""The ``fedra`` command: coordinator, site, run submit/status/watch/cancel, sites, demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from fedra.config import ConfigError, load_toml
+from fedra.protos.v1 import admin_pb2
+from fedra.runspec import runspec_from_toml
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+_FINISHED = ("completed", "failed", "cancelled")
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+
+
+def _cmd_coordinator(args: argparse.Namespace) -> int:
+    from fedra.coordinator.server import CoordinatorConfig, serve
+
+    serve(CoordinatorConfig(state_dir=Path(args.state_dir), host=args.host, port=args.port, db_url=args.db or ""))
+    return 0
+
+
+def _cmd_site(args: argparse.Namespace) -> int:
+    import torch
+
+    from fedra.client.agent import SiteAgent
+    from fedra.client.config import SiteConfig
+
+    config = SiteConfig.load(args.config)
+    if args.coordinator:
+        config = SiteConfig.from_toml({**load_toml(args.config), "coordinator": args.coordinator})
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    SiteAgent(config, stop).run()
+    return 0
+
+
+def _address(args: argparse.Namespace) -> str:
+    if args.coordinator:
+        return str(args.coordinator)
+    if args.state_dir:
+        ready = Path(args.state_dir) / "coordinator.json"
+        try:
+            return str(json.loads(ready.read_text())["address"])
+        except FileNotFoundError as exc:
+            raise ConfigError(f"{ready}: not found; is the coordinator running?") from exc
+    return os.environ.get("FEDRA_COORDINATOR", DEFAULT_ADDRESS)
+
+
+def _admin(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from fedra.admin import AdminClient
+
+    return AdminClient(_address(args))
+
+
+def _cmd_submit(args: argparse.Namespace) -> int:
+    spec = runspec_from_toml(load_toml(args.spec))
+    with _admin(args) as admin:
+        print(admin.submit(spec))
+    return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    with _admin(args) as admin:
+        status = admin.status(args.run_id)
+    if args.json:
+        print(json.dumps(status_to_dict(status), indent=2))
+    else:
+        print(format_status(status))
+    return 0
+
+
+def _cmd_watch(args: argparse.Namespace) -> int:
+    shown: set[int] = set()
+    last_state = ""
+    with _admin(args) as admin:
+        status = None
+        for status in admin.watch(args.run_id):
+            for r in status.rounds:
+                if r.status == "committed" and r.number not in shown:
+                    shown.add(r.number)
+                    print(format_round(r), flush=True)
+            if status.state != last_state:
+                last_state = status.state
+                print(f"run {status.run_id}: {status.state}" + (f" ({status.reason})" if status.reason else ""), flush=True)
+    return 0 if status is not None and status.state == "completed" else 1
+
+
+def _cmd_cancel(args: argparse.Namespace) -> int:
+    with _admin(args) as admin:
+        print(f"run {args.run_id}: {admin.cancel(args.run_id)}")
+    return 0
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    with _admin(args) as admin:
+        runs = admin.runs()
+    for r in runs:
+        print(f"{r.run_id}  {r.state:<10} {r.rounds_completed:>4}/{r.spec.rounds:<4} {r.spec.task}  {r.spec.name}")
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    with _admin(args) as admin:
+        size = admin.export_to_file(args.run_id, Path(args.out), args.round)
+    print(f"wrote {args.out} ({size} bytes)")
+    return 0
+
+
+def _cmd_sites(args: argparse.Namespace) -> int:
+    import time
+
+    with _admin(args) as admin:
+        sites = admin.sites()
+    if args.json:
+        print(json.dumps([MessageToDict(s, preserving_proto_field_name=True) for s in sites], indent=2))
+        return 0
+    now = time.time()
+    for s in sites:
+        state = "online" if s.online else "offline"
+        print(f"{s.site_id:<20} {state:<8} last seen {now - s.last_seen_unix_s:6.1f} s ago  {', '.join(s.tasks)}")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from fedra.demo import DemoOptions, run_demo
+
+    options = DemoOptions(
+        state_dir=Path(args.state_dir) if args.state_dir else None,
+        out=Path(args.out) if args.out else None,
+        rounds=args.rounds,
+        sites=args.sites,
+    )
+    return run_demo(options)
+
+
+def status_to_dict(status: admin_pb2.RunStatus) -> dict[str, object]:
+    return MessageToDict(status, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
+def format_round(r: admin_pb2.RoundStatus) -> str:
+    metrics = "  ".join(f"{k} {v:.4f}" for k, v in sorted(r.metrics.items()) if k != "compute_s")
+    return (
+        f"round {r.number:>3}  {r.updates}/{len(r.sampled_sites)} sites  "
+        f"{(r.bytes_down + r.bytes_up) / 1e6:8.3f} MB  {r.duration_s:6.2f} s  {metrics}"
+    )
+
+
+def format_status(s: admin_pb2.RunStatus) -> str:
+    lines = [
+        f"run {s.run_id} ({s.spec.name}): {s.state}" + (f" - {s.reason}" if s.reason else ""),
+        f"task {s.spec.task}, strategy {s.spec.strategy}, {s.rounds_completed}/{s.spec.rounds} rounds",
+    ]
+    for r in s.rounds:
+        line = format_round(r)
+        if r.status != "committed":
+            line += f"  [{r.status}, attempt {r.attempt}]"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fedra", description=__doc__)
+    p.add_argument("--log-level", default=os.environ.get("FEDRA_LOG_LEVEL", "info"))
+    sub = p.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("coordinator", help="run the coordinator daemon")
+    c.add_argument("--state-dir", required=True, help="database, blobs and coordinator.json live here")
+    c.add_argument("--host", default="127.0.0.1")
+    c.add_argument("--port", type=int, default=50051, help="0 picks a free port")
+    c.add_argument("--db", help="SQLAlchemy URL (default: SQLite file in the state directory)")
+    c.set_defaults(func=_cmd_coordinator)
+
+    s = sub.add_parser("site", help="run a site agent")
+    s.add_argument("--config", required=True, help="site.toml")
+    s.add_argument("--coordinator", help="override the config's coordinator address")
+    s.set_defaults(func=_cmd_site)
+
+    def admin_args(q: argparse.ArgumentParser) -> None:
+        q.add_argument("--coordinator", help=f"host:port (default $FEDRA_COORDINATOR or {DEFAULT_ADDRESS})")
+        q.add_argument("--state-dir", help="read the address from this coordinator's coordinator.json")
+
+    r = sub.add_parser("run", help="submit, inspect and cancel runs")
+    rsub = r.add_subparsers(dest="run_command", required=True)
+    q = rsub.add_parser("submit", help="submit run.toml; prints the run id")
+    q.add_argument("spec")
+    q.set_defaults(func=_cmd_submit)
+    q = rsub.add_parser("status", help="a run's state and rounds")
+    q.add_argument("run_id")
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=_cmd_status)
+    q = rsub.add_parser("watch", help="print rounds as they commit until the run ends")
+    q.add_argument("run_id")
+    q.set_defaults(func=_cmd_watch)
+    q = rsub.add_parser("cancel", help="cancel a run")
+    q.add_argument("run_id")
+    q.set_defaults(func=_cmd_cancel)
+    q = rsub.add_parser("list", help="all runs")
+    q.set_defaults(func=_cmd_list)
+    q = rsub.add_parser("export", help="write a committed global model as .safetensors")
+    q.add_argument("run_id")
+    q.add_argument("--out", required=True)
+    q.add_argument("--round", type=int, help="default: the latest committed round")
+    q.set_defaults(func=_cmd_export)
+    for q in rsub.choices.values():
+        admin_args(q)
+
+    q = sub.add_parser("sites", help="sites the coordinator knows")
+    q.add_argument("--json", action="store_true")
+    admin_args(q)
+    q.set_defaults(func=_cmd_sites)
+
+    d = sub.add_parser("demo", help="coordinator + sites on localhost, digits, SQLite")
+    d.add_argument("--state-dir", help="default: a temporary directory")
+    d.add_argument("--out", help="write summary.json here")
+    d.add_argument("--rounds", type=int, default=10)
+    d.add_argument("--sites", type=int, default=3)
+    d.set_defaults(func=_cmd_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.log_level)
+    try:
+        return int(args.func(args))
+    except ConfigError as exc:
+        print(f"fedra: error: {exc}", file=sys.stderr)
+        return 2
+    except grpc.RpcError as exc:
+        print(f"fedra: {exc.code().name}: {exc.details()}", file=sys.stderr)  # type: ignore[attr-defined]
+        return 1
+    except KeyboardInterrupt:
+        return 130

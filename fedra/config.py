@@ -1,0 +1,62 @@
+"""Loading TOML configuration into typed values, with errors that name the key."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, of the wrong type, or out of range."""
+
+
+def load_toml(path: Path | str) -> dict[str, Any]:
+    """Read a TOML file; a syntax error names the file and line."""
+    p = Path(path)
+    try:
+        with p.open("rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{p}: no such file") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{p}: {exc}") from exc
+
+
+def check_keys(table: Mapping[str, Any], allowed: set[str], where: str) -> None:
+    """Refuse keys a table does not define, so a typo is not silently ignored."""
+    unknown = sorted(set(table) - allowed)
+    if unknown:
+        prefix = f"{where}." if where else ""
+        raise ConfigError(
+            f"{prefix}{unknown[0]}: unknown key (expected one of {', '.join(sorted(allowed))})"
+        )
+
+
+def get(table: Mapping[str, Any], key: str, kind: type[T], where: str, default: Any = ...) -> T:
+    """``table[key]`` checked to be a ``kind``; ints are accepted where floats are asked for."""
+    name = f"{where}.{key}" if where else key
+    if key not in table:
+        if default is ...:
+            raise ConfigError(f"{name}: required")
+        return default  # type: ignore[no-any-return]
+    value = table[key]
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ConfigError(f"{name}: expected {kind.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def require(ok: bool, name: str, reason: str, value: object) -> None:
+    """Raise ConfigError('name: reason, got value') unless ``ok``."""
+    if not ok:
+        raise ConfigError(f"{name}: {reason}, got {value!r}")

@@ -1,0 +1,26 @@
+"""The one retry policy: exponential backoff with jitter."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Backoff:
+    """Delays drawn from ``[c/2, c]``, ``c = min(cap_s, base_s * 2**n)``, for the n-th consecutive failure."""
+
+    base_s: float = 0.2
+    cap_s: float = 30.0
+    attempts: int = 0
+    _rng: random.Random = field(default_factory=random.Random, repr=False)
+
+    def next_delay_s(self) -> float:
+        ceiling = min(self.cap_s, self.base_s * (2**self.attempts))
+        self.attempts += 1
+        # Jitter keeps a fleet of sites that
+        # lost the coordinator together from reconnecting in lock step.
+        return self._rng.uniform(ceiling / 2, ceiling)
+
+    def reset(self) -> None:
+        self.attempts = 0

@@ -1,0 +1,420 @@
+"""Tensor codec: named tensors as safetensors-format bytes, encoded and decoded in bounded chunks.
+
+Own implementation, not the ``safetensors`` package: that one needs the whole payload in memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import math
+import sys
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple, TypeAlias
+
+import numpy as np
+import torch
+
+DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
+MAX_HEADER_BYTES = 16 * 1024 * 1024
+
+_METADATA_KEY = "__metadata__"
+_ENTRY_KEYS = frozenset({"dtype", "shape", "data_offsets"})
+# fmt: off
+_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}
+# fmt: on
+_DTYPE_CODES: dict[torch.dtype, str] = {dtype: code for code, dtype in _DTYPES.items()}
+
+# Raw bytes are copied to and from tensor memory as-is; the format is little-endian.
+if sys.byteorder != "little":  # pragma: no cover
+    raise ImportError("fedra.protos.codec needs a little-endian host")
+
+Buffer: TypeAlias = bytes | bytearray | memoryview
+
+
+class CodecError(ValueError):
+    """A payload, header or tensor set that does not fit the format or the expected specs."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """The dtype and shape of one tensor, as announced by a header."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class TensorPiece:
+    """A run of whole elements of one tensor, starting at element ``offset`` of its flat view."""
+
+    name: str
+    offset: int
+    values: torch.Tensor
+
+
+class _Entry(NamedTuple):
+    name: str
+    spec: TensorSpec
+    begin: int
+    end: int
+
+
+def spec_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, TensorSpec]:
+    """The spec of each tensor; CodecError for a dtype or name the format cannot carry."""
+    specs: dict[str, TensorSpec] = {}
+    for name, tensor in tensors.items():
+        if not isinstance(name, str) or name == _METADATA_KEY:
+            raise CodecError(f"tensor name {name!r} is not allowed")
+        if tensor.dtype not in _DTYPE_CODES or tensor.layout != torch.strided:
+            raise CodecError(f"tensor {name!r}: unsupported {tensor.dtype} / {tensor.layout}")
+        specs[name] = TensorSpec(tensor.dtype, tuple(tensor.shape))
+    return specs
+
+
+def _header_bytes(specs: Mapping[str, TensorSpec], metadata: Mapping[str, str] | None) -> bytes:
+    header: dict[str, Any] = {}
+    if metadata:
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+            raise CodecError("metadata keys and values must be str")
+        header[_METADATA_KEY] = dict(metadata)
+    offset = 0
+    for name in sorted(specs):
+        spec = specs[name]
+        end = offset + spec.nbytes
+        code = _DTYPE_CODES[spec.dtype]
+        header[name] = {"dtype": code, "shape": list(spec.shape), "data_offsets": [offset, end]}
+        offset = end
+    # Compact separators and raw UTF-8 match the reference writer byte for byte.
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text
+
+
+def encoded_size(
+    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> int:
+    """The exact number of bytes ``encode_chunks(tensors, metadata=metadata)`` yields."""
+    specs = spec_of(tensors)
+    return len(_header_bytes(specs, metadata)) + sum(s.nbytes for s in specs.values())
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    if flat.dtype == torch.bfloat16:  # numpy has no bfloat16; the bytes are the same
+        flat = flat.view(torch.int16)
+    # The numpy array keeps the tensor alive, so the view stays valid without a copy.
+    return flat.numpy().view(np.uint8).data
+
+
+def encode_chunks(
+    tensors: Mapping[str, torch.Tensor],
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    metadata: Mapping[str, str] | None = None,
+) -> Iterator[bytes]:
+    """Yield the encoded payload in chunks of exactly ``chunk_bytes`` (the last may be shorter)."""
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    header = _header_bytes(spec_of(tensors), metadata)  # validates eagerly, before iteration
+    ordered = [tensors[name] for name in sorted(tensors)]
+    return _chunked(header, ordered, chunk_bytes)
+
+
+def _chunked(header: bytes, ordered: list[torch.Tensor], chunk_bytes: int) -> Iterator[bytes]:
+    # Views into tensor memory are gathered and joined once: each chunk is built with one copy
+    # and no staging buffer, so the chunk being yielded is the only transport buffer alive.
+    views: list[memoryview] = []
+    filled = 0
+    # map() is lazy, so at most one tensor's contiguous/CPU copy is made at a time.
+    for part in itertools.chain([memoryview(header)], map(_tensor_bytes, ordered)):
+        start = 0
+        while start < len(part):
+            view = part[start : start + chunk_bytes - filled]
+            views.append(view)
+            filled += len(view)
+            start += len(view)
+            if filled >= chunk_bytes + 1:
+                yield b"".join(views)  # not bound to a local, so it is freed with the consumer's
+                views.clear()
+                filled = 0
+    if views:
+        yield b"".join(views)
+
+
+def encode(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytes:
+    """The whole payload as one bytes object; prefer ``encode_chunks`` for large tensors."""
+    return b"".join(encode_chunks(tensors, metadata=metadata))
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise CodecError(f"header names {key!r} twice")
+        result[key] = value
+    return result
+
+
+def _load_header_json(raw: bytes) -> dict[str, Any]:
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except CodecError:
+        raise
+    except UnicodeDecodeError as exc:
+        raise CodecError(f"header is not valid UTF-8: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, oversized ints, deep nesting
+        raise CodecError(f"header is not valid JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise CodecError(f"header must be a JSON object, got {type(header).__name__}")
+    return header
+
+
+def _is_int(value: Any) -> bool:
+    # The int64 bound keeps torch.empty from overflowing on a hostile header.
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
+
+
+def _parse_entry(name: str, entry: Any) -> _Entry:
+    if not isinstance(entry, dict) or set(entry) != _ENTRY_KEYS:
+        raise CodecError(f"tensor {name!r}: entry must have exactly {sorted(_ENTRY_KEYS)}")
+    dtype = _DTYPES.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
+    if dtype is None:
+        raise CodecError(f"tensor {name!r}: unknown dtype {entry['dtype']!r}")
+    shape, offsets = entry["shape"], entry["data_offsets"]
+    if not isinstance(shape, list) or not all(_is_int(d) for d in shape):
+        raise CodecError(f"tensor {name!r}: shape must be non-negative ints, got {shape!r}")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(map(_is_int, offsets)):
+        raise CodecError(f"tensor {name!r}: data_offsets must be 2 non-negative ints")
+    spec = TensorSpec(dtype, tuple(shape))
+    if offsets[1] - offsets[0] != spec.nbytes:
+        raise CodecError(
+            f"tensor {name!r}: data_offsets {offsets} span {offsets[1] - offsets[0]} bytes, "
+            f"expected {spec.nbytes} for {entry['dtype']} {list(shape)}"
+        )
+    return _Entry(name, spec, offsets[0], offsets[1])
+
+
+def _parse_header(raw: bytes) -> tuple[list[_Entry], dict[str, str]]:
+    """Entries in data order, and the metadata, from the JSON header bytes."""
+    header = _load_header_json(raw)
+    metadata = header.pop(_METADATA_KEY, {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CodecError("__metadata__ must be an object of strings")
+    # The reference writer orders data by dtype then name, so follow offsets, not key order.
+    entries = sorted(
+        (_parse_entry(n, e) for n, e in header.items()), key=lambda e: (e.begin, e.end)
+    )
+    position = 0
+    for entry in entries:
+        if entry.begin != position:
+            kind = "gap" if entry.begin > position else "overlap"
+            raise CodecError(
+                f"tensor {entry.name!r}: data {kind}, begins at {entry.begin}, expected {position}"
+            )
+        position = entry.end
+    return entries, metadata
+
+
+def _check_expected(expected: Mapping[str, TensorSpec], specs: Mapping[str, TensorSpec]) -> None:
+    for name in sorted(set(expected) | set(specs)):
+        if name not in specs:
+            raise CodecError(f"missing tensor {name!r}")
+        if name not in expected:
+            raise CodecError(f"unexpected tensor {name!r}")
+        want, got = expected[name], specs[name]
+        if want.dtype != got.dtype:
+            raise CodecError(f"tensor {name!r}: dtype expected {want.dtype}, got {got.dtype}")
+        if want.shape != got.shape:
+            raise CodecError(f"tensor {name!r}: shape expected {want.shape}, got {got.shape}")
+
+
+def _piece(entry: _Entry, offset: int, data: Buffer) -> TensorPiece:
+    # Copy straight into fresh tensor memory: no Python-side buffer, no aliasing of the input.
+    raw = torch.empty(len(data), dtype=torch.uint8)
+    raw.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
+    if entry.spec.dtype == torch.bool and bool((raw > 1).any()):  # other bytes are not valid bools
+        raise CodecError(f"tensor {entry.name!r}: BOOL bytes must be 0 or 1")
+    return TensorPiece(entry.name, offset, raw.view(entry.spec.dtype))
+
+
+class StreamDecoder:
+    """Incremental parser: feed arbitrary byte chunks, get whole-element pieces of tensors."""
+
+    def __init__(
+        self,
+        expected: Mapping[str, TensorSpec] | None = None,
+        max_header_bytes: int = MAX_HEADER_BYTES,
+    ) -> None:
+        self._expected = expected
+        self._max_header_bytes = max_header_bytes
+        self._head = bytearray()  # length prefix, then header JSON; freed once parsed
+        self._header_len: int | None = None
+        self._entries: list[_Entry] | None = None
+        self._metadata: dict[str, str] = {}
+        self._data_size = 0
+        self._position = 0  # bytes of the data section seen
+        self._index = 0  # entry the next data byte belongs to
+        self._carry = bytearray()  # bytes of an element split across feeds (< itemsize)
+        self._consumed = 0
+
+    @property
+    def header_ready(self) -> bool:
+        return self._entries is not None
+
+    def _ready_entries(self) -> list[_Entry]:
+        if self._entries is None:
+            raise RuntimeError("header not complete yet")
+        return self._entries
+
+    @property
+    def specs(self) -> dict[str, TensorSpec]:
+        return {e.name: e.spec for e in self._ready_entries()}
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        self._ready_entries()
+        return dict(self._metadata)
+
+    @property
+    def total_bytes(self) -> int:
+        self._ready_entries()
+        assert self._header_len is not None
+        return 8 + self._header_len + self._data_size
+
+    @property
+    def bytes_consumed(self) -> int:
+        return self._consumed
+
+    def feed(self, data: Buffer) -> list[TensorPiece]:
+        """Take the next bytes of the stream; returns the whole elements they complete."""
+        view = memoryview(data).cast("B")
+        self._consumed += len(view)
+        if self._entries is None:
+            view = self._feed_header(view)
+        return self._feed_data(view) if view else []
+
+    def _feed_header(self, view: memoryview) -> memoryview:
+        if self._header_len is None:
+            need = 8 - len(self._head)
+            self._head += view[:need]
+            view = view[need:]
+            if len(self._head) < 8:
+                return view
+            length = int.from_bytes(self._head, "little")
+            if length > self._max_header_bytes:
+                raise CodecError(f"header length {length} exceeds {self._max_header_bytes} bytes")
+            self._header_len = length
+            self._head.clear()
+        need = self._header_len - len(self._head)
+        self._head += view[:need]
+        view = view[need:]
+        if len(self._head) == self._header_len:
+            self._install_header(bytes(self._head))
+            self._head = bytearray()
+        return view
+
+    def _install_header(self, raw: bytes) -> None:
+        entries, metadata = _parse_header(raw)
+        if self._expected is not None:
+            _check_expected(self._expected, {e.name: e.spec for e in entries})
+        self._entries, self._metadata = entries, metadata
+        self._data_size = entries[-1].end if entries else 0
+
+    def _feed_data(self, view: memoryview) -> list[TensorPiece]:
+        entries = self._ready_entries()
+        extra = self._position + len(view) - self._data_size
+        if extra > 0:
+            raise CodecError(
+                f"{extra} trailing bytes after the {self._data_size}-byte data section"
+            )
+        pieces: list[TensorPiece] = []
+        while view:
+            while entries[self._index].end <= self._position:  # skips empty tensors too
+                self._index += 1
+            entry = entries[self._index]
+            take = min(len(view), entry.end - self._position)
+            pieces.extend(self._split_elements(entry, view[:take]))
+            self._position += take
+            view = view[take:]
+        return pieces
+
+    def _split_elements(self, entry: _Entry, part: memoryview) -> list[TensorPiece]:
+        itemsize = entry.spec.dtype.itemsize
+        start = self._position - entry.begin  # byte offset of part[0] within the tensor
+        pieces: list[TensorPiece] = []
+        if self._carry:
+            need = itemsize - len(self._carry)
+            self._carry += part[:need]
+            if len(self._carry) < itemsize:
+                return pieces
+            pieces.append(_piece(entry, (start + need) // itemsize - 1, self._carry))
+            self._carry = bytearray()
+            part, start = part[need:], start + need
+        whole = len(part) // itemsize * itemsize
+        if whole:
+            pieces.append(_piece(entry, start // itemsize, part[:whole]))
+        self._carry += part[whole:]
+        return pieces
+
+    def finish(self) -> None:
+        """CodecError unless exactly one whole payload was fed."""
+        if self._entries is None:
+            where = "length prefix" if self._header_len is None else "header"
+            raise CodecError(f"stream ended inside the {where} after {self._consumed} bytes")
+        if self._position < self._data_size:
+            entry = next(e for e in self._entries if e.end > self._position)
+            raise CodecError(
+                f"stream ended inside tensor {entry.name!r}: data byte {self._position} "
+                f"of {self._data_size}, tensor spans [{entry.begin}, {entry.end})"
+            )
+
+
+def decode_chunks(
+    chunks: Iterable[Buffer], expected: Mapping[str, TensorSpec] | None = None
+) -> dict[str, torch.Tensor]:
+    """Decode a chunked payload; each tensor is allocated once and filled as its bytes arrive."""
+    decoder = StreamDecoder(expected)
+    tensors: dict[str, torch.Tensor] | None = None
+    for chunk in chunks:
+        pieces = decoder.feed(chunk)
+        del chunk  # let the producer free it before building the next one
+        if tensors is None and decoder.header_ready:
+            tensors = {n: torch.empty(s.shape, dtype=s.dtype) for n, s in decoder.specs.items()}
+        for piece in pieces:
+            assert tensors is not None
+            flat = tensors[piece.name].view(-1)
+            flat[piece.offset : piece.offset + piece.values.numel()] = piece.values
+    decoder.finish()
+    assert tensors is not None
+    return tensors
+
+
+def decode(
+    payload: Buffer, expected: Mapping[str, TensorSpec] | None = None
+) -> dict[str, torch.Tensor]:
+    """Decode a whole payload held in memory, in chunk-sized slices to bound temporary copies."""
+    view = memoryview(payload).cast("B")
+    slices = (view[i : i + DEFAULT_CHUNK_BYTES] for i in range(0, len(view), DEFAULT_CHUNK_BYTES))
+    return decode_chunks(slices, expected)
+
+
+def sha256_hex(chunks: Iterable[Buffer]) -> str:
+    """Hex SHA-256 of the concatenated chunks, computed without joining them."""
+    digest = hashlib.sha256()
+    for chunk in chunks:
+        digest.update(chunk)
+    return digest.hexdigest()

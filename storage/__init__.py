@@ -1,0 +1,27 @@
+"""Persistence: SQLAlchemy models and repository, and the content-addressed blob store.
+
+Nothing here knows about gRPC or torch: rows are plain dataclasses, blobs are bytes.
+"""
+
+from fedra.storage.blobs import BlobStore
+from fedra.storage.records import (
+    CheckpointRecord,
+    EventRecord,
+    ParticipationRecord,
+    RoundRecord,
+    RunRecord,
+    SiteRecord,
+)
+from fedra.storage.store import DuplicateError, Store
+
+__all__ = [
+    "BlobStore",
+    "CheckpointRecord",
+    "DuplicateError",
+    "EventRecord",
+    "ParticipationRecord",
+    "RoundRecord",
+    "RunRecord",
+    "SiteRecord",
+    "Store",
+]

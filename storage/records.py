@@ -1,0 +1,85 @@
+"""Plain, immutable views of stored rows: what the rest of fedra sees of the database."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    id: str
+    name: str
+    task: str
+    spec_json: str
+    state: str  # pending | running | completed | failed | cancelled
+    reason: str
+    rounds_completed: int
+    created_at: float
+    updated_at: float
+
+    @property
+    def finished(self) -> bool:
+        return self.state in ("completed", "failed", "cancelled")
+
+
+@dataclass(frozen=True)
+class SiteRecord:
+    id: str
+    tasks: tuple[str, ...]
+    version: str
+    registered_at: float
+    last_seen_at: float
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    run_id: str
+    number: int
+    attempt: int
+    state: str  # open | committed
+    sampled: tuple[str, ...]
+    opened_at: float
+    deadline_at: float
+    closed_at: float | None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ParticipationRecord:
+    task_id: str
+    run_id: str
+    round_number: int
+    attempt: int
+    site_id: str
+    state: str  # assigned | downloaded | accepted | failed | expired
+    assigned_at: float
+    update_sha256: str | None = None
+    num_samples: int = 0
+    bytes_down: int = 0
+    bytes_up: int = 0
+    download_s: float = 0.0
+    upload_s: float = 0.0
+    metrics: dict[str, float] = field(default_factory=dict)
+    error: str = ""
+    finished_at: float | None = None
+
+
+@dataclass(frozen=True)
+class CheckpointRecord:
+    run_id: str
+    round_number: int
+    model_sha256: str
+    model_bytes: int
+    optimizer_sha256: str | None
+    created_at: float
+
+
+@dataclass(frozen=True)
+class EventRecord:
+    id: int
+    run_id: str
+    round_number: int | None
+    kind: str
+    message: str
+    data: dict[str, float | int | str] = field(default_factory=dict)
+    created_at: float = 0.0

@@ -1,0 +1,472 @@
+"""The repository: every database read and write fedra makes, behind one class.
+
+Each method is one transaction. SQLite (the default, a file in the state directory)
+and PostgreSQL are both supported through the SQLAlchemy URL.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from sqlalchemy import create_engine, event, select, update
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from fedra.storage import models as m
+from fedra.storage.migrate import upgrade
+from fedra.storage.records import (
+    CheckpointRecord,
+    EventRecord,
+    ParticipationRecord,
+    RoundRecord,
+    RunRecord,
+    SiteRecord,
+)
+
+_FINAL_PARTICIPATION_STATES = ("accepted", "failed", "expired")
+
+
+class DuplicateError(Exception):
+    """A write collided with a uniqueness rule (a reused nonce, a second round row)."""
+
+
+class NotFoundError(KeyError):
+    """The row a write needs does not exist."""
+
+
+def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+    # WAL lets readers (status calls) run beside the writer; FULL makes every
+    # commit durable before it returns, which recovery relies on.
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA synchronous=FULL")
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.execute("PRAGMA busy_timeout=10000")
+    cur.close()
+
+
+def make_engine(url: str) -> Engine:
+    """An Engine for ``url`` with the settings fedra relies on."""
+    if url.startswith("sqlite"):
+        engine = create_engine(url, connect_args={"check_same_thread": False})
+        event.listen(engine, "connect", _sqlite_pragmas)
+        return engine
+    return create_engine(url, pool_pre_ping=True)
+
+
+class Store:
+    """Runs, sites, rounds, participations, checkpoints and the event ledger."""
+
+    def __init__(self, url: str, *, migrate: bool = True) -> None:
+        self.url = url
+        self.engine = make_engine(url)
+        if migrate:
+            upgrade(self.engine)
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    @contextmanager
+    def _tx(self) -> Iterator[Session]:
+        with self._sessions.begin() as session:
+            yield session
+
+    # -- sites ---------------------------------------------------------------
+
+    def upsert_site(self, site_id: str, tasks: Sequence[str], version: str, now: float) -> None:
+        with self._tx() as s:
+            row = s.get(m.Site, site_id)
+            if row is None:
+                s.add(
+                    m.Site(
+                        id=site_id,
+                        tasks_json=json.dumps(list(tasks)),
+                        version=version,
+                        registered_at=now,
+                        last_seen_at=now,
+                    )
+                )
+            else:
+                row.tasks_json = json.dumps(list(tasks))
+                row.version = version
+                row.last_seen_at = now
+
+    def touch_sites(self, last_seen: dict[str, float]) -> None:
+        with self._tx() as s:
+            for site_id, ts in last_seen.items():
+                s.execute(update(m.Site).where(m.Site.id == site_id).values(last_seen_at=ts))
+
+    def list_sites(self) -> list[SiteRecord]:
+        with self._tx() as s:
+            rows = s.scalars(select(m.Site).order_by(m.Site.id)).all()
+            return [_site(r) for r in rows]
+
+    # -- runs ----------------------------------------------------------------
+
+    def create_run(
+        self, run_id: str, name: str, task: str, spec_json: str, now: float
+    ) -> RunRecord:
+        with self._tx() as s:
+            row = m.Run(
+                id=run_id,
+                name=name,
+                task=task,
+                spec_json=spec_json,
+                state="pending",
+                reason="",
+                rounds_completed=0,
+                created_at=now,
+                updated_at=now,
+            )
+            s.add(row)
+            s.flush()
+            return _run(row)
+
+    def get_run(self, run_id: str) -> RunRecord | None:
+        with self._tx() as s:
+            row = s.get(m.Run, run_id)
+            return None if row is None else _run(row)
+
+    def list_runs(self, states: Sequence[str] | None = None) -> list[RunRecord]:
+        with self._tx() as s:
+            q = select(m.Run).order_by(m.Run.created_at, m.Run.id)
+            if states is not None:
+                q = q.where(m.Run.state.in_(list(states)))
+            return [_run(r) for r in s.scalars(q).all()]
+
+    def set_run_state(self, run_id: str, state: str, reason: str, now: float) -> None:
+        with self._tx() as s:
+            row = s.get(m.Run, run_id)
+            if row is None:
+                raise NotFoundError(run_id)
+            row.state, row.reason, row.updated_at = state, reason, now
+
+    # -- rounds and participations -------------------------------------------
+
+    def open_round(
+        self,
+        run_id: str,
+        number: int,
+        attempt: int,
+        assignments: dict[str, str],
+        opened_at: float,
+        deadline_at: float,
+    ) -> None:
+        """Open (or re-open for a new attempt) a round and assign tasks: site_id -> task_id."""
+        sampled = json.dumps(sorted(assignments))
+        with self._tx() as s:
+            row = s.scalars(
+                select(m.Round).where(m.Round.run_id == run_id, m.Round.number == number)
+            ).one_or_none()
+            if row is None:
+                s.add(
+                    m.Round(
+                        run_id=run_id,
+                        number=number,
+                        attempt=attempt,
+                        state="open",
+                        sampled_json=sampled,
+                        opened_at=opened_at,
+                        deadline_at=deadline_at,
+                    )
+                )
+            elif row.state != "open":
+                raise DuplicateError(f"round {number} of run {run_id} is already {row.state}")
+            else:
+                row.attempt, row.sampled_json = attempt, sampled
+                row.opened_at, row.deadline_at = opened_at, deadline_at
+            for site_id, task_id in assignments.items():
+                s.add(
+                    m.Participation(
+                        task_id=task_id,
+                        run_id=run_id,
+                        round_number=number,
+                        attempt=attempt,
+                        site_id=site_id,
+                        state="assigned",
+                        assigned_at=opened_at,
+                    )
+                )
+
+    def extend_deadline(self, run_id: str, number: int, deadline_at: float) -> None:
+        with self._tx() as s:
+            s.execute(
+                update(m.Round)
+                .where(m.Round.run_id == run_id, m.Round.number == number)
+                .values(deadline_at=deadline_at)
+            )
+
+    def get_open_round(self, run_id: str) -> RoundRecord | None:
+        with self._tx() as s:
+            row = s.scalars(
+                select(m.Round).where(m.Round.run_id == run_id, m.Round.state == "open")
+            ).one_or_none()
+            return None if row is None else _round(row)
+
+    def list_rounds(self, run_id: str) -> list[RoundRecord]:
+        with self._tx() as s:
+            q = select(m.Round).where(m.Round.run_id == run_id).order_by(m.Round.number)
+            return [_round(r) for r in s.scalars(q).all()]
+
+    def list_participations(
+        self, run_id: str, round_number: int | None = None, attempt: int | None = None
+    ) -> list[ParticipationRecord]:
+        with self._tx() as s:
+            q = select(m.Participation).where(m.Participation.run_id == run_id)
+            if round_number is not None:
+                q = q.where(m.Participation.round_number == round_number)
+            if attempt is not None:
+                q = q.where(m.Participation.attempt == attempt)
+            q = q.order_by(
+                m.Participation.round_number, m.Participation.attempt, m.Participation.site_id
+            )
+            return [_participation(r) for r in s.scalars(q).all()]
+
+    def mark_downloaded(self, task_id: str, bytes_down: int, download_s: float) -> None:
+        with self._tx() as s:
+            row = self._participation_row(s, task_id)
+            row.bytes_down += bytes_down
+            row.download_s += download_s
+            if row.state == "assigned":
+                row.state = "downloaded"
+
+    def accept_update(
+        self,
+        task_id: str,
+        *,
+        nonce: bytes,
+        sha256: str,
+        num_samples: int,
+        metrics: dict[str, float],
+        bytes_up: int,
+        upload_s: float,
+        now: float,
+    ) -> None:
+        """Record an accepted update; DuplicateError on a reused nonce or a final task."""
+        try:
+            with self._tx() as s:
+                row = self._participation_row(s, task_id)
+                if row.state in _FINAL_PARTICIPATION_STATES:
+                    raise DuplicateError(f"task {task_id} is already {row.state}")
+                row.state, row.nonce, row.update_sha256 = "accepted", nonce, sha256
+                row.num_samples, row.metrics_json = num_samples, json.dumps(metrics)
+                row.bytes_up, row.upload_s, row.finished_at = bytes_up, upload_s, now
+        except IntegrityError as exc:
+            raise DuplicateError(f"nonce {nonce.hex()} was already used") from exc
+
+    def fail_participation(self, task_id: str, error: str, now: float) -> None:
+        with self._tx() as s:
+            row = self._participation_row(s, task_id)
+            if row.state not in _FINAL_PARTICIPATION_STATES:
+                row.state, row.error, row.finished_at = "failed", error, now
+
+    def expire_attempt(
+        self, run_id: str, number: int, attempt: int, reason: str, now: float
+    ) -> None:
+        """Close a failed attempt: its unfinished participations become 'expired'."""
+        with self._tx() as s:
+            s.execute(
+                update(m.Participation)
+                .where(
+                    m.Participation.run_id == run_id,
+                    m.Participation.round_number == number,
+                    m.Participation.attempt == attempt,
+                    m.Participation.state.in_(("assigned", "downloaded")),
+                )
+                .values(state="expired", error=reason, finished_at=now)
+            )
+
+    def commit_round(
+        self,
+        run_id: str,
+        number: int,
+        checkpoint: CheckpointRecord,
+        metrics: dict[str, float],
+        now: float,
+        final_state: str | None = None,
+    ) -> None:
+        """Atomically: record the checkpoint, close the round, advance the run.
+
+        Call only once the checkpoint's blobs are durable.
+        """
+        with self._tx() as s:
+            rnd = s.scalars(
+                select(m.Round).where(m.Round.run_id == run_id, m.Round.number == number)
+            ).one()
+            if rnd.state != "open":
+                raise DuplicateError(f"round {number} of run {run_id} is already {rnd.state}")
+            rnd.state, rnd.closed_at, rnd.metrics_json = "committed", now, json.dumps(metrics)
+            s.execute(
+                update(m.Participation)
+                .where(
+                    m.Participation.run_id == run_id,
+                    m.Participation.round_number == number,
+                    m.Participation.state.in_(("assigned", "downloaded")),
+                )
+                .values(
+                    state="expired", error="round closed before an update arrived", finished_at=now
+                )
+            )
+            s.add(
+                m.Checkpoint(
+                    run_id=run_id,
+                    round_number=number,
+                    model_sha256=checkpoint.model_sha256,
+                    model_bytes=checkpoint.model_bytes,
+                    optimizer_sha256=checkpoint.optimizer_sha256,
+                    created_at=checkpoint.created_at,
+                )
+            )
+            run = s.get(m.Run, run_id)
+            assert run is not None
+            run.rounds_completed, run.updated_at = number, now
+            if final_state is not None:
+                run.state = final_state
+
+    # -- checkpoints -----------------------------------------------------------
+
+    def latest_checkpoint(self, run_id: str) -> CheckpointRecord | None:
+        with self._tx() as s:
+            row = s.scalars(
+                select(m.Checkpoint)
+                .where(m.Checkpoint.run_id == run_id)
+                .order_by(m.Checkpoint.round_number.desc())
+                .limit(1)
+            ).one_or_none()
+            return None if row is None else _checkpoint(row)
+
+    def get_checkpoint(self, run_id: str, round_number: int) -> CheckpointRecord | None:
+        with self._tx() as s:
+            row = s.scalars(
+                select(m.Checkpoint).where(
+                    m.Checkpoint.run_id == run_id, m.Checkpoint.round_number == round_number
+                )
+            ).one_or_none()
+            return None if row is None else _checkpoint(row)
+
+    def list_checkpoints(self, run_id: str) -> list[CheckpointRecord]:
+        with self._tx() as s:
+            q = select(m.Checkpoint).where(m.Checkpoint.run_id == run_id)
+            return [_checkpoint(r) for r in s.scalars(q.order_by(m.Checkpoint.round_number)).all()]
+
+    # -- ledger ----------------------------------------------------------------
+
+    def add_event(
+        self,
+        run_id: str,
+        kind: str,
+        message: str,
+        now: float,
+        round_number: int | None = None,
+        data: dict[str, float | int | str] | None = None,
+    ) -> None:
+        with self._tx() as s:
+            s.add(
+                m.Event(
+                    run_id=run_id,
+                    round_number=round_number,
+                    kind=kind,
+                    message=message,
+                    data_json=json.dumps(data or {}),
+                    created_at=now,
+                )
+            )
+
+    def list_events(self, run_id: str) -> list[EventRecord]:
+        with self._tx() as s:
+            q = select(m.Event).where(m.Event.run_id == run_id).order_by(m.Event.id)
+            return [_event(r) for r in s.scalars(q).all()]
+
+    @staticmethod
+    def _participation_row(s: Session, task_id: str) -> m.Participation:
+        row = s.get(m.Participation, task_id)
+        if row is None:
+            raise NotFoundError(task_id)
+        return row
+
+
+def _run(r: m.Run) -> RunRecord:
+    return RunRecord(
+        id=r.id,
+        name=r.name,
+        task=r.task,
+        spec_json=r.spec_json,
+        state=r.state,
+        reason=r.reason,
+        rounds_completed=r.rounds_completed,
+        created_at=r.created_at,
+        updated_at=r.updated_at,
+    )
+
+
+def _site(r: m.Site) -> SiteRecord:
+    return SiteRecord(
+        id=r.id,
+        tasks=tuple(json.loads(r.tasks_json)),
+        version=r.version,
+        registered_at=r.registered_at,
+        last_seen_at=r.last_seen_at,
+    )
+
+
+def _round(r: m.Round) -> RoundRecord:
+    return RoundRecord(
+        run_id=r.run_id,
+        number=r.number,
+        attempt=r.attempt,
+        state=r.state,
+        sampled=tuple(json.loads(r.sampled_json)),
+        opened_at=r.opened_at,
+        deadline_at=r.deadline_at,
+        closed_at=r.closed_at,
+        metrics=json.loads(r.metrics_json),
+    )
+
+
+def _participation(r: m.Participation) -> ParticipationRecord:
+    return ParticipationRecord(
+        task_id=r.task_id,
+        run_id=r.run_id,
+        round_number=r.round_number,
+        attempt=r.attempt,
+        site_id=r.site_id,
+        state=r.state,
+        assigned_at=r.assigned_at,
+        update_sha256=r.update_sha256,
+        num_samples=r.num_samples,
+        bytes_down=r.bytes_down,
+        bytes_up=r.bytes_up,
+        download_s=r.download_s,
+        upload_s=r.upload_s,
+        metrics=json.loads(r.metrics_json),
+        error=r.error,
+        finished_at=r.finished_at,
+    )
+
+
+def _checkpoint(r: m.Checkpoint) -> CheckpointRecord:
+    return CheckpointRecord(
+        run_id=r.run_id,
+        round_number=r.round_number,
+        model_sha256=r.model_sha256,
+        model_bytes=r.model_bytes,
+        optimizer_sha256=r.optimizer_sha256,
+        created_at=r.created_at,
+    )
+
+
+def _event(r: m.Event) -> EventRecord:
+    return EventRecord(
+        id=r.id,
+        run_id=r.run_id,
+        round_number=r.round_number,
+        kind=r.kind,
+        message=r.message,
+        data=json.loads(r.data_json),
+        created_at=r.created_at,
+    )
