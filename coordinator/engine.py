@@ -220,7 +220,15 @@ class Engine:
         self._seen(site_id)
         found = self._find_task(task_id)
         if found is None:
-            raise NotFound(f"task {task_id!r} is not a task of any open round")
+            past = self.store.get_participation(task_id)
+            if past is None:
+                raise NotFound(f"no task {task_id!r}")
+            if past.site_id != site_id:
+                raise PermissionDenied(f"task {task_id!r} was not given to site {site_id!r}")
+            raise FailedPrecondition(
+                f"task {task_id!r} was for round {past.round_number} (attempt {past.attempt}) "
+                f"of run {past.run_id}, which has closed; poll for the next task"
+            )
         run, a = found
         if a.site_id != site_id:
             raise PermissionDenied(f"task {task_id!r} was not given to site {site_id!r}")

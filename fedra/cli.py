@@ -33,9 +33,25 @@ def _setup_logging(level: str) -> None:
 
 
 def _cmd_coordinator(args: argparse.Namespace) -> int:
+    from fedra.coordinator.engine import EngineSettings
     from fedra.coordinator.server import CoordinatorConfig, serve
 
-    serve(CoordinatorConfig(state_dir=Path(args.state_dir), host=args.host, port=args.port, db_url=args.db or ""))
+    for flag in ("heartbeat_s", "site_timeout_s", "poll_timeout_s"):
+        if getattr(args, flag) <= 0:
+            raise ConfigError(f"--{flag.replace('_', '-')}: must be > 0, got {getattr(args, flag)}")
+    settings = EngineSettings(
+        heartbeat_interval_s=args.heartbeat_s,
+        site_timeout_s=args.site_timeout_s,
+        poll_timeout_s=args.poll_timeout_s,
+    )
+    config = CoordinatorConfig(
+        state_dir=Path(args.state_dir),
+        host=args.host,
+        port=args.port,
+        db_url=args.db or "",
+        engine=settings,
+    )
+    serve(config)
     return 0
 
 
@@ -191,6 +207,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--host", default="127.0.0.1")
     c.add_argument("--port", type=int, default=50051, help="0 picks a free port")
     c.add_argument("--db", help="SQLAlchemy URL (default: SQLite file in the state directory)")
+    c.add_argument("--heartbeat-s", type=float, default=5.0, help="how often busy sites check in")
+    c.add_argument(
+        "--site-timeout-s", type=float, default=20.0, help="a site silent this long is offline"
+    )
+    c.add_argument("--poll-timeout-s", type=float, default=20.0, help="longest long poll")
     c.set_defaults(func=_cmd_coordinator)
 
     s = sub.add_parser("site", help="run a site agent")

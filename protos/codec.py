@@ -147,7 +147,7 @@ def _chunked(header: bytes, ordered: list[torch.Tensor], chunk_bytes: int) -> It
             views.append(view)
             filled += len(view)
             start += len(view)
-            if filled >= chunk_bytes + 1:
+            if filled == chunk_bytes:
                 yield b"".join(views)  # not bound to a local, so it is freed with the consumer's
                 views.clear()
                 filled = 0

@@ -11,7 +11,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy import create_engine, event, select, update
+from sqlalchemy import case, create_engine, event, select, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
@@ -227,13 +227,27 @@ class Store:
             )
             return [_participation(r) for r in s.scalars(q).all()]
 
-    def mark_downloaded(self, task_id: str, bytes_down: int, download_s: float) -> None:
+    def get_participation(self, task_id: str) -> ParticipationRecord | None:
         with self._tx() as s:
-            row = self._participation_row(s, task_id)
-            row.bytes_down += bytes_down
-            row.download_s += download_s
-            if row.state == "assigned":
-                row.state = "downloaded"
+            row = s.get(m.Participation, task_id)
+            return None if row is None else _participation(row)
+
+    def mark_downloaded(self, task_id: str, bytes_down: int, download_s: float) -> None:
+        # Add in the database, not in Python: two downloads of one task recorded at
+        # once must both count, and a read-modify-write would lose one of them.
+        p = m.Participation
+        with self._tx() as s:
+            result = s.connection().execute(
+                update(p)
+                .where(p.task_id == task_id)
+                .values(
+                    bytes_down=p.bytes_down + bytes_down,
+                    download_s=p.download_s + download_s,
+                    state=case((p.state == "assigned", "downloaded"), else_=p.state),
+                )
+            )
+            if result.rowcount == 0:
+                raise NotFoundError(task_id)
 
     def accept_update(
         self,

@@ -1,0 +1,199 @@
+"""Start a coordinator and sites as real processes on localhost, through the CLI.
+
+Used by ``fedra demo``, the multi-process tests and the benchmarks: one place that
+knows how to launch, wait for readiness (never sleep-and-hope), and clean up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fedra.admin import AdminClient
+
+
+class ClusterError(RuntimeError):
+    """A process did not come up, or died, while the cluster waited on it."""
+
+
+@dataclass
+class ManagedProcess:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return ""
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            self.popen.send_signal(sig)
+
+    def stop(self, timeout_s: float = 10.0) -> int:
+        """SIGTERM, then SIGKILL if it has not exited within ``timeout_s``."""
+        self.signal(signal.SIGTERM)
+        try:
+            return self.popen.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            return self.popen.wait(timeout_s)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a valid TOML basic string
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {type(value).__name__} to TOML")
+
+
+def write_site_config(path: Path, site: Mapping[str, Any], data: Mapping[str, Any]) -> Path:
+    """Write a site.toml with top-level keys ``site`` and a ``[data]`` table."""
+    lines = [f"{k} = {_toml_value(v)}" for k, v in site.items()]
+    lines += ["", "[data]"] + [f"{k} = {_toml_value(v)}" for k, v in data.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@dataclass
+class LocalCluster:
+    """A state directory with a coordinator and any number of sites under it."""
+
+    state_dir: Path
+    env: dict[str, str] = field(default_factory=dict)
+    coordinator: ManagedProcess | None = None
+    sites: dict[str, ManagedProcess] = field(default_factory=dict)
+    address: str = ""
+
+    def __post_init__(self) -> None:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        (self.state_dir / "logs").mkdir(exist_ok=True)
+
+    def _spawn(self, name: str, args: list[str], extra_env: Mapping[str, str] | None) -> ManagedProcess:
+        log_path = self.state_dir / "logs" / f"{name}.log"
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **self.env, **(extra_env or {})}
+        with log_path.open("ab") as log:
+            popen = subprocess.Popen(
+                [sys.executable, "-m", "fedra", *args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,  # a Ctrl-C in the terminal reaches us, not them
+            )
+        return ManagedProcess(name, popen, log_path)
+
+    def start_coordinator(
+        self,
+        port: int = 0,
+        db_url: str | None = None,
+        extra_env: Mapping[str, str] | None = None,
+        timeout_s: float = 60.0,
+        flags: Sequence[str] = (),
+    ) -> str:
+        """Start the daemon and wait for its readiness file; returns its address."""
+        ready = self.state_dir / "coordinator.json"
+        ready.unlink(missing_ok=True)
+        args = ["coordinator", "--state-dir", str(self.state_dir), "--port", str(port), *flags]
+        if db_url:
+            args += ["--db", db_url]
+        proc = self._spawn("coordinator", args, extra_env)
+        self.coordinator = proc
+        info = self._wait(
+            lambda: _read_ready(ready, proc.pid), proc, timeout_s, "write coordinator.json"
+        )
+        self.address = str(info["address"])
+        return self.address
+
+    def start_site(
+        self,
+        site_id: str,
+        tasks: list[str],
+        data: Mapping[str, Any],
+        extra_env: Mapping[str, str] | None = None,
+        threads: int = 1,
+    ) -> ManagedProcess:
+        config = write_site_config(
+            self.state_dir / f"{site_id}.toml",
+            {"site_id": site_id, "coordinator": self.address, "allowed_tasks": tasks, "threads": threads},
+            data,
+        )
+        proc = self._spawn(site_id, ["site", "--config", str(config)], extra_env)
+        self.sites[site_id] = proc
+        return proc
+
+    def admin(self) -> AdminClient:
+        return AdminClient(self.address)
+
+    def wait_for_sites(self, site_ids: list[str], timeout_s: float = 60.0) -> None:
+        """Wait until the coordinator lists every one of ``site_ids`` as online."""
+        wanted = set(site_ids)
+        assert self.coordinator is not None
+        with self.admin() as admin:
+
+            def online() -> bool:
+                for sid in wanted:
+                    if sid in self.sites and not self.sites[sid].alive():
+                        raise ClusterError(f"site {sid} exited:\n{self.sites[sid].log_tail()}")
+                return wanted <= {s.site_id for s in admin.sites() if s.online}
+
+            self._wait(online, self.coordinator, timeout_s, f"see sites {sorted(wanted)} online")
+
+    def _wait(self, probe: Any, proc: ManagedProcess, timeout_s: float, what: str) -> Any:
+        deadline = time.monotonic() + timeout_s
+        delay = 0.05
+        while True:
+            result = probe()
+            if result:
+                return result
+            if not proc.alive():
+                raise ClusterError(f"{proc.name} exited before it could {what}:\n{proc.log_tail()}")
+            if time.monotonic() > deadline:
+                raise ClusterError(f"{proc.name} did not {what} within {timeout_s:g} s:\n{proc.log_tail()}")
+            time.sleep(delay)  # polling a readiness condition, with a deadline
+            delay = min(delay * 1.5, 0.5)
+
+    def stop(self) -> None:
+        """Stop every process: sites first, then the coordinator."""
+        for proc in self.sites.values():
+            proc.signal(signal.SIGTERM)
+        for proc in self.sites.values():
+            proc.stop()
+        if self.coordinator is not None:
+            self.coordinator.stop()
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _read_ready(path: Path, pid: int) -> dict[str, Any] | None:
+    try:
+        info: dict[str, Any] = json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    return info if info.get("pid") == pid else None

@@ -1,0 +1,284 @@
+"""The site service over real gRPC: the round flow and every way an upload is refused.
+
+Each refusal must carry the right status code and a message naming what was wrong,
+and must change nothing: the task stays open and a correct upload is still accepted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+import torch
+
+from fedra.examples import synthetic
+from fedra.protos.codec import encode
+from fedra.protos.v1 import admin_pb2, common_pb2, site_pb2
+from tests.conftest import InProcessCoordinator
+
+TASK = "fedra.examples.synthetic:task"
+SITES = ("site-a", "site-b", "site-c")
+
+
+def register(c: InProcessCoordinator, *sites: str) -> None:
+    for s in sites:
+        c.site.Register(site_pb2.RegisterRequest(site_id=s, tasks=[TASK], version="test"))
+
+
+def submit(c: InProcessCoordinator, **overrides: object) -> str:
+    spec = admin_pb2.RunSpec(
+        name="t",
+        task=TASK,
+        rounds=3,
+        sites_per_round=2,
+        min_sites=2,
+        round_deadline_s=60,
+        max_round_attempts=1,
+        join_timeout_s=5,
+        strategy="fedavg",
+        train=common_pb2.TrainSettings(local_steps=1, batch_size=8, learning_rate=0.1),
+    )
+    for k, v in overrides.items():
+        setattr(spec, k, v)
+    return c.admin.SubmitRun(admin_pb2.SubmitRunRequest(spec=spec)).run_id
+
+
+def wait_round(c: InProcessCoordinator, run_id: str, number: int, state: str = "open") -> admin_pb2.RoundStatus:
+    """Follow WatchRun until round ``number`` reaches ``state`` (bounded by the stream timeout)."""
+    for status in c.admin.WatchRun(admin_pb2.WatchRunRequest(run_id=run_id), timeout=30):
+        for r in status.rounds:
+            if r.number == number and r.status == state:
+                return r
+    raise AssertionError(f"run {run_id} ended before round {number} was {state}")
+
+
+def tasks_of_round(c: InProcessCoordinator, run_id: str, number: int) -> dict[str, site_pb2.Task]:
+    """The tasks of round ``number``, collected by polling each sampled site."""
+    rnd = wait_round(c, run_id, number)
+    tasks = {}
+    for site in rnd.sampled_sites:
+        r = c.site.PollTask(site_pb2.PollTaskRequest(site_id=site), timeout=10)
+        assert r.HasField("task") and r.task.round == number, (site, r)
+        tasks[site] = r.task
+    return tasks
+
+
+def model_state() -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in synthetic.task.create_model(0, {}).state_dict().items()}
+
+
+def messages(
+    task: site_pb2.Task,
+    site: str,
+    payload: bytes,
+    *,
+    nonce: bytes | None = None,
+    sha256: str | None = None,
+    payload_bytes: int | None = None,
+    num_samples: int = 10,
+    codec: str = "none",
+    round_number: int | None = None,
+    chunk: int = 7,
+) -> Iterator[site_pb2.UpdateChunk]:
+    header = site_pb2.UpdateHeader(
+        site_id=site,
+        run_id=task.run_id,
+        round=task.round if round_number is None else round_number,
+        task_id=task.task_id,
+        num_samples=num_samples,
+        metrics={"train_loss": 1.0},
+        codec=codec,
+        sha256=sha256 if sha256 is not None else hashlib.sha256(payload).hexdigest(),
+        nonce=nonce if nonce is not None else os.urandom(16),
+        payload_bytes=len(payload) if payload_bytes is None else payload_bytes,
+    )
+    yield site_pb2.UpdateChunk(header=header)
+    for i in range(0, len(payload), chunk):
+        yield site_pb2.UpdateChunk(data=payload[i : i + chunk])
+
+
+def upload(c: InProcessCoordinator, msgs: Iterator[site_pb2.UpdateChunk]) -> site_pb2.UploadUpdateResponse:
+    return c.site.UploadUpdate(msgs, timeout=30)
+
+
+def refused(c: InProcessCoordinator, msgs: Iterator[site_pb2.UpdateChunk], code: grpc.StatusCode, text: str) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        upload(c, msgs)
+    err = info.value
+    assert err.code() == code, err.details()
+    assert text in err.details(), err.details()
+
+
+def round_status(c: InProcessCoordinator, run_id: str, number: int) -> admin_pb2.RoundStatus:
+    status = c.admin.GetRun(admin_pb2.GetRunRequest(run_id=run_id))
+    return next(r for r in status.rounds if r.number == number)
+
+
+def start_round_one(c: InProcessCoordinator, **spec: object) -> tuple[str, dict[str, site_pb2.Task]]:
+    register(c, *SITES)
+    run_id = submit(c, **spec)
+    ((init_site, init_task),) = tasks_of_round(c, run_id, 0).items()
+    assert init_task.kind == site_pb2.TASK_KIND_INIT
+    upload(c, messages(init_task, init_site, encode(model_state())))
+    return run_id, tasks_of_round(c, run_id, 1)
+
+
+def delta_payload(scale: float = 0.01) -> bytes:
+    return encode({k: torch.full_like(v, scale) for k, v in model_state().items()})
+
+
+def test_full_round_flow_downloads_the_initial_model_and_averages(coordinator: InProcessCoordinator) -> None:
+    run_id, tasks = start_round_one(coordinator)
+    assert len(tasks) == 2
+    initial = model_state()
+    for i, (site, task) in enumerate(sorted(tasks.items())):
+        chunks = coordinator.site.DownloadModel(site_pb2.DownloadModelRequest(site_id=site, task_id=task.task_id))
+        payload = b"".join(m.data for m in chunks)
+        assert hashlib.sha256(payload).hexdigest() == task.model_sha256
+        upload(coordinator, messages(task, site, delta_payload(0.1 * (i + 1)), num_samples=10 * (i + 1)))
+    wait_round(coordinator, run_id, 1, "committed")
+    from fedra.protos.codec import decode
+
+    export = coordinator.admin.ExportModel(admin_pb2.ExportModelRequest(run_id=run_id, round=1))
+    model = decode(b"".join(m.data for m in export))
+    # FedAvg weighted by samples: (10 * 0.1 + 20 * 0.2) / 30
+    expected = {k: v + (10 * 0.1 + 20 * 0.2) / 30 for k, v in initial.items()}
+    for k in expected:
+        torch.testing.assert_close(model[k], expected[k])
+    r1 = round_status(coordinator, run_id, 1)
+    assert r1.status == "committed" and r1.updates == 2
+    assert r1.bytes_down > 0 and r1.bytes_up > 0
+
+
+@pytest.mark.parametrize(
+    ("case", "code", "text"),
+    [
+        ("wrong_round", grpc.StatusCode.INVALID_ARGUMENT, "header names run"),
+        ("bad_codec", grpc.StatusCode.INVALID_ARGUMENT, "codec 'zstd'"),
+        ("short_nonce", grpc.StatusCode.INVALID_ARGUMENT, "nonce must be 16 bytes"),
+        ("bad_sha_format", grpc.StatusCode.INVALID_ARGUMENT, "sha256 must be 64"),
+        ("zero_samples", grpc.StatusCode.INVALID_ARGUMENT, "num_samples must be > 0"),
+        ("checksum", grpc.StatusCode.INVALID_ARGUMENT, "checksum mismatch"),
+        ("wrong_shape", grpc.StatusCode.INVALID_ARGUMENT, "linear.weight"),
+        ("wrong_dtype", grpc.StatusCode.INVALID_ARGUMENT, "linear.bias"),
+        ("missing_tensor", grpc.StatusCode.INVALID_ARGUMENT, "linear.bias"),
+        ("extra_tensor", grpc.StatusCode.INVALID_ARGUMENT, "sneaky"),
+        ("nan", grpc.StatusCode.INVALID_ARGUMENT, "non-finite"),
+        ("inf", grpc.StatusCode.INVALID_ARGUMENT, "non-finite"),
+        ("longer_than_declared", grpc.StatusCode.INVALID_ARGUMENT, "longer than the declared"),
+        ("shorter_than_declared", grpc.StatusCode.INVALID_ARGUMENT, "payload ended after"),
+        ("garbage", grpc.StatusCode.INVALID_ARGUMENT, "payload"),
+        ("too_big", grpc.StatusCode.RESOURCE_EXHAUSTED, "exceeds"),
+        ("unknown_task", grpc.StatusCode.NOT_FOUND, "no task"),
+        ("other_sites_task", grpc.StatusCode.PERMISSION_DENIED, "was not given to site"),
+        ("unregistered_site", grpc.StatusCode.NOT_FOUND, "not registered"),
+    ],
+)
+def test_bad_upload_is_refused_and_changes_nothing(
+    coordinator: InProcessCoordinator, case: str, code: grpc.StatusCode, text: str
+) -> None:
+    run_id, tasks = start_round_one(coordinator)
+    (site, task), (other_site, other_task) = sorted(tasks.items())
+    good = delta_payload()
+    state = model_state()
+    msgs = {
+        "wrong_round": lambda: messages(task, site, good, round_number=task.round + 1),
+        "bad_codec": lambda: messages(task, site, good, codec="zstd"),
+        "short_nonce": lambda: messages(task, site, good, nonce=b"123"),
+        "bad_sha_format": lambda: messages(task, site, good, sha256="xyz"),
+        "zero_samples": lambda: messages(task, site, good, num_samples=0),
+        "checksum": lambda: messages(task, site, good, sha256=hashlib.sha256(b"other").hexdigest()),
+        "wrong_shape": lambda: messages(task, site, encode({**state, "linear.weight": torch.zeros(2, 8)})),
+        "wrong_dtype": lambda: messages(task, site, encode({**state, "linear.bias": torch.zeros(1, dtype=torch.float64)})),
+        "missing_tensor": lambda: messages(task, site, encode({"linear.weight": state["linear.weight"]})),
+        "extra_tensor": lambda: messages(task, site, encode({**state, "sneaky": torch.zeros(1)})),
+        "nan": lambda: messages(task, site, encode({**state, "linear.weight": torch.full((1, 8), float("nan"))})),
+        "inf": lambda: messages(task, site, encode({**state, "linear.bias": torch.tensor([float("inf")])})),
+        "longer_than_declared": lambda: messages(task, site, good, payload_bytes=len(good) - 8),
+        "shorter_than_declared": lambda: messages(task, site, good, payload_bytes=len(good) + 8),
+        "garbage": lambda: messages(task, site, b"\xff" * 64),
+        "too_big": lambda: messages(task, site, good, payload_bytes=2**40),
+        "unknown_task": lambda: messages(site_pb2.Task(task_id="f" * 32, run_id=run_id, round=1), site, good),
+        "other_sites_task": lambda: messages(other_task, site, good),
+        "unregistered_site": lambda: messages(task, "site-z", good),
+    }[case]()
+    refused(coordinator, msgs, code, text)
+
+    # Nothing changed: both tasks still open, nothing accepted, nothing spooled.
+    r1 = round_status(coordinator, run_id, 1)
+    assert r1.status == "open" and r1.updates == 0
+    assert {p.status for p in r1.participations} <= {"assigned", "downloaded"}
+    spool = coordinator.engine.updates.root
+    assert not [p for p in spool.rglob("*") if p.is_file()], "a refused upload left a file behind"
+    # ... and the same sites can still deliver correct updates.
+    upload(coordinator, messages(task, site, good))
+    upload(coordinator, messages(other_task, other_site, good))
+    assert wait_round(coordinator, run_id, 1, "committed").updates == 2
+
+
+def test_one_update_per_site_per_round_and_no_nonce_reuse(coordinator: InProcessCoordinator) -> None:
+    run_id, tasks = start_round_one(coordinator, sites_per_round=3, min_sites=3)
+    (s1, t1), (s2, t2), (s3, t3) = sorted(tasks.items())
+    nonce = os.urandom(16)
+    upload(coordinator, messages(t1, s1, delta_payload(), nonce=nonce))
+    refused(coordinator, messages(t1, s1, delta_payload()), grpc.StatusCode.ALREADY_EXISTS, "already accepted")
+    refused(coordinator, messages(t2, s2, delta_payload(), nonce=nonce), grpc.StatusCode.ALREADY_EXISTS, "nonce")
+    r1 = round_status(coordinator, run_id, 1)
+    assert r1.updates == 1
+    assert {p.site_id: p.status for p in r1.participations}[s2] in ("assigned", "downloaded")
+    upload(coordinator, messages(t2, s2, delta_payload()))
+    assert round_status(coordinator, run_id, 1).updates == 2
+
+
+def test_late_update_is_refused_and_the_site_gets_the_next_task(coordinator: InProcessCoordinator) -> None:
+    run_id, tasks = start_round_one(coordinator, sites_per_round=3, min_sites=2, round_deadline_s=2.0)
+    (s1, t1), (s2, t2), (late_site, late_task) = sorted(tasks.items())
+    upload(coordinator, messages(t1, s1, delta_payload()))
+    upload(coordinator, messages(t2, s2, delta_payload()))
+    wait_round(coordinator, run_id, 1, "committed")  # at its deadline, with 2 of 3
+    refused(coordinator, messages(late_task, late_site, delta_payload()), grpc.StatusCode.FAILED_PRECONDITION, "has closed")
+    r1 = round_status(coordinator, run_id, 1)
+    assert r1.status == "committed" and r1.updates == 2
+    late = {p.site_id: p for p in r1.participations}[late_site]
+    assert late.status == "expired" and "round closed" in late.error
+    # The straggler simply gets the next round's task.
+    r = coordinator.site.PollTask(site_pb2.PollTaskRequest(site_id=late_site), timeout=10)
+    assert r.HasField("task") and r.task.round == 2
+
+
+def test_upload_must_start_with_a_header(coordinator: InProcessCoordinator) -> None:
+    register(coordinator, "site-a")
+    refused(coordinator, iter([site_pb2.UpdateChunk(data=b"x")]), grpc.StatusCode.INVALID_ARGUMENT, "header")
+
+
+def test_register_refuses_bad_site_ids_and_empty_task_lists(coordinator: InProcessCoordinator) -> None:
+    for site_id, tasks, text in [("", [TASK], "site_id"), ("a b", [TASK], "site_id"), ("ok", [], "tasks")]:
+        with pytest.raises(grpc.RpcError) as info:
+            coordinator.site.Register(site_pb2.RegisterRequest(site_id=site_id, tasks=tasks))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert text in info.value.details()
+    assert coordinator.admin.ListSites(admin_pb2.ListSitesRequest()).sites == []
+
+
+def test_bad_run_spec_is_refused_with_the_key_and_creates_nothing(coordinator: InProcessCoordinator) -> None:
+    cases = {"rounds": 0, "min_sites": 5, "strategy": "sgd", "task": "nocolon", "round_deadline_s": -1.0}
+    for key, value in cases.items():
+        with pytest.raises(grpc.RpcError) as info:
+            submit(coordinator, **{key: value})
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert key.split("_s")[0] in info.value.details() or "strategy" in info.value.details()
+    assert coordinator.admin.ListRuns(admin_pb2.ListRunsRequest()).runs == []
+
+
+def test_unknown_run_is_not_found(coordinator: InProcessCoordinator) -> None:
+    for call, request in [
+        (coordinator.admin.GetRun, admin_pb2.GetRunRequest(run_id="nope")),
+        (coordinator.admin.CancelRun, admin_pb2.CancelRunRequest(run_id="nope")),
+    ]:
+        with pytest.raises(grpc.RpcError) as info:
+            call(request)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND and "nope" in info.value.details()

@@ -1,0 +1,796 @@
+"""Contract tests for fedra.storage: the Store against SQLite and PostgreSQL, and the BlobStore.
+
+Every Store test runs once per backend through the ``db_url`` fixture. PostgreSQL cases
+use a throw-away database created for the session (reset to an empty schema before each
+test); they skip when the server does not answer, except under ``CI=true``, where a
+missing database is a failure.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import create_engine, event, inspect, text
+from sqlalchemy.engine import Connection, make_url
+from sqlalchemy.exc import DBAPIError, IntegrityError
+from sqlalchemy.pool import NullPool
+
+from fedra.storage import CheckpointRecord, DuplicateError, Store
+from fedra.storage.blobs import BlobDigestError, BlobNotFoundError, BlobStore
+from fedra.storage.migrate import current_revision, head_revision
+from fedra.storage.models import Base
+from fedra.storage.store import NotFoundError, make_engine
+
+PG_URL = os.environ.get(
+    "FEDRA_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+)
+RUN = "run-1"
+T0 = 1_700_000_000.25
+
+# -- fixtures ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def pg_database_url() -> Iterator[str]:
+    """A fresh PostgreSQL database for this session, dropped at the end."""
+    admin_url = make_url(PG_URL)
+    name = f"fedra_test_{uuid.uuid4().hex[:12]}"
+    try:
+        admin = create_engine(
+            admin_url,
+            isolation_level="AUTOCOMMIT",
+            poolclass=NullPool,
+            connect_args={"connect_timeout": 5},
+        )
+        with admin.connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{name}"'))
+    except (DBAPIError, ImportError) as exc:
+        where = admin_url.render_as_string(hide_password=True)
+        reason = f"PostgreSQL at {where} is not usable: {exc}"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"{reason} (CI=true: a missing database must fail the build)")
+        pytest.skip(reason)
+    try:
+        yield admin_url.set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+def _reset_postgres(url: str) -> None:
+    engine = create_engine(url, poolclass=NullPool)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text("DROP SCHEMA public CASCADE"))
+            conn.execute(text("CREATE SCHEMA public"))
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """The URL of an empty database (no tables, no alembic_version) on each backend."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path}/fedra.db"
+    url: str = request.getfixturevalue("pg_database_url")
+    _reset_postgres(url)
+    return url
+
+
+@pytest.fixture
+def store(db_url: str) -> Iterator[Store]:
+    s = Store(db_url)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+@pytest.fixture
+def run_store(store: Store) -> Store:
+    """A store holding run RUN in state 'running'."""
+    store.create_run(RUN, "demo", "examples.digits", '{"rounds": 3}', T0)
+    store.set_run_state(RUN, "running", "", T0)
+    return store
+
+
+# -- helpers ----------------------------------------------------------------------
+
+
+def _task(number: int, attempt: int, site: str) -> str:
+    return f"t{number}-{attempt}-{site}"
+
+
+def _open(store: Store, number: int, attempt: int, sites: list[str], at: float = T0) -> None:
+    store.open_round(
+        RUN, number, attempt, {s: _task(number, attempt, s) for s in sites}, at, at + 60.0
+    )
+
+
+def _accept(store: Store, task_id: str, nonce: bytes, sha: str = "a" * 64) -> None:
+    store.accept_update(
+        task_id,
+        nonce=nonce,
+        sha256=sha,
+        num_samples=128,
+        metrics={"loss": 0.5},
+        bytes_up=4096,
+        upload_s=1.5,
+        now=T0 + 10,
+    )
+
+
+def _checkpoint(number: int, sha: str = "c" * 64) -> CheckpointRecord:
+    return CheckpointRecord(RUN, number, sha, 1000 + number, None, T0 + number)
+
+
+def _states(store: Store, number: int | None = None) -> dict[str, str]:
+    return {p.task_id: p.state for p in store.list_participations(RUN, number)}
+
+
+def _nonce(store: Store, task_id: str) -> bytes | None:
+    with store.engine.connect() as conn:
+        value = conn.execute(
+            text("SELECT nonce FROM participations WHERE task_id = :t"), {"t": task_id}
+        ).scalar_one()
+    return None if value is None else bytes(value)
+
+
+def _schema_diffs(conn: Connection) -> list[object]:
+    ctx = MigrationContext.configure(
+        conn, opts={"compare_type": True, "compare_server_default": True}
+    )
+    return list(compare_metadata(ctx, Base.metadata))
+
+
+# -- migrations -------------------------------------------------------------------
+
+
+def test_fresh_database_upgrades_to_head(db_url: str) -> None:
+    probe = make_engine(db_url)
+    try:
+        assert current_revision(probe) is None
+        assert inspect(probe).get_table_names() == []
+        store = Store(db_url)
+        store.close()
+        assert current_revision(probe) == head_revision()
+        tables = set(inspect(probe).get_table_names())
+        assert tables == set(Base.metadata.tables) | {"alembic_version"}
+    finally:
+        probe.dispose()
+
+
+def test_migrated_schema_matches_models(store: Store) -> None:
+    with store.engine.connect() as conn:
+        assert _schema_diffs(conn) == []
+
+
+def test_schema_comparison_detects_drift(store: Store) -> None:
+    """Guards the test above: the comparison is not vacuous."""
+    with store.engine.begin() as conn:
+        conn.execute(text("DROP INDEX ix_runs_state"))
+    with store.engine.connect() as conn:
+        diffs = _schema_diffs(conn)
+    assert [d[0] for d in diffs if isinstance(d, tuple)] == ["add_index"]
+
+
+def test_second_store_on_migrated_database_is_a_no_op(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = Store(db_url)
+    first.create_run(RUN, "demo", "task", "{}", T0)
+    first.close()
+
+    def _no_upgrade(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("an up-to-date database must not be migrated again")
+
+    monkeypatch.setattr("fedra.storage.migrate.command.upgrade", _no_upgrade)
+    second = Store(db_url)
+    try:
+        assert current_revision(second.engine) == head_revision()
+        run = second.get_run(RUN)
+        assert run is not None and run.name == "demo"
+    finally:
+        second.close()
+
+
+def test_newer_schema_revision_is_refused(db_url: str) -> None:
+    Store(db_url).close()
+    engine = make_engine(db_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text("UPDATE alembic_version SET version_num = '9999_from_the_future'"))
+        with pytest.raises(RuntimeError, match=r"'9999_from_the_future' is newer than this fedra"):
+            Store(db_url)
+        assert current_revision(engine) == "9999_from_the_future"
+    finally:
+        engine.dispose()
+
+
+def test_sqlite_connections_use_wal_full_sync_and_foreign_keys(tmp_path: Path) -> None:
+    store = Store(f"sqlite:///{tmp_path}/fedra.db")
+    try:
+        with store.engine.connect() as conn:
+            assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+            assert conn.exec_driver_sql("PRAGMA synchronous").scalar() == 2  # FULL
+            assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
+    finally:
+        store.close()
+
+
+def test_foreign_keys_are_enforced(store: Store) -> None:
+    with pytest.raises(IntegrityError):
+        store.add_event("no-such-run", "created", "orphan", T0)
+    with pytest.raises(IntegrityError):
+        store.open_round("no-such-run", 1, 1, {"a": "t-orphan"}, T0, T0 + 1)
+    assert store.list_events("no-such-run") == []
+
+
+# -- sites ------------------------------------------------------------------------
+
+
+def test_upsert_site_creates_then_updates(store: Store) -> None:
+    store.upsert_site("site-b", ["digits"], "0.1.0", T0)
+    [site] = store.list_sites()
+    assert (site.id, site.tasks, site.version) == ("site-b", ("digits",), "0.1.0")
+    assert site.registered_at == site.last_seen_at == T0
+
+    store.upsert_site("site-b", ["digits", "mnist"], "0.2.0", T0 + 5)
+    [site] = store.list_sites()
+    assert site.tasks == ("digits", "mnist")
+    assert site.version == "0.2.0"
+    assert site.registered_at == T0
+    assert site.last_seen_at == T0 + 5
+
+
+def test_touch_sites_and_list_order(store: Store) -> None:
+    for site_id in ("site-c", "site-a", "site-b"):
+        store.upsert_site(site_id, [], "v", T0)
+    store.touch_sites({"site-a": T0 + 1, "site-c": T0 + 3, "unknown": T0 + 9})
+    sites = store.list_sites()
+    assert [s.id for s in sites] == ["site-a", "site-b", "site-c"]
+    assert [s.last_seen_at for s in sites] == [T0 + 1, T0, T0 + 3]
+    assert [s.registered_at for s in sites] == [T0, T0, T0]
+
+
+# -- runs -------------------------------------------------------------------------
+
+
+def test_create_get_and_list_runs(store: Store) -> None:
+    created = store.create_run("r2", "second", "task.b", '{"x": 1}', T0 + 1)
+    store.create_run("r1", "first", "task.a", "{}", T0)
+    store.create_run("r0", "tie", "task.a", "{}", T0 + 1)
+    assert created.state == "pending" and created.rounds_completed == 0
+    assert store.get_run("r2") == created
+    assert created.spec_json == '{"x": 1}' and created.reason == ""
+    assert created.created_at == created.updated_at == T0 + 1
+    assert store.get_run("nope") is None
+    # Ordered by creation time, then id.
+    assert [r.id for r in store.list_runs()] == ["r1", "r0", "r2"]
+
+
+def test_set_run_state_and_filter(store: Store) -> None:
+    for run_id in ("a", "b", "c"):
+        store.create_run(run_id, run_id, "task", "{}", T0)
+    store.set_run_state("a", "running", "", T0 + 1)
+    store.set_run_state("b", "failed", "site quorum lost", T0 + 2)
+    b = store.get_run("b")
+    assert b is not None
+    assert (b.state, b.reason, b.updated_at, b.created_at) == (
+        "failed",
+        "site quorum lost",
+        T0 + 2,
+        T0,
+    )
+    assert b.finished
+    assert [r.id for r in store.list_runs(["running", "pending"])] == ["a", "c"]
+    assert [r.id for r in store.list_runs(["failed"])] == ["b"]
+    assert store.list_runs([]) == []
+
+
+def test_set_run_state_of_unknown_run_raises(store: Store) -> None:
+    with pytest.raises(NotFoundError):
+        store.set_run_state("ghost", "running", "", T0)
+    assert store.get_run("ghost") is None
+
+
+# -- rounds -----------------------------------------------------------------------
+
+
+def test_open_round_creates_round_and_participations(run_store: Store) -> None:
+    run_store.open_round(RUN, 1, 1, {"b": "tb", "a": "ta", "c": "tc"}, T0, T0 + 60)
+    rnd = run_store.get_open_round(RUN)
+    assert rnd is not None
+    assert (rnd.run_id, rnd.number, rnd.attempt, rnd.state) == (RUN, 1, 1, "open")
+    assert rnd.sampled == ("a", "b", "c")
+    assert (rnd.opened_at, rnd.deadline_at, rnd.closed_at, rnd.metrics) == (
+        T0,
+        T0 + 60,
+        None,
+        {},
+    )
+    parts = run_store.list_participations(RUN, 1)
+    assert [(p.site_id, p.task_id, p.attempt) for p in parts] == [
+        ("a", "ta", 1),
+        ("b", "tb", 1),
+        ("c", "tc", 1),
+    ]
+    assert all(p.state == "assigned" and p.assigned_at == T0 for p in parts)
+    assert all(p.bytes_down == 0 and p.update_sha256 is None for p in parts)
+
+
+def test_reopen_for_next_attempt_keeps_earlier_participations(run_store: Store) -> None:
+    _open(run_store, 1, 1, ["a", "b"])
+    run_store.expire_attempt(RUN, 1, 1, "quorum not reached", T0 + 60)
+    _open(run_store, 1, 2, ["b", "c"], at=T0 + 61)
+
+    [rnd] = run_store.list_rounds(RUN)
+    assert (rnd.attempt, rnd.sampled, rnd.state) == (2, ("b", "c"), "open")
+    assert (rnd.opened_at, rnd.deadline_at) == (T0 + 61, T0 + 121)
+    assert _states(run_store, 1) == {
+        _task(1, 1, "a"): "expired",
+        _task(1, 1, "b"): "expired",
+        _task(1, 2, "b"): "assigned",
+        _task(1, 2, "c"): "assigned",
+    }
+    assert [p.site_id for p in run_store.list_participations(RUN, 1, attempt=2)] == ["b", "c"]
+
+
+def test_open_round_on_committed_round_raises(run_store: Store) -> None:
+    _open(run_store, 1, 1, ["a"])
+    run_store.commit_round(RUN, 1, _checkpoint(1), {}, T0 + 30)
+    with pytest.raises(DuplicateError):
+        _open(run_store, 1, 2, ["a", "b"])
+    [rnd] = run_store.list_rounds(RUN)
+    assert (rnd.state, rnd.attempt) == ("committed", 1)
+    assert list(_states(run_store)) == [_task(1, 1, "a")]
+
+
+def test_get_open_round_list_rounds_and_extend_deadline(run_store: Store) -> None:
+    assert run_store.get_open_round(RUN) is None
+    assert run_store.list_rounds(RUN) == []
+    _open(run_store, 2, 1, ["a"])
+    run_store.commit_round(RUN, 2, _checkpoint(2), {"loss": 0.25}, T0 + 30)
+    assert run_store.get_open_round(RUN) is None
+    _open(run_store, 1, 1, ["a"])
+    run_store.extend_deadline(RUN, 1, T0 + 500)
+    rnd = run_store.get_open_round(RUN)
+    assert rnd is not None and (rnd.number, rnd.deadline_at) == (1, T0 + 500)
+    rounds = run_store.list_rounds(RUN)
+    assert [(r.number, r.state) for r in rounds] == [(1, "open"), (2, "committed")]
+    assert rounds[1].deadline_at == T0 + 60  # extend_deadline touched round 1 only
+    assert run_store.list_rounds("other-run") == []
+
+
+# -- participations ---------------------------------------------------------------
+
+
+def test_mark_downloaded_accumulates(run_store: Store) -> None:
+    _open(run_store, 1, 1, ["a", "b"])
+    task = _task(1, 1, "a")
+    run_store.mark_downloaded(task, 1000, 0.5)
+    run_store.mark_downloaded(task, 24, 0.25)
+    p, other = run_store.list_participations(RUN, 1)
+    assert (p.state, p.bytes_down, p.download_s) == ("downloaded", 1024, 0.75)
+    assert (other.state, other.bytes_down) == ("assigned", 0)
+    with pytest.raises(NotFoundError):
+        run_store.mark_downloaded("no-such-task", 1, 0.1)
+
+
+def test_mark_downloaded_does_not_lose_concurrent_increments(run_store: Store, db_url: str) -> None:
+    """A download recorded while another transaction holds the row adds, not overwrites."""
+    _open(run_store, 1, 1, ["a"])
+    task = _task(1, 1, "a")
+    about_to_update = threading.Event()
+
+    def _signal(_c: object, _cur: object, statement: str, *_rest: object) -> None:
+        if statement.lstrip().upper().startswith("UPDATE PARTICIPATIONS"):
+            about_to_update.set()
+
+    errors: list[BaseException] = []
+
+    def _download() -> None:
+        try:
+            run_store.mark_downloaded(task, 10, 0.5)
+        except BaseException as exc:
+            errors.append(exc)
+            about_to_update.set()
+
+    event.listen(run_store.engine, "before_cursor_execute", _signal)
+    other = make_engine(db_url)
+    try:
+        with other.begin() as conn:  # holds the row (PG) / the write lock (SQLite)
+            conn.execute(
+                text("UPDATE participations SET bytes_down = bytes_down + 100 WHERE task_id = :t"),
+                {"t": task},
+            )
+            worker = threading.Thread(target=_download)
+            worker.start()
+            assert about_to_update.wait(10)
+        worker.join(20)
+        assert not worker.is_alive()
+    finally:
+        event.remove(run_store.engine, "before_cursor_execute", _signal)
+        other.dispose()
+    assert errors == []
+    [p] = run_store.list_participations(RUN, 1)
+    assert (p.bytes_down, p.state) == (110, "downloaded")
+
+
+def test_accept_update_records_the_update(run_store: Store) -> None:
+    _open(run_store, 1, 1, ["a"])
+    task = _task(1, 1, "a")
+    run_store.mark_downloaded(task, 50, 0.1)
+    nonce = bytes(range(32))
+    _accept(run_store, task, nonce, sha="d" * 64)
+    [p] = run_store.list_participations(RUN, 1)
+    assert p.state == "accepted"
+    assert p.update_sha256 == "d" * 64
+    assert (p.num_samples, p.bytes_up, p.upload_s) == (128, 4096, 1.5)
+    assert p.metrics == {"loss": 0.5}
+    assert p.finished_at == T0 + 10
+    assert p.bytes_down == 50
+    assert _nonce(run_store, task) == nonce
+
+
+def test_second_accept_for_same_task_raises(run_store: Store) -> None:
+    _open(run_store, 1, 1, ["a"])
+    task = _task(1, 1, "a")
+    _accept(run_store, task, b"\x01" * 32, sha="1" * 64)
+    with pytest.raises(DuplicateError):
+        _accept(run_store, task, b"\x02" * 32, sha="2" * 64)
+    [p] = run_store.list_participations(RUN, 1)
+    assert (p.state, p.update_sha256) == ("accepted", "1" * 64)
+    assert _nonce(run_store, task) == b"\x01" * 32
+
+
+def test_reused_nonce_on_another_task_raises_and_changes_nothing(run_store: Store) -> None:
+    _open(run_store, 1, 1, ["a", "b"])
+    nonce = b"\x07" * 32
+    _accept(run_store, _task(1, 1, "a"), nonce)
+    with pytest.raises(DuplicateError, match="nonce"):
+        _accept(run_store, _task(1, 1, "b"), nonce, sha="e" * 64)
+    _, b = run_store.list_participations(RUN, 1)
+    assert (b.state, b.update_sha256, b.num_samples, b.finished_at) == ("assigned", None, 0, None)
+    assert _nonce(run_store, b.task_id) is None
+    # The task is still usable with a fresh nonce.
+    _accept(run_store, b.task_id, b"\x08" * 32, sha="e" * 64)
+    assert _states(run_store, 1)[b.task_id] == "accepted"
+
+
+def test_fail_participation(run_store: Store) -> None:
+    _open(run_store, 1, 1, ["a", "b"])
+    accepted, failing = _task(1, 1, "a"), _task(1, 1, "b")
+    _accept(run_store, accepted, b"\x03" * 32)
+    run_store.fail_participation(failing, "out of memory", T0 + 20)
+    run_store.fail_participation(accepted, "late failure report", T0 + 21)
+    a, b = run_store.list_participations(RUN, 1)
+    assert (a.state, a.error, a.finished_at) == ("accepted", "", T0 + 10)
+    assert (b.state, b.error, b.finished_at) == ("failed", "out of memory", T0 + 20)
+    run_store.fail_participation(failing, "second report", T0 + 22)
+    assert run_store.list_participations(RUN, 1)[1].error == "out of memory"
+    with pytest.raises(NotFoundError):
+        run_store.fail_participation("no-such-task", "x", T0)
+
+
+def test_expire_attempt_touches_only_unfinished_of_that_attempt(run_store: Store) -> None:
+    _open(run_store, 1, 1, ["acc", "asg", "dl", "fail"])
+    run_store.mark_downloaded(_task(1, 1, "dl"), 10, 0.1)
+    _accept(run_store, _task(1, 1, "acc"), b"\x04" * 32)
+    run_store.fail_participation(_task(1, 1, "fail"), "crashed", T0 + 5)
+    run_store.expire_attempt(RUN, 1, 1, "deadline passed", T0 + 60)
+    _open(run_store, 1, 2, ["asg", "new"], at=T0 + 61)
+    run_store.expire_attempt(RUN, 1, 1, "again", T0 + 99)  # attempt 2 must not be touched
+
+    by_task = {p.task_id: p for p in run_store.list_participations(RUN, 1)}
+    assert {t: p.state for t, p in by_task.items()} == {
+        _task(1, 1, "acc"): "accepted",
+        _task(1, 1, "asg"): "expired",
+        _task(1, 1, "dl"): "expired",
+        _task(1, 1, "fail"): "failed",
+        _task(1, 2, "asg"): "assigned",
+        _task(1, 2, "new"): "assigned",
+    }
+    expired = by_task[_task(1, 1, "dl")]
+    assert (expired.error, expired.finished_at, expired.bytes_down) == (
+        "deadline passed",
+        T0 + 60,
+        10,
+    )
+    assert by_task[_task(1, 1, "fail")].error == "crashed"
+    assert by_task[_task(1, 2, "new")].finished_at is None
+
+
+# -- commit_round and checkpoints -------------------------------------------------
+
+
+def test_commit_round_is_one_atomic_step(run_store: Store) -> None:
+    _open(run_store, 1, 1, ["a", "b", "c"])
+    _accept(run_store, _task(1, 1, "a"), b"\x05" * 32)
+    run_store.mark_downloaded(_task(1, 1, "b"), 10, 0.1)
+    ckpt = CheckpointRecord(RUN, 1, "f" * 64, 12345, "0" * 64, T0 + 40)
+    run_store.commit_round(RUN, 1, ckpt, {"loss": 0.125, "accuracy": 0.9}, T0 + 41)
+
+    assert run_store.get_checkpoint(RUN, 1) == ckpt
+    assert run_store.latest_checkpoint(RUN) == ckpt
+    [rnd] = run_store.list_rounds(RUN)
+    assert (rnd.state, rnd.closed_at) == ("committed", T0 + 41)
+    assert rnd.metrics == {"loss": 0.125, "accuracy": 0.9}
+    assert run_store.get_open_round(RUN) is None
+    parts = run_store.list_participations(RUN, 1)
+    assert [p.state for p in parts] == ["accepted", "expired", "expired"]
+    assert all(p.finished_at == T0 + 41 and p.error for p in parts[1:])
+    run = run_store.get_run(RUN)
+    assert run is not None
+    assert (run.state, run.rounds_completed, run.updated_at) == ("running", 1, T0 + 41)
+
+
+def test_commit_round_expires_earlier_attempts_and_sets_final_state(run_store: Store) -> None:
+    _open(run_store, 1, 1, ["a"])
+    _open(run_store, 1, 2, ["b"], at=T0 + 61)  # attempt 1 was never expired explicitly
+    _accept(run_store, _task(1, 2, "b"), b"\x06" * 32)
+    run_store.commit_round(RUN, 1, _checkpoint(1), {}, T0 + 90, final_state="completed")
+    assert _states(run_store, 1) == {_task(1, 1, "a"): "expired", _task(1, 2, "b"): "accepted"}
+    run = run_store.get_run(RUN)
+    assert run is not None and (run.state, run.rounds_completed) == ("completed", 1)
+    assert run.finished
+
+
+def test_second_commit_of_a_round_raises_and_changes_nothing(run_store: Store) -> None:
+    _open(run_store, 1, 1, ["a"])
+    first = _checkpoint(1, sha="1" * 64)
+    run_store.commit_round(RUN, 1, first, {"loss": 1.0}, T0 + 30)
+    run_before = run_store.get_run(RUN)
+    rounds_before = run_store.list_rounds(RUN)
+
+    with pytest.raises(DuplicateError):
+        run_store.commit_round(
+            RUN, 1, _checkpoint(1, sha="2" * 64), {"loss": 0.0}, T0 + 99, final_state="failed"
+        )
+    assert run_store.list_checkpoints(RUN) == [first]
+    assert run_store.get_run(RUN) == run_before
+    assert run_store.list_rounds(RUN) == rounds_before
+
+
+def test_failed_commit_round_rolls_everything_back(run_store: Store) -> None:
+    """If any part of the commit fails (here the checkpoint insert), nothing is written."""
+    _open(run_store, 1, 1, ["a"])
+    with run_store.engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO checkpoints (run_id, round_number, model_sha256, model_bytes,"
+                " created_at) VALUES (:r, 1, :sha, 1, 0)"
+            ),
+            {"r": RUN, "sha": "9" * 64},
+        )
+    run_before = run_store.get_run(RUN)
+    with pytest.raises((IntegrityError, DuplicateError)):
+        run_store.commit_round(RUN, 1, _checkpoint(1), {"loss": 0.5}, T0 + 30, "completed")
+    rnd = run_store.get_open_round(RUN)
+    assert rnd is not None and (rnd.closed_at, rnd.metrics) == (None, {})
+    assert _states(run_store, 1) == {_task(1, 1, "a"): "assigned"}
+    assert run_store.get_run(RUN) == run_before
+    assert [c.model_sha256 for c in run_store.list_checkpoints(RUN)] == ["9" * 64]
+
+
+def test_checkpoint_queries(run_store: Store) -> None:
+    assert run_store.latest_checkpoint(RUN) is None
+    assert run_store.list_checkpoints(RUN) == []
+    for number in (1, 2, 3):
+        _open(run_store, number, 1, ["a"])
+        run_store.commit_round(RUN, number, _checkpoint(number, sha=str(number) * 64), {}, T0)
+    run_store.create_run("other", "other", "task", "{}", T0)
+    latest = run_store.latest_checkpoint(RUN)
+    assert latest is not None and (latest.round_number, latest.model_sha256) == (3, "3" * 64)
+    assert [c.round_number for c in run_store.list_checkpoints(RUN)] == [1, 2, 3]
+    second = run_store.get_checkpoint(RUN, 2)
+    assert second == CheckpointRecord(RUN, 2, "2" * 64, 1002, None, T0 + 2)
+    assert run_store.get_checkpoint(RUN, 4) is None
+    assert run_store.latest_checkpoint("other") is None
+    run = run_store.get_run(RUN)
+    assert run is not None and run.rounds_completed == 3
+
+
+# -- events -----------------------------------------------------------------------
+
+
+def test_events_keep_order_and_data(run_store: Store) -> None:
+    run_store.create_run("other", "other", "task", "{}", T0)
+    run_store.add_event(RUN, "created", "run submitted", T0)
+    run_store.add_event("other", "created", "not mine", T0)
+    data: dict[str, float | int | str] = {"loss": 0.1, "sites": 3, "note": "näive ✓"}
+    run_store.add_event(RUN, "round_committed", "round 1 done", T0 + 1, round_number=1, data=data)
+    run_store.add_event(RUN, "created", "earlier clock, later id", T0 - 5)
+
+    events = run_store.list_events(RUN)
+    assert [e.message for e in events] == [
+        "run submitted",
+        "round 1 done",
+        "earlier clock, later id",
+    ]
+    assert events[0].id < events[1].id < events[2].id
+    assert (events[0].round_number, events[0].data, events[0].created_at) == (None, {}, T0)
+    assert (events[1].kind, events[1].round_number, events[1].data) == ("round_committed", 1, data)
+    assert events[1].created_at == T0 + 1
+    assert [e.message for e in run_store.list_events("other")] == ["not mine"]
+
+
+# -- durability -------------------------------------------------------------------
+
+_CHILD = """
+import json, os, sys
+from fedra.storage import Store
+
+store = Store(sys.argv[1])
+run = store.get_run("run-1")
+events = [e.message for e in store.list_events("run-1")]
+print(json.dumps({"state": run.state, "events": events, "pid": os.getpid()}))
+store.add_event("run-1", "note", "written by the child", 2.0, data={"pid": os.getpid()})
+sys.stdout.flush()
+os._exit(0)  # no close() and no interpreter teardown: only what was committed survives
+"""
+
+
+def test_data_survives_close_and_other_processes(db_url: str) -> None:
+    first = Store(db_url)
+    first.create_run(RUN, "demo", "task", "{}", T0)
+    first.set_run_state(RUN, "running", "", T0)
+    first.add_event(RUN, "note", "written by the parent", 1.0)
+    first.close()
+
+    child = subprocess.run(
+        [sys.executable, "-c", _CHILD, db_url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert child.returncode == 0, child.stderr
+    seen = json.loads(child.stdout)
+    assert (seen["state"], seen["events"]) == ("running", ["written by the parent"])
+
+    reopened = Store(db_url)
+    try:
+        run = reopened.get_run(RUN)
+        assert run is not None and run.state == "running"
+        events = reopened.list_events(RUN)
+        assert [e.message for e in events] == ["written by the parent", "written by the child"]
+        assert events[1].data == {"pid": seen["pid"]}
+    finally:
+        reopened.close()
+
+
+# -- blob store -------------------------------------------------------------------
+
+
+def _files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file())
+
+
+@pytest.fixture
+def blobs(tmp_path: Path) -> BlobStore:
+    return BlobStore(tmp_path / "blobs")
+
+
+def test_blob_put_read_size_exists_delete(blobs: BlobStore) -> None:
+    data = b"model weights" * 1000
+    digest = blobs.put(data)
+    assert digest == hashlib.sha256(data).hexdigest()
+    assert blobs.exists(digest)
+    assert blobs.read(digest) == data
+    assert blobs.size(digest) == len(data)
+    assert blobs.path(digest) == blobs.root / digest[:2] / digest
+    blobs.delete(digest)
+    assert not blobs.exists(digest)
+    blobs.delete(digest)  # deleting a missing blob is not an error
+    with pytest.raises(BlobNotFoundError):
+        blobs.read(digest)
+    with pytest.raises(BlobNotFoundError):
+        blobs.size(digest)
+
+
+def test_blob_empty(blobs: BlobStore) -> None:
+    digest = blobs.put(b"")
+    assert digest == hashlib.sha256(b"").hexdigest()
+    assert (blobs.read(digest), blobs.size(digest)) == (b"", 0)
+    assert list(blobs.read_chunks(digest, 4)) == []
+
+
+def test_blob_content_addressing_stores_once(blobs: BlobStore) -> None:
+    first = blobs.put(b"same bytes")
+    second = blobs.put_chunks([b"same ", b"", b"bytes"])
+    assert first == second
+    assert _files(blobs.root) == [blobs.path(first)]
+    assert blobs.put(b"other bytes") != first
+    assert len(_files(blobs.root)) == 2
+
+
+def test_put_chunks_with_wrong_digest_leaves_nothing(blobs: BlobStore) -> None:
+    data = b"tampered update"
+    wrong = hashlib.sha256(b"declared update").hexdigest()
+    with pytest.raises(BlobDigestError, match=wrong):
+        blobs.put_chunks([data[:5], data[5:]], expected_digest=wrong)
+    assert _files(blobs.root) == []
+    assert not blobs.exists(hashlib.sha256(data).hexdigest())
+    assert not blobs.exists(wrong)
+    right = hashlib.sha256(data).hexdigest()
+    assert blobs.put_chunks([data], expected_digest=right) == right
+
+
+def test_writer_without_commit_leaves_nothing(blobs: BlobStore) -> None:
+    with blobs.writer() as w:
+        w.write(b"partial ")
+        w.write(b"upload")
+        assert w.bytes_written == 14
+        assert w.hexdigest() == hashlib.sha256(b"partial upload").hexdigest()
+    assert _files(blobs.root) == []
+
+    with pytest.raises(ConnectionError), blobs.writer() as w:
+        w.write(b"dropped mid-stream")
+        raise ConnectionError("peer went away")
+    assert _files(blobs.root) == []
+
+
+def test_writer_commit(blobs: BlobStore) -> None:
+    with blobs.writer() as w:
+        w.write(b"abc")
+        digest = w.commit()
+    assert digest == hashlib.sha256(b"abc").hexdigest()
+    assert _files(blobs.root) == [blobs.path(digest)]
+
+
+def test_clear_tmp_removes_leftovers(blobs: BlobStore, tmp_path: Path) -> None:
+    kept = blobs.put(b"keep me")
+    (blobs.root / "tmp" / "blob-crashed1").write_bytes(b"half")
+    (blobs.root / "tmp" / "blob-crashed2").write_bytes(b"written")
+    reopened = BlobStore(tmp_path / "blobs")
+    assert reopened.clear_tmp() == 2
+    assert reopened.clear_tmp() == 0
+    assert _files(blobs.root) == [blobs.path(kept)]
+    assert reopened.read(kept) == b"keep me"
+
+
+@pytest.mark.parametrize(
+    "digest",
+    [
+        "",
+        "abc",
+        "a" * 63,
+        "a" * 65,
+        "A" * 64,
+        "g" * 64,
+        "../" + "a" * 61,
+        hashlib.sha256(b"x").hexdigest().upper(),
+    ],
+)
+def test_invalid_digests_raise_value_error(blobs: BlobStore, digest: str) -> None:
+    with pytest.raises(ValueError, match="not a lower-case hex SHA-256 digest"):
+        blobs.path(digest)
+    for call in (blobs.exists, blobs.read, blobs.size, blobs.delete):
+        with pytest.raises(ValueError):
+            call(digest)
+    with pytest.raises(ValueError):
+        list(blobs.read_chunks(digest, 4))
+
+
+def test_read_chunks(blobs: BlobStore) -> None:
+    data = bytes(range(256)) * 40 + b"tail"  # 10244 bytes
+    digest = blobs.put(data)
+    chunks = list(blobs.read_chunks(digest, 1024))
+    assert [len(c) for c in chunks] == [1024] * 10 + [4]
+    assert b"".join(chunks) == data
+    assert list(blobs.read_chunks(digest, len(data) + 1)) == [data]
+    with pytest.raises(BlobNotFoundError):
+        list(blobs.read_chunks(hashlib.sha256(b"missing").hexdigest(), 1024))
