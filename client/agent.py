@@ -60,7 +60,12 @@ class SiteAgent:
                 if exc.code() not in TRANSIENT and exc.code() != grpc.StatusCode.NOT_FOUND:
                     raise
                 delay = self.backoff.next_delay_s()
-                log.warning("%s: coordinator unreachable (%s); retrying in %.1f s", self.tag, exc.code().name, delay)
+                log.warning(
+                    "%s: coordinator unreachable (%s); retrying in %.1f s",
+                    self.tag,
+                    exc.code().name,
+                    delay,
+                )
                 self.stop.wait(delay)
         self.conn.close()
 
@@ -94,14 +99,16 @@ class SiteAgent:
         except grpc.RpcError as exc:
             log.warning("%s: could not report the failure: %s", self.tag, exc.code().name)
 
-    def _train_and_upload(self, task: Assignment, session: Session, tag: str, beat: _Heartbeat) -> None:
+    def _train_and_upload(
+        self, task: Assignment, session: Session, tag: str, beat: _Heartbeat
+    ) -> None:
         impl = self.tasks[task.entry_point]
         params = task.train.params
         started = time.monotonic()
         if task.init:
             model = impl.create_model(task.seed, params)
             payload = {k: v.detach().clone() for k, v in model.state_dict().items()}
-            num_samples, metrics = 1, {}
+            num_samples, metrics = 1, dict[str, float]()
         else:
             budget = max(task.deadline_in_s, 1.0)
             global_state = self.conn.download(task, timeout_s=budget)
@@ -113,7 +120,11 @@ class SiteAgent:
             return
         self._upload(task, payload, num_samples, metrics)
         self.rounds_done += 1
-        log.info("%s: update accepted (%s)", tag, ", ".join(f"{k} {v:.4g}" for k, v in sorted(metrics.items())))
+        log.info(
+            "%s: update accepted (%s)",
+            tag,
+            ", ".join(f"{k} {v:.4g}" for k, v in sorted(metrics.items())),
+        )
 
     def _train(
         self, impl: Task, task: Assignment, global_state: dict[str, torch.Tensor]
@@ -136,7 +147,11 @@ class SiteAgent:
         return delta(model.state_dict(), global_state), result.num_samples, metrics
 
     def _upload(
-        self, task: Assignment, payload: dict[str, torch.Tensor], num_samples: int, metrics: dict[str, float]
+        self,
+        task: Assignment,
+        payload: dict[str, torch.Tensor],
+        num_samples: int,
+        metrics: dict[str, float],
     ) -> None:
         nonce = new_nonce()  # one per update: a retry of the same update reuses it
         retry = Backoff(cap_s=self.config.reconnect_max_s)
@@ -148,16 +163,20 @@ class SiteAgent:
                 if exc.code() not in TRANSIENT or self.stop.is_set():
                     raise
                 delay = retry.next_delay_s()
-                log.warning("%s: upload failed (%s); retrying in %.1f s", self.tag, exc.code().name, delay)
+                log.warning(
+                    "%s: upload failed (%s); retrying in %.1f s", self.tag, exc.code().name, delay
+                )
                 self.stop.wait(delay)
 
 
-def delta(local: Mapping[str, torch.Tensor], global_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def delta(
+    local: Mapping[str, torch.Tensor], global_state: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """local - global for floating-point tensors; zeros for integer buffers (not averaged)."""
     out = {}
     for name, g in global_state.items():
-        l = local[name].detach()
-        out[name] = (l - g) if g.is_floating_point() else torch.zeros_like(g)
+        trained = local[name].detach()
+        out[name] = (trained - g) if g.is_floating_point() else torch.zeros_like(g)
     return out
 
 

@@ -26,14 +26,18 @@ class SiteConfig:
         check_keys(doc, _KEYS, "")
         site_id = get(doc, "site_id", str, "")
         require(
-            bool(site_id) and all(c.isalnum() or c in "-_." for c in site_id) and len(site_id) <= 128,
+            bool(site_id)
+            and all(c.isalnum() or c in "-_." for c in site_id)
+            and len(site_id) <= 128,
             "site_id",
             "must be 1-128 letters, digits, '-', '_' or '.'",
             site_id,
         )
         coordinator = get(doc, "coordinator", str, "")
         host, sep, port = coordinator.rpartition(":")
-        require(bool(host and sep and port.isdigit()), "coordinator", "must be host:port", coordinator)
+        require(
+            bool(host and sep and port.isdigit()), "coordinator", "must be host:port", coordinator
+        )
         tasks = get(doc, "allowed_tasks", list, "")
         require(len(tasks) > 0, "allowed_tasks", "must list at least one task entry point", tasks)
         for i, t in enumerate(tasks):

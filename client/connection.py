@@ -129,7 +129,9 @@ class Connection:
         return self.stub.UploadUpdate(messages(), timeout=timeout_s).bytes_received
 
     def report_failure(self, task_id: str, reason: str, timeout_s: float = 10.0) -> None:
-        request = site_pb2.ReportFailureRequest(site_id=self.site_id, task_id=task_id, reason=reason)
+        request = site_pb2.ReportFailureRequest(
+            site_id=self.site_id, task_id=task_id, reason=reason
+        )
         self.stub.ReportFailure(request, timeout=timeout_s)
 
 

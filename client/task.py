@@ -64,7 +64,9 @@ def load_task(entry_point: str) -> Task:
     """Import ``package.module:attr`` and check that it is a task."""
     module_name, sep, attr = entry_point.partition(":")
     if not sep or not module_name or not attr:
-        raise TaskLoadError(f"task entry point {entry_point!r} must look like 'package.module:attr'")
+        raise TaskLoadError(
+            f"task entry point {entry_point!r} must look like 'package.module:attr'"
+        )
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:

@@ -239,9 +239,11 @@ class Engine:
     def open_download(self, site_id: str, task_id: str) -> tuple[str, int]:
         """Check a site may download its task's model; returns (sha256, size)."""
         with self.lock:
-            run, a = self.current_task(site_id, task_id)
+            run, _ = self.current_task(site_id, task_id)
             if run.open_round == INIT_ROUND:
-                raise FailedPrecondition(f"task {task_id!r} builds the initial model: nothing to download")
+                raise FailedPrecondition(
+                    f"task {task_id!r} builds the initial model: nothing to download"
+                )
             return run.model_sha256, run.model_bytes
 
     def record_download(self, task_id: str, nbytes: int, seconds: float) -> None:
@@ -260,7 +262,13 @@ class Engine:
             self.store.fail_participation(task_id, f"site reported: {reason[:500]}", self.clock())
             a.state = "failed"
             self.notify()
-        log.warning("run %s round %s: site %s failed its task: %s", run.run_id, run.open_round, site_id, reason)
+        log.warning(
+            "run %s round %s: site %s failed its task: %s",
+            run.run_id,
+            run.open_round,
+            site_id,
+            reason,
+        )
 
     # -- admin -----------------------------------------------------------------
 
@@ -274,7 +282,9 @@ class Engine:
         now = self.clock()
         self.store.create_run(run_id, spec.name or run_id, spec.task, spec.to_json(), now)
         self.store.add_event(run_id, "submitted", f"task {spec.task}, {spec.rounds} rounds", now)
-        log.info("run %s: submitted (%s, %d rounds, %s)", run_id, spec.task, spec.rounds, spec.strategy)
+        log.info(
+            "run %s: submitted (%s, %d rounds, %s)", run_id, spec.task, spec.rounds, spec.strategy
+        )
         self._launch(ActiveRun(run_id=run_id, spec=spec, optimizer=ServerOptimizer(spec)))
         return run_id
 

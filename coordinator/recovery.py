@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from fedra.coordinator.aggregation import ServerOptimizer, WeightedSum
 from fedra.coordinator.state import INIT_ROUND, ActiveRun
+from fedra.coordinator.uploads import fold
 from fedra.protos.codec import decode_chunks, spec_of
 from fedra.runspec import RunSpec
 from fedra.storage.records import RunRecord
@@ -58,8 +59,6 @@ def _resume_open_round(engine: Engine, run: ActiveRun, number: int, attempt: int
     if number != INIT_ROUND:
         assert run.model_specs is not None
         run.accumulator = WeightedSum(run.model_specs)
-    from fedra.coordinator.uploads import fold  # uploads imports the engine module
-
     for p in parts:
         a = run.assignments[p.site_id]
         engine.mark_seen_for_recovery(p.site_id, now)

@@ -16,8 +16,8 @@ import uuid
 from typing import TYPE_CHECKING
 
 from fedra.coordinator.aggregation import WeightedSum
-from fedra.faults import crash_point
 from fedra.coordinator.state import INIT_ROUND, ActiveRun
+from fedra.faults import crash_point
 from fedra.protos.codec import decode_chunks, encode_chunks, spec_of
 from fedra.storage.records import CheckpointRecord, ParticipationRecord
 
@@ -72,9 +72,13 @@ class RoundDriver:
                     return False
                 eligible = engine.eligible_sites(run, engine.clock())
                 waited = time.monotonic() - started
-                if len(eligible) >= wanted or (len(eligible) >= quorum and waited >= spec.join_timeout_s):
+                if len(eligible) >= wanted or (
+                    len(eligible) >= quorum and waited >= spec.join_timeout_s
+                ):
                     break
-                run.waiting_reason = f"round {number}: waiting for sites, {len(eligible)} of {wanted} online"
+                run.waiting_reason = (
+                    f"round {number}: waiting for sites, {len(eligible)} of {wanted} online"
+                )
                 engine.changed.wait(_RECHECK_S)
             rng = random.Random(f"{run.run_id}:{spec.seed}:{number}:{attempt}")
             sampled = sorted(rng.sample(eligible, min(wanted, len(eligible))))
@@ -92,7 +96,13 @@ class RoundDriver:
                 assert run.model_specs is not None
                 run.accumulator = WeightedSum(run.model_specs)
             engine.notify()
-        log.info("%s round %d: opened (attempt %d) with %s", self.tag, number, attempt, ", ".join(sampled))
+        log.info(
+            "%s round %d: opened (attempt %d) with %s",
+            self.tag,
+            number,
+            attempt,
+            ", ".join(sampled),
+        )
         return True
 
     # -- waiting -----------------------------------------------------------------
@@ -139,7 +149,9 @@ class RoundDriver:
         assert number is not None
         if number == INIT_ROUND:
             assert run.init_sha256 is not None
-            model = decode_chunks(engine.updates.read_chunks(run.init_sha256, engine.settings.chunk_bytes))
+            model = decode_chunks(
+                engine.updates.read_chunks(run.init_sha256, engine.settings.chunk_bytes)
+            )
         else:
             assert run.model is not None and run.accumulator is not None
             model = run.model
@@ -150,7 +162,9 @@ class RoundDriver:
         now = engine.clock()
         parts = engine.store.list_participations(run.run_id, number, run.attempt)
         metrics = weighted_metrics([p for p in parts if p.state == "accepted"])
-        ckpt = CheckpointRecord(run.run_id, number, model_sha, engine.models.size(model_sha), opt_sha, now)
+        ckpt = CheckpointRecord(
+            run.run_id, number, model_sha, engine.models.size(model_sha), opt_sha, now
+        )
         crash_point("before_commit", number)
         final = "completed" if number == spec.rounds else None
         engine.store.commit_round(run.run_id, number, ckpt, metrics, now, final_state=final)

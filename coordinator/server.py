@@ -9,7 +9,7 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -37,7 +37,7 @@ class CoordinatorConfig:
     # Each connected site holds one worker during its long poll.
     max_workers: int = 128
     grace_s: float = 5.0
-    engine: EngineSettings = EngineSettings()
+    engine: EngineSettings = field(default_factory=EngineSettings)
 
     @property
     def database_url(self) -> str:

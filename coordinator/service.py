@@ -108,7 +108,9 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
         self.engine = engine
 
     @mapped
-    def Register(self, request: site_pb2.RegisterRequest, context: Any) -> site_pb2.RegisterResponse:
+    def Register(
+        self, request: site_pb2.RegisterRequest, context: Any
+    ) -> site_pb2.RegisterResponse:
         self.engine.register(request.site_id, list(request.tasks), request.version)
         s = self.engine.settings
         return site_pb2.RegisterResponse(
@@ -118,12 +120,16 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
         )
 
     @mapped
-    def Heartbeat(self, request: site_pb2.HeartbeatRequest, context: Any) -> site_pb2.HeartbeatResponse:
+    def Heartbeat(
+        self, request: site_pb2.HeartbeatRequest, context: Any
+    ) -> site_pb2.HeartbeatResponse:
         current = self.engine.heartbeat(request.site_id, request.task_id)
         return site_pb2.HeartbeatResponse(task_current=current)
 
     @mapped
-    def PollTask(self, request: site_pb2.PollTaskRequest, context: Any) -> site_pb2.PollTaskResponse:
+    def PollTask(
+        self, request: site_pb2.PollTaskRequest, context: Any
+    ) -> site_pb2.PollTaskResponse:
         # Leave a margin inside the caller's own deadline so the reply gets back in time.
         remaining = context.time_remaining()
         timeout = self.engine.settings.poll_timeout_s
@@ -182,7 +188,9 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
         self.watch_interval_s = watch_interval_s
 
     @mapped
-    def SubmitRun(self, request: admin_pb2.SubmitRunRequest, context: Any) -> admin_pb2.SubmitRunResponse:
+    def SubmitRun(
+        self, request: admin_pb2.SubmitRunRequest, context: Any
+    ) -> admin_pb2.SubmitRunResponse:
         if not request.HasField("spec"):
             raise InvalidArgument("spec: required")
         run_id = self.engine.submit(runspec_from_proto(request.spec))
@@ -193,12 +201,16 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
         return run_status(self.engine, self.engine.get_run_record(request.run_id))
 
     @mapped
-    def ListRuns(self, request: admin_pb2.ListRunsRequest, context: Any) -> admin_pb2.ListRunsResponse:
+    def ListRuns(
+        self, request: admin_pb2.ListRunsRequest, context: Any
+    ) -> admin_pb2.ListRunsResponse:
         records = self.engine.store.list_runs()
         return admin_pb2.ListRunsResponse(runs=[run_status(self.engine, r) for r in records])
 
     @mapped_stream
-    def WatchRun(self, request: admin_pb2.WatchRunRequest, context: Any) -> Iterator[admin_pb2.RunStatus]:
+    def WatchRun(
+        self, request: admin_pb2.WatchRunRequest, context: Any
+    ) -> Iterator[admin_pb2.RunStatus]:
         engine = self.engine
         version = engine.version
         last = None
@@ -213,11 +225,15 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
             version = engine.wait_for_change(version, self.watch_interval_s)
 
     @mapped
-    def CancelRun(self, request: admin_pb2.CancelRunRequest, context: Any) -> admin_pb2.CancelRunResponse:
+    def CancelRun(
+        self, request: admin_pb2.CancelRunRequest, context: Any
+    ) -> admin_pb2.CancelRunResponse:
         return admin_pb2.CancelRunResponse(state=self.engine.cancel(request.run_id))
 
     @mapped
-    def ListSites(self, request: admin_pb2.ListSitesRequest, context: Any) -> admin_pb2.ListSitesResponse:
+    def ListSites(
+        self, request: admin_pb2.ListSitesRequest, context: Any
+    ) -> admin_pb2.ListSitesResponse:
         sites = [
             admin_pb2.Site(
                 site_id=s.id,
@@ -237,5 +253,7 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
     ) -> Iterator[common_pb2.ModelChunk]:
         round_number = None if request.latest else request.round
         ckpt = self.engine.export_checkpoint(request.run_id, round_number)
-        for chunk in self.engine.models.read_chunks(ckpt.model_sha256, self.engine.settings.chunk_bytes):
+        for chunk in self.engine.models.read_chunks(
+            ckpt.model_sha256, self.engine.settings.chunk_bytes
+        ):
             yield common_pb2.ModelChunk(data=chunk)

@@ -12,10 +12,10 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from fedra.coordinator.engine import Engine
 from fedra.coordinator.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -26,6 +26,9 @@ from fedra.coordinator.state import INIT_ROUND, ActiveRun, Assignment
 from fedra.protos.codec import MAX_HEADER_BYTES, CodecError, StreamDecoder, TensorSpec
 from fedra.storage.blobs import BlobDigestError
 from fedra.storage.store import DuplicateError
+
+if TYPE_CHECKING:
+    from fedra.coordinator.engine import Engine
 
 log = logging.getLogger("fedra.coordinator")
 NONCE_BYTES = 16
@@ -72,7 +75,9 @@ def begin_upload(engine: Engine, h: UpdateHeader) -> UploadTicket:
         if a.state == "uploading":
             raise AlreadyExists(f"an upload for task {h.task_id} is already in progress")
         if not a.pending:
-            raise AlreadyExists(f"task {h.task_id} is already {a.state}: one update per site per round")
+            raise AlreadyExists(
+                f"task {h.task_id} is already {a.state}: one update per site per round"
+            )
         expected = None if run.open_round == INIT_ROUND else run.model_specs
         limit = _size_limit(engine, expected)
         if h.payload_bytes > limit:
@@ -85,7 +90,9 @@ def begin_upload(engine: Engine, h: UpdateHeader) -> UploadTicket:
 
 def _check_header_fields(h: UpdateHeader) -> None:
     if h.codec not in SUPPORTED_CODECS:
-        raise InvalidArgument(f"codec {h.codec!r} is not supported (expected one of {SUPPORTED_CODECS})")
+        raise InvalidArgument(
+            f"codec {h.codec!r} is not supported (expected one of {SUPPORTED_CODECS})"
+        )
     if len(h.nonce) != NONCE_BYTES:
         raise InvalidArgument(f"nonce must be {NONCE_BYTES} bytes, got {len(h.nonce)}")
     if len(h.sha256) != 64 or not all(c in "0123456789abcdef" for c in h.sha256):
@@ -111,14 +118,19 @@ def receive(engine: Engine, ticket: UploadTicket, chunks: Iterable[bytes]) -> st
         try:
             for chunk in chunks:
                 if writer.bytes_written + len(chunk) > h.payload_bytes:
-                    raise InvalidArgument(f"payload is longer than the declared {h.payload_bytes} bytes")
+                    raise InvalidArgument(
+                        f"payload is longer than the declared {h.payload_bytes} bytes"
+                    )
                 writer.write(chunk)
                 for piece in decoder.feed(chunk):
-                    if piece.values.is_floating_point() and not bool(torch.isfinite(piece.values).all()):
+                    if piece.values.is_floating_point() and not bool(
+                        torch.isfinite(piece.values).all()
+                    ):
                         raise InvalidArgument(f"tensor {piece.name!r} has non-finite values")
             if writer.bytes_written != h.payload_bytes:
                 raise InvalidArgument(
-                    f"payload ended after {writer.bytes_written} of the declared {h.payload_bytes} bytes"
+                    f"payload ended after {writer.bytes_written} of the declared "
+                    f"{h.payload_bytes} bytes"
                 )
             decoder.finish()
             _check_init_model(ticket, decoder)
@@ -130,7 +142,9 @@ def receive(engine: Engine, ticket: UploadTicket, chunks: Iterable[bytes]) -> st
 
 
 def _check_init_model(ticket: UploadTicket, decoder: StreamDecoder) -> None:
-    if ticket.expected is None and not any(s.dtype.is_floating_point for s in decoder.specs.values()):
+    if ticket.expected is None and not any(
+        s.dtype.is_floating_point for s in decoder.specs.values()
+    ):
         raise InvalidArgument("the initial model has no floating-point tensors to train")
 
 
@@ -194,5 +208,7 @@ def fold(engine: Engine, run: ActiveRun, digest: str, num_samples: int) -> None:
 
 def _drop_spooled(engine: Engine, run: ActiveRun, digest: str) -> None:
     # Identical updates share a blob; keep it while an accepted one refers to it.
-    if not any(a.update_sha256 == digest and a.state == "accepted" for a in run.assignments.values()):
+    if not any(
+        a.update_sha256 == digest and a.state == "accepted" for a in run.assignments.values()
+    ):
         engine.updates.delete(digest)

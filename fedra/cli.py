@@ -120,7 +120,11 @@ def _cmd_watch(args: argparse.Namespace) -> int:
                     print(format_round(r), flush=True)
             if status.state != last_state:
                 last_state = status.state
-                print(f"run {status.run_id}: {status.state}" + (f" ({status.reason})" if status.reason else ""), flush=True)
+                print(
+                    f"run {status.run_id}: {status.state}"
+                    + (f" ({status.reason})" if status.reason else ""),
+                    flush=True,
+                )
     return 0 if status is not None and status.state == "completed" else 1
 
 
@@ -134,7 +138,10 @@ def _cmd_list(args: argparse.Namespace) -> int:
     with _admin(args) as admin:
         runs = admin.runs()
     for r in runs:
-        print(f"{r.run_id}  {r.state:<10} {r.rounds_completed:>4}/{r.spec.rounds:<4} {r.spec.task}  {r.spec.name}")
+        print(
+            f"{r.run_id}  {r.state:<10} {r.rounds_completed:>4}/{r.spec.rounds:<4} "
+            f"{r.spec.task}  {r.spec.name}"
+        )
     return 0
 
 
@@ -151,12 +158,19 @@ def _cmd_sites(args: argparse.Namespace) -> int:
     with _admin(args) as admin:
         sites = admin.sites()
     if args.json:
-        print(json.dumps([MessageToDict(s, preserving_proto_field_name=True) for s in sites], indent=2))
+        print(
+            json.dumps(
+                [MessageToDict(s, preserving_proto_field_name=True) for s in sites], indent=2
+            )
+        )
         return 0
     now = time.time()
     for s in sites:
         state = "online" if s.online else "offline"
-        print(f"{s.site_id:<20} {state:<8} last seen {now - s.last_seen_unix_s:6.1f} s ago  {', '.join(s.tasks)}")
+        print(
+            f"{s.site_id:<20} {state:<8} last seen {now - s.last_seen_unix_s:6.1f} s ago  "
+            f"{', '.join(s.tasks)}"
+        )
     return 0
 
 
@@ -173,7 +187,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def status_to_dict(status: admin_pb2.RunStatus) -> dict[str, object]:
-    return MessageToDict(status, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    return MessageToDict(
+        status, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
 
 
 def format_round(r: admin_pb2.RoundStatus) -> str:
@@ -187,7 +203,8 @@ def format_round(r: admin_pb2.RoundStatus) -> str:
 def format_status(s: admin_pb2.RunStatus) -> str:
     lines = [
         f"run {s.run_id} ({s.spec.name}): {s.state}" + (f" - {s.reason}" if s.reason else ""),
-        f"task {s.spec.task}, strategy {s.spec.strategy}, {s.rounds_completed}/{s.spec.rounds} rounds",
+        f"task {s.spec.task}, strategy {s.spec.strategy}, "
+        f"{s.rounds_completed}/{s.spec.rounds} rounds",
     ]
     for r in s.rounds:
         line = format_round(r)
@@ -203,7 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("coordinator", help="run the coordinator daemon")
-    c.add_argument("--state-dir", required=True, help="database, blobs and coordinator.json live here")
+    c.add_argument(
+        "--state-dir", required=True, help="database, blobs and coordinator.json live here"
+    )
     c.add_argument("--host", default="127.0.0.1")
     c.add_argument("--port", type=int, default=50051, help="0 picks a free port")
     c.add_argument("--db", help="SQLAlchemy URL (default: SQLite file in the state directory)")
@@ -220,8 +239,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_cmd_site)
 
     def admin_args(q: argparse.ArgumentParser) -> None:
-        q.add_argument("--coordinator", help=f"host:port (default $FEDRA_COORDINATOR or {DEFAULT_ADDRESS})")
-        q.add_argument("--state-dir", help="read the address from this coordinator's coordinator.json")
+        q.add_argument(
+            "--coordinator", help=f"host:port (default $FEDRA_COORDINATOR or {DEFAULT_ADDRESS})"
+        )
+        q.add_argument(
+            "--state-dir", help="read the address from this coordinator's coordinator.json"
+        )
 
     r = sub.add_parser("run", help="submit, inspect and cancel runs")
     rsub = r.add_subparsers(dest="run_command", required=True)
@@ -271,7 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"fedra: error: {exc}", file=sys.stderr)
         return 2
     except grpc.RpcError as exc:
-        print(f"fedra: {exc.code().name}: {exc.details()}", file=sys.stderr)  # type: ignore[attr-defined]
+        print(f"fedra: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -56,7 +56,10 @@ def run_demo(options: DemoOptions) -> int:
     site_ids = [f"site-{i}" for i in range(options.sites)]
     spec = demo_spec(options.rounds, options.sites)
     (_, _), (x_test, y_test) = digits.pooled_split(0)
-    print(f"fedra demo: state in {state_dir} (SQLite: {state_dir / 'fedra.db'}, logs: {state_dir / 'logs'})")
+    print(
+        f"fedra demo: state in {state_dir} "
+        f"(SQLite: {state_dir / 'fedra.db'}, logs: {state_dir / 'logs'})"
+    )
     started = time.monotonic()
     with LocalCluster(state_dir) as cluster:
         address = cluster.start_coordinator()
@@ -66,8 +69,14 @@ def run_demo(options: DemoOptions) -> int:
         cluster.wait_for_sites(site_ids)
         with cluster.admin() as admin:
             run_id = admin.submit(spec)
-            print(f"run {run_id}: {spec.rounds} rounds of {spec.strategy}, {options.sites} sites, label-skewed data\n")
-            print(f"{'round':>5}  {'sites':>5}  {'test loss':>9}  {'test acc':>8}  {'MB moved':>8}  {'seconds':>7}")
+            print(
+                f"run {run_id}: {spec.rounds} rounds of {spec.strategy}, "
+                f"{options.sites} sites, label-skewed data\n"
+            )
+            print(
+                f"{'round':>5}  {'sites':>5}  {'test loss':>9}  {'test acc':>8}  "
+                f"{'MB moved':>8}  {'seconds':>7}"
+            )
             rounds: list[dict[str, Any]] = []
             final = None
             for status in admin.watch(run_id):
@@ -101,14 +110,17 @@ def _round_summary(r: admin_pb2.RoundStatus, test: dict[str, float]) -> dict[str
         "bytes_down": r.bytes_down,
         "bytes_up": r.bytes_up,
         "seconds": r.duration_s,
-        "samples_seen": sum(p.metrics.get("samples_seen", 0.0) for p in r.participations if p.status == "accepted"),
+        "samples_seen": sum(
+            p.metrics.get("samples_seen", 0.0) for p in r.participations if p.status == "accepted"
+        ),
     }
 
 
 def _print_round(r: dict[str, Any]) -> None:
     mb = (r["bytes_down"] + r["bytes_up"]) / 1e6
     print(
-        f"{r['round']:>5}  {len(r['sites']):>5}  {r['test_loss']:>9.4f}  {r['test_accuracy']:>8.3f}  "
+        f"{r['round']:>5}  {len(r['sites']):>5}  {r['test_loss']:>9.4f}  "
+        f"{r['test_accuracy']:>8.3f}  "
         f"{mb:>8.3f}  {r['seconds']:>7.2f}",
         flush=True,
     )
@@ -125,7 +137,9 @@ def _finish(
 ) -> int:
     samples = sum(r["samples_seen"] for r in rounds)
     steps = max(1, math.ceil(samples / spec.train.batch_size))
-    baseline_model = digits.train_centralised(0, steps, spec.train.batch_size, spec.train.learning_rate, {})
+    baseline_model = digits.train_centralised(
+        0, steps, spec.train.batch_size, spec.train.learning_rate, {}
+    )
     (_, _), (x_test, y_test) = digits.pooled_split(0)
     baseline = digits.evaluate_on(baseline_model, x_test, y_test)
     print(

@@ -91,7 +91,9 @@ class LocalCluster:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         (self.state_dir / "logs").mkdir(exist_ok=True)
 
-    def _spawn(self, name: str, args: list[str], extra_env: Mapping[str, str] | None) -> ManagedProcess:
+    def _spawn(
+        self, name: str, args: list[str], extra_env: Mapping[str, str] | None
+    ) -> ManagedProcess:
         log_path = self.state_dir / "logs" / f"{name}.log"
         env = {**os.environ, "OMP_NUM_THREADS": "1", **self.env, **(extra_env or {})}
         with log_path.open("ab") as log:
@@ -137,7 +139,12 @@ class LocalCluster:
     ) -> ManagedProcess:
         config = write_site_config(
             self.state_dir / f"{site_id}.toml",
-            {"site_id": site_id, "coordinator": self.address, "allowed_tasks": tasks, "threads": threads},
+            {
+                "site_id": site_id,
+                "coordinator": self.address,
+                "allowed_tasks": tasks,
+                "threads": threads,
+            },
             data,
         )
         proc = self._spawn(site_id, ["site", "--config", str(config)], extra_env)
@@ -171,7 +178,9 @@ class LocalCluster:
             if not proc.alive():
                 raise ClusterError(f"{proc.name} exited before it could {what}:\n{proc.log_tail()}")
             if time.monotonic() > deadline:
-                raise ClusterError(f"{proc.name} did not {what} within {timeout_s:g} s:\n{proc.log_tail()}")
+                raise ClusterError(
+                    f"{proc.name} did not {what} within {timeout_s:g} s:\n{proc.log_tail()}"
+                )
             time.sleep(delay)  # polling a readiness condition, with a deadline
             delay = min(delay * 1.5, 0.5)
 

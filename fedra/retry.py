@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Backoff:
-    """Delays drawn from ``[c/2, c]``, ``c = min(cap_s, base_s * 2**n)``, for the n-th consecutive failure."""
+    """Failure n waits a random time in ``[c/2, c]``, ``c = min(cap_s, base_s * 2**n)``."""
 
     base_s: float = 0.2
     cap_s: float = 30.0

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import time
 from collections.abc import Iterator
 
 import grpc
@@ -47,7 +46,9 @@ def submit(c: InProcessCoordinator, **overrides: object) -> str:
     return c.admin.SubmitRun(admin_pb2.SubmitRunRequest(spec=spec)).run_id
 
 
-def wait_round(c: InProcessCoordinator, run_id: str, number: int, state: str = "open") -> admin_pb2.RoundStatus:
+def wait_round(
+    c: InProcessCoordinator, run_id: str, number: int, state: str = "open"
+) -> admin_pb2.RoundStatus:
     """Follow WatchRun until round ``number`` reaches ``state`` (bounded by the stream timeout)."""
     for status in c.admin.WatchRun(admin_pb2.WatchRunRequest(run_id=run_id), timeout=30):
         for r in status.rounds:
@@ -68,7 +69,9 @@ def tasks_of_round(c: InProcessCoordinator, run_id: str, number: int) -> dict[st
 
 
 def model_state() -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in synthetic.task.create_model(0, {}).state_dict().items()}
+    return {
+        k: v.detach().clone() for k, v in synthetic.task.create_model(0, {}).state_dict().items()
+    }
 
 
 def messages(
@@ -101,11 +104,15 @@ def messages(
         yield site_pb2.UpdateChunk(data=payload[i : i + chunk])
 
 
-def upload(c: InProcessCoordinator, msgs: Iterator[site_pb2.UpdateChunk]) -> site_pb2.UploadUpdateResponse:
+def upload(
+    c: InProcessCoordinator, msgs: Iterator[site_pb2.UpdateChunk]
+) -> site_pb2.UploadUpdateResponse:
     return c.site.UploadUpdate(msgs, timeout=30)
 
 
-def refused(c: InProcessCoordinator, msgs: Iterator[site_pb2.UpdateChunk], code: grpc.StatusCode, text: str) -> None:
+def refused(
+    c: InProcessCoordinator, msgs: Iterator[site_pb2.UpdateChunk], code: grpc.StatusCode, text: str
+) -> None:
     with pytest.raises(grpc.RpcError) as info:
         upload(c, msgs)
     err = info.value
@@ -118,7 +125,9 @@ def round_status(c: InProcessCoordinator, run_id: str, number: int) -> admin_pb2
     return next(r for r in status.rounds if r.number == number)
 
 
-def start_round_one(c: InProcessCoordinator, **spec: object) -> tuple[str, dict[str, site_pb2.Task]]:
+def start_round_one(
+    c: InProcessCoordinator, **spec: object
+) -> tuple[str, dict[str, site_pb2.Task]]:
     register(c, *SITES)
     run_id = submit(c, **spec)
     ((init_site, init_task),) = tasks_of_round(c, run_id, 0).items()
@@ -131,15 +140,22 @@ def delta_payload(scale: float = 0.01) -> bytes:
     return encode({k: torch.full_like(v, scale) for k, v in model_state().items()})
 
 
-def test_full_round_flow_downloads_the_initial_model_and_averages(coordinator: InProcessCoordinator) -> None:
+def test_full_round_flow_downloads_the_initial_model_and_averages(
+    coordinator: InProcessCoordinator,
+) -> None:
     run_id, tasks = start_round_one(coordinator)
     assert len(tasks) == 2
     initial = model_state()
     for i, (site, task) in enumerate(sorted(tasks.items())):
-        chunks = coordinator.site.DownloadModel(site_pb2.DownloadModelRequest(site_id=site, task_id=task.task_id))
+        chunks = coordinator.site.DownloadModel(
+            site_pb2.DownloadModelRequest(site_id=site, task_id=task.task_id)
+        )
         payload = b"".join(m.data for m in chunks)
         assert hashlib.sha256(payload).hexdigest() == task.model_sha256
-        upload(coordinator, messages(task, site, delta_payload(0.1 * (i + 1)), num_samples=10 * (i + 1)))
+        upload(
+            coordinator,
+            messages(task, site, delta_payload(0.1 * (i + 1)), num_samples=10 * (i + 1)),
+        )
     wait_round(coordinator, run_id, 1, "committed")
     from fedra.protos.codec import decode
 
@@ -147,8 +163,8 @@ def test_full_round_flow_downloads_the_initial_model_and_averages(coordinator: I
     model = decode(b"".join(m.data for m in export))
     # FedAvg weighted by samples: (10 * 0.1 + 20 * 0.2) / 30
     expected = {k: v + (10 * 0.1 + 20 * 0.2) / 30 for k, v in initial.items()}
-    for k in expected:
-        torch.testing.assert_close(model[k], expected[k])
+    for k, v in expected.items():
+        torch.testing.assert_close(model[k], v)
     r1 = round_status(coordinator, run_id, 1)
     assert r1.status == "committed" and r1.updates == 2
     assert r1.bytes_down > 0 and r1.bytes_up > 0
@@ -192,17 +208,29 @@ def test_bad_upload_is_refused_and_changes_nothing(
         "bad_sha_format": lambda: messages(task, site, good, sha256="xyz"),
         "zero_samples": lambda: messages(task, site, good, num_samples=0),
         "checksum": lambda: messages(task, site, good, sha256=hashlib.sha256(b"other").hexdigest()),
-        "wrong_shape": lambda: messages(task, site, encode({**state, "linear.weight": torch.zeros(2, 8)})),
-        "wrong_dtype": lambda: messages(task, site, encode({**state, "linear.bias": torch.zeros(1, dtype=torch.float64)})),
-        "missing_tensor": lambda: messages(task, site, encode({"linear.weight": state["linear.weight"]})),
+        "wrong_shape": lambda: messages(
+            task, site, encode({**state, "linear.weight": torch.zeros(2, 8)})
+        ),
+        "wrong_dtype": lambda: messages(
+            task, site, encode({**state, "linear.bias": torch.zeros(1, dtype=torch.float64)})
+        ),
+        "missing_tensor": lambda: messages(
+            task, site, encode({"linear.weight": state["linear.weight"]})
+        ),
         "extra_tensor": lambda: messages(task, site, encode({**state, "sneaky": torch.zeros(1)})),
-        "nan": lambda: messages(task, site, encode({**state, "linear.weight": torch.full((1, 8), float("nan"))})),
-        "inf": lambda: messages(task, site, encode({**state, "linear.bias": torch.tensor([float("inf")])})),
+        "nan": lambda: messages(
+            task, site, encode({**state, "linear.weight": torch.full((1, 8), float("nan"))})
+        ),
+        "inf": lambda: messages(
+            task, site, encode({**state, "linear.bias": torch.tensor([float("inf")])})
+        ),
         "longer_than_declared": lambda: messages(task, site, good, payload_bytes=len(good) - 8),
         "shorter_than_declared": lambda: messages(task, site, good, payload_bytes=len(good) + 8),
         "garbage": lambda: messages(task, site, b"\xff" * 64),
         "too_big": lambda: messages(task, site, good, payload_bytes=2**40),
-        "unknown_task": lambda: messages(site_pb2.Task(task_id="f" * 32, run_id=run_id, round=1), site, good),
+        "unknown_task": lambda: messages(
+            site_pb2.Task(task_id="f" * 32, run_id=run_id, round=1), site, good
+        ),
         "other_sites_task": lambda: messages(other_task, site, good),
         "unregistered_site": lambda: messages(task, "site-z", good),
     }[case]()
@@ -220,13 +248,25 @@ def test_bad_upload_is_refused_and_changes_nothing(
     assert wait_round(coordinator, run_id, 1, "committed").updates == 2
 
 
-def test_one_update_per_site_per_round_and_no_nonce_reuse(coordinator: InProcessCoordinator) -> None:
+def test_one_update_per_site_per_round_and_no_nonce_reuse(
+    coordinator: InProcessCoordinator,
+) -> None:
     run_id, tasks = start_round_one(coordinator, sites_per_round=3, min_sites=3)
-    (s1, t1), (s2, t2), (s3, t3) = sorted(tasks.items())
+    (s1, t1), (s2, t2), _ = sorted(tasks.items())
     nonce = os.urandom(16)
     upload(coordinator, messages(t1, s1, delta_payload(), nonce=nonce))
-    refused(coordinator, messages(t1, s1, delta_payload()), grpc.StatusCode.ALREADY_EXISTS, "already accepted")
-    refused(coordinator, messages(t2, s2, delta_payload(), nonce=nonce), grpc.StatusCode.ALREADY_EXISTS, "nonce")
+    refused(
+        coordinator,
+        messages(t1, s1, delta_payload()),
+        grpc.StatusCode.ALREADY_EXISTS,
+        "already accepted",
+    )
+    refused(
+        coordinator,
+        messages(t2, s2, delta_payload(), nonce=nonce),
+        grpc.StatusCode.ALREADY_EXISTS,
+        "nonce",
+    )
     r1 = round_status(coordinator, run_id, 1)
     assert r1.updates == 1
     assert {p.site_id: p.status for p in r1.participations}[s2] in ("assigned", "downloaded")
@@ -234,13 +274,22 @@ def test_one_update_per_site_per_round_and_no_nonce_reuse(coordinator: InProcess
     assert round_status(coordinator, run_id, 1).updates == 2
 
 
-def test_late_update_is_refused_and_the_site_gets_the_next_task(coordinator: InProcessCoordinator) -> None:
-    run_id, tasks = start_round_one(coordinator, sites_per_round=3, min_sites=2, round_deadline_s=2.0)
+def test_late_update_is_refused_and_the_site_gets_the_next_task(
+    coordinator: InProcessCoordinator,
+) -> None:
+    run_id, tasks = start_round_one(
+        coordinator, sites_per_round=3, min_sites=2, round_deadline_s=2.0
+    )
     (s1, t1), (s2, t2), (late_site, late_task) = sorted(tasks.items())
     upload(coordinator, messages(t1, s1, delta_payload()))
     upload(coordinator, messages(t2, s2, delta_payload()))
     wait_round(coordinator, run_id, 1, "committed")  # at its deadline, with 2 of 3
-    refused(coordinator, messages(late_task, late_site, delta_payload()), grpc.StatusCode.FAILED_PRECONDITION, "has closed")
+    refused(
+        coordinator,
+        messages(late_task, late_site, delta_payload()),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "has closed",
+    )
     r1 = round_status(coordinator, run_id, 1)
     assert r1.status == "committed" and r1.updates == 2
     late = {p.site_id: p for p in r1.participations}[late_site]
@@ -252,11 +301,22 @@ def test_late_update_is_refused_and_the_site_gets_the_next_task(coordinator: InP
 
 def test_upload_must_start_with_a_header(coordinator: InProcessCoordinator) -> None:
     register(coordinator, "site-a")
-    refused(coordinator, iter([site_pb2.UpdateChunk(data=b"x")]), grpc.StatusCode.INVALID_ARGUMENT, "header")
+    refused(
+        coordinator,
+        iter([site_pb2.UpdateChunk(data=b"x")]),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "header",
+    )
 
 
-def test_register_refuses_bad_site_ids_and_empty_task_lists(coordinator: InProcessCoordinator) -> None:
-    for site_id, tasks, text in [("", [TASK], "site_id"), ("a b", [TASK], "site_id"), ("ok", [], "tasks")]:
+def test_register_refuses_bad_site_ids_and_empty_task_lists(
+    coordinator: InProcessCoordinator,
+) -> None:
+    for site_id, tasks, text in [
+        ("", [TASK], "site_id"),
+        ("a b", [TASK], "site_id"),
+        ("ok", [], "tasks"),
+    ]:
         with pytest.raises(grpc.RpcError) as info:
             coordinator.site.Register(site_pb2.RegisterRequest(site_id=site_id, tasks=tasks))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -264,8 +324,16 @@ def test_register_refuses_bad_site_ids_and_empty_task_lists(coordinator: InProce
     assert coordinator.admin.ListSites(admin_pb2.ListSitesRequest()).sites == []
 
 
-def test_bad_run_spec_is_refused_with_the_key_and_creates_nothing(coordinator: InProcessCoordinator) -> None:
-    cases = {"rounds": 0, "min_sites": 5, "strategy": "sgd", "task": "nocolon", "round_deadline_s": -1.0}
+def test_bad_run_spec_is_refused_with_the_key_and_creates_nothing(
+    coordinator: InProcessCoordinator,
+) -> None:
+    cases = {
+        "rounds": 0,
+        "min_sites": 5,
+        "strategy": "sgd",
+        "task": "nocolon",
+        "round_deadline_s": -1.0,
+    }
     for key, value in cases.items():
         with pytest.raises(grpc.RpcError) as info:
             submit(coordinator, **{key: value})

@@ -408,6 +408,7 @@ def test_mark_downloaded_does_not_lose_concurrent_increments(run_store: Store, d
             errors.append(exc)
             about_to_update.set()
 
+    worker = threading.Thread(target=_download, daemon=True)
     event.listen(run_store.engine, "before_cursor_execute", _signal)
     other = make_engine(db_url)
     try:
@@ -416,14 +417,15 @@ def test_mark_downloaded_does_not_lose_concurrent_increments(run_store: Store, d
                 text("UPDATE participations SET bytes_down = bytes_down + 100 WHERE task_id = :t"),
                 {"t": task},
             )
-            worker = threading.Thread(target=_download)
             worker.start()
+            # Once the worker is about to write, commit: its write must see ours.
             assert about_to_update.wait(10)
-        worker.join(20)
-        assert not worker.is_alive()
     finally:
+        if worker.ident is not None:
+            worker.join(20)
         event.remove(run_store.engine, "before_cursor_execute", _signal)
         other.dispose()
+    assert not worker.is_alive()
     assert errors == []
     [p] = run_store.list_participations(RUN, 1)
     assert (p.bytes_down, p.state) == (110, "downloaded")
@@ -443,6 +445,8 @@ def test_accept_update_records_the_update(run_store: Store) -> None:
     assert p.finished_at == T0 + 10
     assert p.bytes_down == 50
     assert _nonce(run_store, task) == nonce
+    assert run_store.get_participation(task) == p
+    assert run_store.get_participation("no-such-task") is None
 
 
 def test_second_accept_for_same_task_raises(run_store: Store) -> None:

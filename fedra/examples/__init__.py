@@ -1,1 +1,1 @@
-"""Tasks that ship with fedra: the digits classifier and a synthetic task for tests and benchmarks."""
+"""Tasks that ship with fedra: a digits classifier and a synthetic task for tests."""
