@@ -48,6 +48,11 @@ class SiteAgent:
         self.tag = f"site {config.site_id}"
         self.rounds_done = 0
 
+    def shutdown(self) -> None:
+        """Stop serving: cancels a long poll in flight (safe from a signal handler)."""
+        self.stop.set()
+        self.conn.close()
+
     def run(self) -> None:
         """Serve until ``stop`` is set."""
         while not self.stop.is_set():
@@ -57,6 +62,8 @@ class SiteAgent:
                 self.backoff.reset()
                 self._serve(session)
             except grpc.RpcError as exc:
+                if self.stop.is_set():
+                    break
                 if exc.code() not in TRANSIENT and exc.code() != grpc.StatusCode.NOT_FOUND:
                     raise
                 delay = self.backoff.next_delay_s()
@@ -181,7 +188,8 @@ def delta(
 
 
 def _fit_seed(task: Assignment, site_id: str) -> int:
-    key = f"{task.seed}:{task.run_id}:{task.round}:{site_id}".encode()
+    # Not keyed by the run id: the same spec on the same data trains the same way.
+    key = f"{task.seed}:{task.round}:{site_id}".encode()
     return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,7 +45,12 @@ class SiteConfig:
             ok = isinstance(t, str) and ":" in t and all(t.partition(":")[::2])
             require(ok, f"allowed_tasks[{i}]", "must look like 'package.module:attr'", t)
         reconnect = get(doc, "reconnect_max_s", float, "", 30.0)
-        require(reconnect > 0, "reconnect_max_s", "must be > 0", reconnect)
+        require(
+            math.isfinite(reconnect) and reconnect > 0,
+            "reconnect_max_s",
+            "must be a finite number > 0",
+            reconnect,
+        )
         threads = get(doc, "threads", int, "", 0)
         require(threads >= 0, "threads", "must be >= 0", threads)
         return SiteConfig(

@@ -80,7 +80,8 @@ class RoundDriver:
                     f"round {number}: waiting for sites, {len(eligible)} of {wanted} online"
                 )
                 engine.changed.wait(_RECHECK_S)
-            rng = random.Random(f"{run.run_id}:{spec.seed}:{number}:{attempt}")
+            # Keyed by the spec's seed alone, so the same spec samples the same sites.
+            rng = random.Random(f"{spec.seed}:{number}:{attempt}")
             sampled = sorted(rng.sample(eligible, min(wanted, len(eligible))))
             assignments = {site: uuid.uuid4().hex for site in sampled}
             now = engine.clock()

@@ -66,10 +66,10 @@ def _cmd_site(args: argparse.Namespace) -> int:
         config = SiteConfig.from_toml({**load_toml(args.config), "coordinator": args.coordinator})
     if config.threads:
         torch.set_num_threads(config.threads)
-    stop = threading.Event()
+    agent = SiteAgent(config)
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    SiteAgent(config, stop).run()
+        signal.signal(sig, lambda *_: agent.shutdown())
+    agent.run()
     return 0
 
 

@@ -27,7 +27,7 @@ def load_toml(path: Path | str) -> dict[str, Any]:
             return tomllib.load(f)
     except FileNotFoundError as exc:
         raise ConfigError(f"{p}: no such file") from exc
-    except tomllib.TOMLDecodeError as exc:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{p}: {exc}") from exc
 
 

@@ -136,17 +136,17 @@ class LocalCluster:
         data: Mapping[str, Any],
         extra_env: Mapping[str, str] | None = None,
         threads: int = 1,
+        reconnect_max_s: float = 2.0,
     ) -> ManagedProcess:
-        config = write_site_config(
-            self.state_dir / f"{site_id}.toml",
-            {
-                "site_id": site_id,
-                "coordinator": self.address,
-                "allowed_tasks": tasks,
-                "threads": threads,
-            },
-            data,
-        )
+        """Write ``<site_id>.toml`` and start ``fedra site`` on it."""
+        site = {
+            "site_id": site_id,
+            "coordinator": self.address,
+            "allowed_tasks": tasks,
+            "threads": threads,
+            "reconnect_max_s": reconnect_max_s,
+        }
+        config = write_site_config(self.state_dir / f"{site_id}.toml", site, data)
         proc = self._spawn(site_id, ["site", "--config", str(config)], extra_env)
         self.sites[site_id] = proc
         return proc

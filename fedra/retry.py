@@ -16,7 +16,9 @@ class Backoff:
     _rng: random.Random = field(default_factory=random.Random, repr=False)
 
     def next_delay_s(self) -> float:
-        ceiling = min(self.cap_s, self.base_s * (2**self.attempts))
+        # The exponent is bounded: base_s * 2**n raises OverflowError past n ~ 1024, which a
+        # site retrying through a multi-hour outage would reach.
+        ceiling = min(self.cap_s, self.base_s * 2.0 ** min(self.attempts, 1000))
         self.attempts += 1
         # Jitter keeps a fleet of sites that
         # lost the coordinator together from reconnecting in lock step.

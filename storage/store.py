@@ -47,6 +47,15 @@ def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cur.execute("PRAGMA foreign_keys=ON")
     cur.execute("PRAGMA busy_timeout=10000")
     cur.close()
+    # Take transaction control from the sqlite3 module, which would otherwise run
+    # SELECTs and DDL outside any transaction (see _sqlite_begin).
+    dbapi_conn.isolation_level = None
+
+
+def _sqlite_begin(conn: Any) -> None:
+    # IMMEDIATE takes the write lock up front: a read-then-write transaction can then
+    # never fail to upgrade its lock, and each Store method is really one transaction.
+    conn.exec_driver_sql("BEGIN IMMEDIATE")
 
 
 def make_engine(url: str) -> Engine:
@@ -54,6 +63,7 @@ def make_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
         engine = create_engine(url, connect_args={"check_same_thread": False})
         event.listen(engine, "connect", _sqlite_pragmas)
+        event.listen(engine, "begin", _sqlite_begin)
         return engine
     return create_engine(url, pool_pre_ping=True)
 
@@ -65,7 +75,11 @@ class Store:
         self.url = url
         self.engine = make_engine(url)
         if migrate:
-            upgrade(self.engine)
+            try:
+                upgrade(self.engine)
+            except Exception:
+                self.engine.dispose()
+                raise
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
 
     def close(self) -> None:

@@ -396,7 +396,8 @@ def test_mark_downloaded_does_not_lose_concurrent_increments(run_store: Store, d
     about_to_update = threading.Event()
 
     def _signal(_c: object, _cur: object, statement: str, *_rest: object) -> None:
-        if statement.lstrip().upper().startswith("UPDATE PARTICIPATIONS"):
+        # SQLite's BEGIN IMMEDIATE waits for the write lock before the UPDATE is sent.
+        if statement.lstrip().upper().startswith(("UPDATE PARTICIPATIONS", "BEGIN IMMEDIATE")):
             about_to_update.set()
 
     errors: list[BaseException] = []

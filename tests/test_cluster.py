@@ -1,0 +1,266 @@
+"""Multi-process tests: a coordinator and sites as real processes, started through the CLI.
+
+Every wait is on a condition with a deadline (readiness file, WatchRun stream, process
+exit); every process is stopped by the ``cluster`` fixture, even when a test fails.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedra.admin import AdminClient
+from fedra.local import LocalCluster
+from fedra.protos.v1 import admin_pb2
+from fedra.runspec import RunSpec, TrainSpec
+from fedra.storage import Store
+
+pytestmark = pytest.mark.multiprocess
+
+DIGITS = "fedra.examples.digits:task"
+SYNTHETIC = "fedra.examples.synthetic:task"
+# Short liveness settings so a dead site is noticed in seconds, not the default 20 s.
+FAST = ["--heartbeat-s", "0.5", "--site-timeout-s", "3", "--poll-timeout-s", "5"]
+
+
+def synthetic_spec(rounds: int, **kw: object) -> RunSpec:
+    base: dict[str, object] = {
+        "task": SYNTHETIC,
+        "rounds": rounds,
+        "sites_per_round": 3,
+        "min_sites": 3,
+        "round_deadline_s": 60.0,
+        "join_timeout_s": 30.0,
+        "seed": 7,
+        "train": TrainSpec(local_steps=5, batch_size=16, learning_rate=0.05),
+        "strategy": "fedavgm",
+    }
+    base.update(kw)
+    return RunSpec(**base).validate()  # type: ignore[arg-type]
+
+
+def start_synthetic_sites(cluster: LocalCluster, n: int = 3, **env: dict[str, str]) -> list[str]:
+    ids = [f"site-{i}" for i in range(n)]
+    for i, site_id in enumerate(ids):
+        data = {"shift": float(i), "seed": i, "samples": 128, "fit_delay_s": 0.2}
+        cluster.start_site(site_id, [SYNTHETIC], data, extra_env=env.get(site_id))
+    cluster.wait_for_sites(ids)
+    return ids
+
+
+def wait_until(
+    admin: AdminClient, run_id: str, done, timeout_s: float = 240.0
+) -> admin_pb2.RunStatus:  # type: ignore[no-untyped-def]
+    """Follow WatchRun until ``done(status)``; the stream's deadline bounds the wait."""
+    for status in admin.watch(run_id, timeout_s=timeout_s):
+        if done(status):
+            return status
+    raise AssertionError(
+        f"run {run_id} ended without reaching the condition: {status.state} {status.reason}"
+    )
+
+
+def finished(status: admin_pb2.RunStatus) -> bool:
+    return status.state in ("completed", "failed", "cancelled")
+
+
+def committed_rounds(state_dir: Path, run_id: str) -> list[int]:
+    store = Store(f"sqlite:///{state_dir / 'fedra.db'}")
+    try:
+        return [c.round_number for c in store.list_checkpoints(run_id)]
+    finally:
+        store.close()
+
+
+def fedra_cli(*args: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "fedra", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
+
+
+def test_full_run_through_the_cli(cluster: LocalCluster, tmp_path: Path) -> None:
+    address = cluster.start_coordinator(flags=FAST)
+    ids = [f"site-{i}" for i in range(3)]
+    for i, site_id in enumerate(ids):
+        cluster.start_site(site_id, [DIGITS], {"partition": i, "num_partitions": 3})
+    cluster.wait_for_sites(ids)
+    run_toml = tmp_path / "run.toml"
+    run_toml.write_text(
+        f'name = "cli"\ntask = "{DIGITS}"\nrounds = 4\nsites_per_round = 3\nmin_sites = 2\n'
+        "round_deadline_s = 60\n[train]\nlocal_epochs = 2\nbatch_size = 32\nlearning_rate = 0.05\n"
+    )
+    submitted = fedra_cli("run", "submit", str(run_toml), "--coordinator", address)
+    assert submitted.returncode == 0, submitted.stderr
+    run_id = submitted.stdout.strip()
+
+    watched = fedra_cli("run", "watch", run_id, "--coordinator", address, timeout_s=240)
+    assert watched.returncode == 0, watched.stderr
+    assert "round   4" in watched.stdout and "completed" in watched.stdout
+
+    shown = fedra_cli("run", "status", run_id, "--json", "--state-dir", str(cluster.state_dir))
+    status = json.loads(shown.stdout)
+    assert status["state"] == "completed" and status["rounds_completed"] == 4
+    rounds = status["rounds"]
+    assert [r["number"] for r in rounds] == [0, 1, 2, 3, 4]
+    assert all(r["status"] == "committed" for r in rounds)
+    assert all(r["updates"] == 3 for r in rounds[1:])
+    # The global model learns: its accuracy on the sites' held-out data goes up.
+    assert rounds[4]["metrics"]["eval_accuracy"] > rounds[1]["metrics"]["eval_accuracy"] + 0.3
+    assert all(int(r["bytes_up"]) > 0 and int(r["bytes_down"]) > 0 for r in rounds[1:])
+
+    sites = json.loads(fedra_cli("sites", "--json", "--coordinator", address).stdout)
+    assert sorted(s["site_id"] for s in sites) == ids and all(s["online"] for s in sites)
+
+    out = tmp_path / "model.safetensors"
+    exported = fedra_cli("run", "export", run_id, "--out", str(out), "--coordinator", address)
+    assert exported.returncode == 0, exported.stderr
+    from safetensors.torch import load_file
+
+    with AdminClient(address) as admin:
+        latest = admin.export_model(run_id)
+    for name, tensor in load_file(str(out)).items():
+        torch.testing.assert_close(tensor, latest[name], rtol=0, atol=0)
+
+    bad = fedra_cli("run", "status", "nope", "--coordinator", address)
+    assert bad.returncode == 1 and "NOT_FOUND" in bad.stderr and "nope" in bad.stderr
+
+
+def test_coordinator_sigkill_mid_run_then_restart_completes(cluster: LocalCluster) -> None:
+    address = cluster.start_coordinator(flags=FAST)
+    port = int(address.rsplit(":", 1)[1])
+    start_synthetic_sites(cluster)
+    with cluster.admin() as admin:
+        run_id = admin.submit(synthetic_spec(rounds=8))
+        wait_until(admin, run_id, lambda s: s.rounds_completed >= 3)
+    assert cluster.coordinator is not None
+    cluster.coordinator.signal(signal.SIGKILL)
+    assert cluster.coordinator.popen.wait(30) == -signal.SIGKILL
+
+    cluster.start_coordinator(port=port, flags=FAST)  # same state directory, same address
+    with cluster.admin() as admin:
+        status = wait_until(admin, run_id, finished)
+    assert status.state == "completed", status.reason
+    assert status.rounds_completed == 8
+    numbers = [r.number for r in status.rounds]
+    assert numbers == list(range(9)), "a round is missing or was run twice"
+    assert committed_rounds(cluster.state_dir, run_id) == list(range(9))
+
+
+def test_crash_between_checkpoint_and_commit_loses_nothing(cluster: LocalCluster) -> None:
+    """Kill the coordinator after round 2's checkpoint is durable but before its commit.
+
+    The restarted coordinator re-folds the spooled updates (no site sends again) and the
+    run ends with the same model as an uninterrupted run of the same spec.
+    """
+    address = cluster.start_coordinator(flags=FAST)
+    port = int(address.rsplit(":", 1)[1])
+    start_synthetic_sites(cluster)
+    spec = synthetic_spec(rounds=4)
+    with cluster.admin() as admin:
+        reference_id = admin.submit(spec)
+        assert wait_until(admin, reference_id, finished).state == "completed"
+        reference = admin.export_model(reference_id)
+    assert cluster.coordinator is not None
+    assert cluster.coordinator.stop() == 0  # SIGTERM: a graceful stop
+
+    cluster.start_coordinator(
+        port=port, flags=FAST, extra_env={"FEDRA_FAULT_CRASH": "before_commit:2"}
+    )
+    with cluster.admin() as admin:
+        run_id = admin.submit(spec)
+    assert cluster.coordinator.popen.wait(120) == -signal.SIGKILL  # it killed itself at the fault
+    store = Store(f"sqlite:///{cluster.state_dir / 'fedra.db'}")
+    try:
+        open_round = store.get_open_round(run_id)
+        assert open_round is not None and open_round.number == 2
+        before = {p.task_id: p.state for p in store.list_participations(run_id, 2)}
+    finally:
+        store.close()
+    assert list(before.values()) == ["accepted"] * 3
+
+    cluster.start_coordinator(port=port, flags=FAST)
+    with cluster.admin() as admin:
+        status = wait_until(admin, run_id, finished)
+        resumed = admin.export_model(run_id)
+    assert status.state == "completed", status.reason
+    r2 = next(r for r in status.rounds if r.number == 2)
+    assert r2.attempt == 1 and r2.updates == 3
+    assert {p.status for p in r2.participations} == {"accepted"}  # the same three tasks
+    assert [r.number for r in status.rounds] == list(range(5))
+    for name, tensor in reference.items():
+        torch.testing.assert_close(resumed[name], tensor, rtol=1e-5, atol=1e-6)
+
+
+def test_site_killed_mid_round_round_closes_with_quorum_and_site_rejoins(
+    cluster: LocalCluster,
+) -> None:
+    cluster.start_coordinator(flags=FAST)
+    ids = start_synthetic_sites(cluster, **{"site-2": {"FEDRA_FAULT_CRASH": "after_download:2"}})
+    spec = synthetic_spec(rounds=4, min_sites=2, round_deadline_s=120.0)
+    with cluster.admin() as admin:
+        run_id = admin.submit(spec)
+        assert cluster.sites["site-2"].popen.wait(120) == -signal.SIGKILL
+        wait_until(admin, run_id, lambda s: s.rounds_completed >= 2)
+        # Bring it back: it registers again and is sampled in later rounds.
+        cluster.start_site("site-2", [SYNTHETIC], {"shift": 2.0, "seed": 2, "samples": 128})
+        status = wait_until(admin, run_id, finished)
+    assert status.state == "completed", status.reason
+    r2 = next(r for r in status.rounds if r.number == 2)
+    assert r2.status == "committed" and r2.updates == 2
+    dead = next(p for p in r2.participations if p.site_id == "site-2")
+    assert dead.status == "failed" and "silent" in dead.error
+    # Closed when the dead site went silent, long before the 120 s deadline.
+    assert r2.duration_s < 60
+    later = [r for r in status.rounds if r.number > 2]
+    assert any(
+        "site-2" in [p.site_id for p in r.participations if p.status == "accepted"] for r in later
+    )
+    assert sorted(ids) == sorted({p.site_id for r in status.rounds for p in r.participations})
+
+
+def test_site_restarted_mid_round_is_given_its_current_task(cluster: LocalCluster) -> None:
+    cluster.start_coordinator(flags=FAST)
+    start_synthetic_sites(cluster, **{"site-1": {"FEDRA_FAULT_CRASH": "after_download:1"}})
+    with cluster.admin() as admin:
+        run_id = admin.submit(synthetic_spec(rounds=2, min_sites=3, round_deadline_s=120.0))
+        assert cluster.sites["site-1"].popen.wait(120) == -signal.SIGKILL
+        cluster.start_site("site-1", [SYNTHETIC], {"shift": 1.0, "seed": 1, "samples": 128})
+        status = wait_until(admin, run_id, finished)
+    assert status.state == "completed", status.reason
+    r1 = next(r for r in status.rounds if r.number == 1)
+    # One attempt, all three sampled sites delivered: the restarted site finished its task.
+    assert (r1.attempt, r1.updates) == (1, 3)
+    assert [p.status for p in r1.participations] == ["accepted"] * 3
+
+
+def test_demo_writes_a_summary(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    result = fedra_cli(
+        "demo",
+        "--rounds",
+        "3",
+        "--state-dir",
+        str(tmp_path / "demo"),
+        "--out",
+        str(out),
+        timeout_s=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["sites"] == ["site-0", "site-1", "site-2"]
+    assert [r["round"] for r in summary["rounds"]] == [0, 1, 2, 3]
+    final = summary["final"]
+    assert 0.5 < final["accuracy"] <= 1.0 and 0.5 < final["baseline_accuracy"] <= 1.0
+    assert summary["rounds"][3]["test_accuracy"] > summary["rounds"][0]["test_accuracy"]
+    assert "final global model: test accuracy" in result.stdout
