@@ -7,7 +7,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedra.config import ConfigError, check_keys, get, load_toml, require
+from fedra.config import (
+    SITE_ID_RULE,
+    ConfigError,
+    check_keys,
+    get,
+    is_valid_site_id,
+    load_toml,
+    require,
+)
 
 _KEYS = {"site_id", "coordinator", "allowed_tasks", "data", "reconnect_max_s", "threads"}
 
@@ -26,19 +34,11 @@ class SiteConfig:
         """Validate a parsed site.toml; errors name the key."""
         check_keys(doc, _KEYS, "")
         site_id = get(doc, "site_id", str, "")
-        require(
-            bool(site_id)
-            and all(c.isalnum() or c in "-_." for c in site_id)
-            and len(site_id) <= 128,
-            "site_id",
-            "must be 1-128 letters, digits, '-', '_' or '.'",
-            site_id,
-        )
+        require(is_valid_site_id(site_id), "site_id", f"must be {SITE_ID_RULE}", site_id)
         coordinator = get(doc, "coordinator", str, "")
         host, sep, port = coordinator.rpartition(":")
-        require(
-            bool(host and sep and port.isdigit()), "coordinator", "must be host:port", coordinator
-        )
+        ok = bool(host and sep and port.isdigit()) and 0 < int(port or 0) < 65536
+        require(ok, "coordinator", "must be host:port with a port in 1-65535", coordinator)
         tasks = get(doc, "allowed_tasks", list, "")
         require(len(tasks) > 0, "allowed_tasks", "must list at least one task entry point", tasks)
         for i, t in enumerate(tasks):

@@ -15,6 +15,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from fedra.config import SITE_ID_RULE, is_valid_site_id
 from fedra.coordinator.aggregation import ServerOptimizer
 from fedra.coordinator.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from fedra.coordinator.recovery import restore_run
@@ -333,7 +334,5 @@ class Engine:
 
 
 def _check_site_id(site_id: str) -> None:
-    if not site_id or len(site_id) > 128 or not all(c.isalnum() or c in "-_." for c in site_id):
-        raise InvalidArgument(
-            f"site_id {site_id!r}: 1-128 characters of letters, digits, '-', '_' or '.'"
-        )
+    if not is_valid_site_id(site_id):
+        raise InvalidArgument(f"site_id {site_id!r}: must be {SITE_ID_RULE}")

@@ -8,7 +8,6 @@ import logging
 import os
 import signal
 import sys
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -54,6 +55,15 @@ def get(table: Mapping[str, Any], key: str, kind: type[T], where: str, default: 
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise ConfigError(f"{name}: expected {kind.__name__}, got {type(value).__name__} {value!r}")
     return value
+
+
+_SITE_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+SITE_ID_RULE = "1-128 ASCII letters, digits, '-', '_' or '.'"
+
+
+def is_valid_site_id(site_id: str) -> bool:
+    """Site ids appear in file names, logs and certificates: keep them plain."""
+    return _SITE_ID.fullmatch(site_id) is not None
 
 
 def require(ok: bool, name: str, reason: str, value: object) -> None:

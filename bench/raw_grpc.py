@@ -1,0 +1,211 @@
+"""Raw Python gRPC streaming throughput: the baseline fedra's transport is compared with.
+
+``python bench/raw_grpc.py serve`` starts a server on a free localhost port and prints
+``PORT <n>``; it serves raw bytes (identity serializers, no protobuf) until SIGTERM, SIGINT
+or its stdin closes. ``measure`` streams a pre-built payload through it in chunks, both
+directions: a client-streaming upload and a server-streaming download.
+``python bench/raw_grpc.py client --port N`` runs ``measure`` against a running server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import struct
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+
+SERVICE = "fedra.bench.Raw"
+UPLOAD = f"/{SERVICE}/Upload"
+DOWNLOAD = f"/{SERVICE}/Download"
+CHUNK_BYTES = 4 * 1024 * 1024
+MESSAGE_LIMIT = CHUNK_BYTES + 1024 * 1024  # as fedra: a chunk plus its envelope
+_REQUEST = struct.Struct("<QQ")  # download request: total bytes, chunk bytes
+_COUNT = struct.Struct("<Q")
+
+
+def _identity(data: bytes) -> bytes:
+    return data
+
+
+def _channel_options() -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", MESSAGE_LIMIT),
+        ("grpc.max_send_message_length", MESSAGE_LIMIT),
+    ]
+
+
+def payload(total_bytes: int) -> bytes:
+    """``total_bytes`` of incompressible bytes, built once (a 1 MiB random block repeated)."""
+    block = os.urandom(1024 * 1024)
+    whole, rest = divmod(total_bytes, len(block))
+    return block * whole + block[:rest]
+
+
+def _slices(data: bytes, chunk_bytes: int, total_bytes: int) -> Iterator[bytes]:
+    """``total_bytes`` of ``data`` (cycled) in chunks; each slice is one copy, as fedra's are."""
+    sent = 0
+    while sent < total_bytes:
+        start = sent % len(data)
+        size = min(chunk_bytes, total_bytes - sent, len(data) - start)
+        yield data[start : start + size]
+        sent += size
+
+
+class _Handlers:
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def upload(self, chunks: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+        received = 0
+        for chunk in chunks:
+            received += len(chunk)
+        return _COUNT.pack(received)
+
+    def download(self, request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        total, chunk_bytes = _REQUEST.unpack(request)
+        yield from _slices(self.data, chunk_bytes, total)
+
+
+def create_server(address: str, data: bytes) -> tuple[grpc.Server, int]:
+    """A server with the raw-bytes Upload (stream-unary) and Download (unary-stream) methods."""
+    handlers = _Handlers(data)
+    generic = grpc.method_handlers_generic_handler(
+        SERVICE,
+        {
+            "Upload": grpc.stream_unary_rpc_method_handler(
+                handlers.upload, request_deserializer=_identity, response_serializer=_identity
+            ),
+            "Download": grpc.unary_stream_rpc_method_handler(
+                handlers.download, request_deserializer=_identity, response_serializer=_identity
+            ),
+        },
+    )
+    server = grpc.server(
+        ThreadPoolExecutor(max_workers=4, thread_name_prefix="raw"), options=_channel_options()
+    )
+    server.add_generic_rpc_handlers((generic,))
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"could not bind {address}")
+    return server, port
+
+
+def serve(payload_bytes: int) -> None:
+    """Serve until SIGTERM, SIGINT or stdin closing; the port goes to stdout first."""
+    server, port = create_server("127.0.0.1:0", payload(payload_bytes))
+    server.start()
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+
+    def watch_stdin() -> None:  # the parent dying closes our stdin: do not outlive it
+        # os.read, not sys.stdin: a buffered reader's lock aborts interpreter shutdown.
+        while os.read(sys.stdin.fileno(), 4096):
+            pass
+        stop.set()
+
+    threading.Thread(target=watch_stdin, daemon=True).start()
+    print(f"PORT {port}", flush=True)
+    stop.wait()
+    server.stop(grace=1.0).wait()
+
+
+@dataclass(frozen=True)
+class RawResult:
+    """Median throughput of each direction over the repeats, in bytes per second."""
+
+    total_bytes: int
+    chunk_bytes: int
+    repeats: int
+    upload_bps: float
+    download_bps: float
+    upload_runs_s: list[float]
+    download_runs_s: list[float]
+
+    @property
+    def mixed_bps(self) -> float:
+        """Rate for equal bytes down and up, moved one after the other (harmonic mean)."""
+        return 2.0 / (1.0 / self.upload_bps + 1.0 / self.download_bps)
+
+
+def _timed(action: Callable[[], int], expected: int) -> float:
+    started = time.perf_counter()
+    moved = action()
+    elapsed = time.perf_counter() - started
+    if moved != expected:
+        raise RuntimeError(f"moved {moved} bytes, expected {expected}")
+    return elapsed
+
+
+def measure(
+    address: str,
+    total_bytes: int,
+    chunk_bytes: int = CHUNK_BYTES,
+    repeats: int = 3,
+    timeout_s: float = 120.0,
+) -> RawResult:
+    """Stream ``total_bytes`` up and down ``repeats`` times each (after a warm-up)."""
+    data = payload(total_bytes)
+    with grpc.insecure_channel(address, options=_channel_options()) as channel:
+        grpc.channel_ready_future(channel).result(timeout=timeout_s)
+        upload = channel.stream_unary(
+            UPLOAD, request_serializer=_identity, response_deserializer=_identity
+        )
+        download = channel.unary_stream(
+            DOWNLOAD, request_serializer=_identity, response_deserializer=_identity
+        )
+
+        def up(size: int) -> int:
+            reply = upload(_slices(data, chunk_bytes, size), timeout=timeout_s)
+            return int(_COUNT.unpack(reply)[0])
+
+        def down(size: int) -> int:
+            stream = download(_REQUEST.pack(size, chunk_bytes), timeout=timeout_s)
+            return sum(len(chunk) for chunk in stream)
+
+        warm = min(total_bytes, 8 * chunk_bytes)
+        _timed(lambda: up(warm), warm)
+        _timed(lambda: down(warm), warm)
+        up_s = [_timed(lambda: up(total_bytes), total_bytes) for _ in range(repeats)]
+        down_s = [_timed(lambda: down(total_bytes), total_bytes) for _ in range(repeats)]
+    return RawResult(
+        total_bytes=total_bytes,
+        chunk_bytes=chunk_bytes,
+        repeats=repeats,
+        upload_bps=total_bytes / statistics.median(up_s),
+        download_bps=total_bytes / statistics.median(down_s),
+        upload_runs_s=up_s,
+        download_runs_s=down_s,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="serve raw bytes; prints PORT <n>")
+    s.add_argument("--payload-mib", type=int, default=64, help="server-side payload to cycle")
+    c = sub.add_parser("client", help="measure against a running server")
+    c.add_argument("--port", type=int, required=True)
+    c.add_argument("--total-mib", type=int, default=512)
+    c.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        serve(args.payload_mib * 1024 * 1024)
+        return
+    result = measure(f"127.0.0.1:{args.port}", args.total_mib * 1024 * 1024, repeats=args.repeats)
+    print(
+        f"upload {result.upload_bps / 1e6:.0f} MB/s, download {result.download_bps / 1e6:.0f} MB/s"
+    )
+
+
+if __name__ == "__main__":
+    main()
