@@ -173,6 +173,7 @@ def test_crash_between_checkpoint_and_commit_loses_nothing(cluster: LocalCluster
         reference = admin.export_model(reference_id)
     assert cluster.coordinator is not None
     assert cluster.coordinator.stop() == 0  # SIGTERM: a graceful stop
+    assert not (cluster.state_dir / "coordinator.json").exists(), "stale readiness file"
 
     cluster.start_coordinator(
         port=port, flags=FAST, extra_env={"FEDRA_FAULT_CRASH": "before_commit:2"}

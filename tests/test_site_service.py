@@ -350,3 +350,57 @@ def test_unknown_run_is_not_found(coordinator: InProcessCoordinator) -> None:
         with pytest.raises(grpc.RpcError) as info:
             call(request)
         assert info.value.code() == grpc.StatusCode.NOT_FOUND and "nope" in info.value.details()
+
+
+def test_round_without_quorum_is_retried_then_the_run_fails_with_the_reason(
+    coordinator: InProcessCoordinator,
+) -> None:
+    register(coordinator, *SITES)
+    run_id = submit(coordinator, round_deadline_s=0.5, max_round_attempts=2)
+    for status in coordinator.admin.WatchRun(admin_pb2.WatchRunRequest(run_id=run_id), timeout=30):
+        if status.state == "failed":
+            break
+    else:
+        raise AssertionError("the run did not fail")
+    assert "round 0 attempt 2: 0 of the 1 required updates" in status.reason
+    assert "gave up after 2 attempts" in status.reason
+    (r0,) = status.rounds
+    assert r0.status == "open" and r0.attempt == 2
+    assert [p.attempt for p in r0.participations] == [1, 2]
+    assert {p.status for p in r0.participations} == {"expired"}
+    # Nothing is left for the sites to do.
+    for site in SITES:
+        r = coordinator.site.PollTask(site_pb2.PollTaskRequest(site_id=site), timeout=10)
+        assert not r.HasField("task")
+
+
+def test_cancel_withdraws_the_task(coordinator: InProcessCoordinator) -> None:
+    run_id, tasks = start_round_one(coordinator)
+    site, task = sorted(tasks.items())[0]
+    beat = site_pb2.HeartbeatRequest(site_id=site, task_id=task.task_id)
+    assert coordinator.site.Heartbeat(beat).task_current
+    state = coordinator.admin.CancelRun(admin_pb2.CancelRunRequest(run_id=run_id)).state
+    assert state == "cancelled"
+    for status in coordinator.admin.WatchRun(admin_pb2.WatchRunRequest(run_id=run_id), timeout=30):
+        if status.state == "cancelled":
+            break
+    assert not coordinator.site.Heartbeat(beat).task_current
+    refused(
+        coordinator,
+        messages(task, site, delta_payload()),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "closed",
+    )
+    with pytest.raises(grpc.RpcError) as info:
+        coordinator.admin.CancelRun(admin_pb2.CancelRunRequest(run_id=run_id))
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "already cancelled" in info.value.details()
+
+
+def test_health_service_reports_serving(coordinator: InProcessCoordinator) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    health = health_pb2_grpc.HealthStub(coordinator.channel)
+    for service in ("", "fedra.v1.SiteService", "fedra.v1.AdminService"):
+        reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
