@@ -17,6 +17,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from fedra.storage import models as m
+from fedra.storage import rows
 from fedra.storage.migrate import upgrade
 from fedra.storage.records import (
     CheckpointRecord,
@@ -117,8 +118,8 @@ class Store:
 
     def list_sites(self) -> list[SiteRecord]:
         with self._tx() as s:
-            rows = s.scalars(select(m.Site).order_by(m.Site.id)).all()
-            return [_site(r) for r in rows]
+            found = s.scalars(select(m.Site).order_by(m.Site.id)).all()
+            return [rows.site_record(r) for r in found]
 
     # -- runs ----------------------------------------------------------------
 
@@ -139,19 +140,19 @@ class Store:
             )
             s.add(row)
             s.flush()
-            return _run(row)
+            return rows.run_record(row)
 
     def get_run(self, run_id: str) -> RunRecord | None:
         with self._tx() as s:
             row = s.get(m.Run, run_id)
-            return None if row is None else _run(row)
+            return None if row is None else rows.run_record(row)
 
     def list_runs(self, states: Sequence[str] | None = None) -> list[RunRecord]:
         with self._tx() as s:
             q = select(m.Run).order_by(m.Run.created_at, m.Run.id)
             if states is not None:
                 q = q.where(m.Run.state.in_(list(states)))
-            return [_run(r) for r in s.scalars(q).all()]
+            return [rows.run_record(r) for r in s.scalars(q).all()]
 
     def set_run_state(self, run_id: str, state: str, reason: str, now: float) -> None:
         with self._tx() as s:
@@ -220,12 +221,12 @@ class Store:
             row = s.scalars(
                 select(m.Round).where(m.Round.run_id == run_id, m.Round.state == "open")
             ).one_or_none()
-            return None if row is None else _round(row)
+            return None if row is None else rows.round_record(row)
 
     def list_rounds(self, run_id: str) -> list[RoundRecord]:
         with self._tx() as s:
             q = select(m.Round).where(m.Round.run_id == run_id).order_by(m.Round.number)
-            return [_round(r) for r in s.scalars(q).all()]
+            return [rows.round_record(r) for r in s.scalars(q).all()]
 
     def list_participations(
         self, run_id: str, round_number: int | None = None, attempt: int | None = None
@@ -239,12 +240,12 @@ class Store:
             q = q.order_by(
                 m.Participation.round_number, m.Participation.attempt, m.Participation.site_id
             )
-            return [_participation(r) for r in s.scalars(q).all()]
+            return [rows.participation_record(r) for r in s.scalars(q).all()]
 
     def get_participation(self, task_id: str) -> ParticipationRecord | None:
         with self._tx() as s:
             row = s.get(m.Participation, task_id)
-            return None if row is None else _participation(row)
+            return None if row is None else rows.participation_record(row)
 
     def mark_downloaded(self, task_id: str, bytes_down: int, download_s: float) -> None:
         # Add in the database, not in Python: two downloads of one task recorded at
@@ -366,7 +367,7 @@ class Store:
                 .order_by(m.Checkpoint.round_number.desc())
                 .limit(1)
             ).one_or_none()
-            return None if row is None else _checkpoint(row)
+            return None if row is None else rows.checkpoint_record(row)
 
     def get_checkpoint(self, run_id: str, round_number: int) -> CheckpointRecord | None:
         with self._tx() as s:
@@ -375,12 +376,15 @@ class Store:
                     m.Checkpoint.run_id == run_id, m.Checkpoint.round_number == round_number
                 )
             ).one_or_none()
-            return None if row is None else _checkpoint(row)
+            return None if row is None else rows.checkpoint_record(row)
 
     def list_checkpoints(self, run_id: str) -> list[CheckpointRecord]:
         with self._tx() as s:
             q = select(m.Checkpoint).where(m.Checkpoint.run_id == run_id)
-            return [_checkpoint(r) for r in s.scalars(q.order_by(m.Checkpoint.round_number)).all()]
+            return [
+                rows.checkpoint_record(r)
+                for r in s.scalars(q.order_by(m.Checkpoint.round_number)).all()
+            ]
 
     # -- ledger ----------------------------------------------------------------
 
@@ -408,7 +412,7 @@ class Store:
     def list_events(self, run_id: str) -> list[EventRecord]:
         with self._tx() as s:
             q = select(m.Event).where(m.Event.run_id == run_id).order_by(m.Event.id)
-            return [_event(r) for r in s.scalars(q).all()]
+            return [rows.event_record(r) for r in s.scalars(q).all()]
 
     @staticmethod
     def _participation_row(s: Session, task_id: str) -> m.Participation:
@@ -416,85 +420,3 @@ class Store:
         if row is None:
             raise NotFoundError(task_id)
         return row
-
-
-def _run(r: m.Run) -> RunRecord:
-    return RunRecord(
-        id=r.id,
-        name=r.name,
-        task=r.task,
-        spec_json=r.spec_json,
-        state=r.state,
-        reason=r.reason,
-        rounds_completed=r.rounds_completed,
-        created_at=r.created_at,
-        updated_at=r.updated_at,
-    )
-
-
-def _site(r: m.Site) -> SiteRecord:
-    return SiteRecord(
-        id=r.id,
-        tasks=tuple(json.loads(r.tasks_json)),
-        version=r.version,
-        registered_at=r.registered_at,
-        last_seen_at=r.last_seen_at,
-    )
-
-
-def _round(r: m.Round) -> RoundRecord:
-    return RoundRecord(
-        run_id=r.run_id,
-        number=r.number,
-        attempt=r.attempt,
-        state=r.state,
-        sampled=tuple(json.loads(r.sampled_json)),
-        opened_at=r.opened_at,
-        deadline_at=r.deadline_at,
-        closed_at=r.closed_at,
-        metrics=json.loads(r.metrics_json),
-    )
-
-
-def _participation(r: m.Participation) -> ParticipationRecord:
-    return ParticipationRecord(
-        task_id=r.task_id,
-        run_id=r.run_id,
-        round_number=r.round_number,
-        attempt=r.attempt,
-        site_id=r.site_id,
-        state=r.state,
-        assigned_at=r.assigned_at,
-        update_sha256=r.update_sha256,
-        num_samples=r.num_samples,
-        bytes_down=r.bytes_down,
-        bytes_up=r.bytes_up,
-        download_s=r.download_s,
-        upload_s=r.upload_s,
-        metrics=json.loads(r.metrics_json),
-        error=r.error,
-        finished_at=r.finished_at,
-    )
-
-
-def _checkpoint(r: m.Checkpoint) -> CheckpointRecord:
-    return CheckpointRecord(
-        run_id=r.run_id,
-        round_number=r.round_number,
-        model_sha256=r.model_sha256,
-        model_bytes=r.model_bytes,
-        optimizer_sha256=r.optimizer_sha256,
-        created_at=r.created_at,
-    )
-
-
-def _event(r: m.Event) -> EventRecord:
-    return EventRecord(
-        id=r.id,
-        run_id=r.run_id,
-        round_number=r.round_number,
-        kind=r.kind,
-        message=r.message,
-        data=json.loads(r.data_json),
-        created_at=r.created_at,
-    )
