@@ -56,6 +56,37 @@ class Task(Protocol):
         ...
 
 
+@runtime_checkable
+class ParallelTask(Task, Protocol):
+    """A task a site may train across several local processes with a parallel plan.
+
+    The site's trainer owns the loop: it draws the step's global batch, splits it as
+    the plan requires (data-parallel ranks take equal slices of the batch dimension),
+    and calls ``loss``, which must be a mean over the batch so that every plan computes
+    the same gradient as one process would.
+    """
+
+    def batch(
+        self, data: Any, settings: FitSettings, step: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The global (inputs, targets) of optimiser step ``step``; deterministic."""
+        ...
+
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Mean loss of a batch (or microbatch)."""
+        ...
+
+    def optimizer(
+        self, params: list[torch.nn.Parameter], settings: FitSettings
+    ) -> torch.optim.Optimizer:
+        """The local (inner) optimiser."""
+        ...
+
+    def num_steps(self, data: Any, settings: FitSettings) -> int:
+        """Optimiser steps of one round: ``local_steps`` or epochs' worth."""
+        ...
+
+
 class TaskLoadError(Exception):
     """An entry point that cannot be imported or does not name a task."""
 

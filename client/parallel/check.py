@@ -1,0 +1,118 @@
+"""Equivalence check of a parallel plan against one process, launched with torchrun.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 \\
+        -m fedra.client.parallel.check --plan tp --steps 3 --out tp.json
+
+Every rank trains the reference character-level GPT with the plan; rank 0 also
+trains it alone, compares the loss curves and the final parameters, and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fedra.client.parallel.plan import PlanOptions, SingleRunner, World, broadcast_module, get_plan
+from fedra.client.parallel.trainer import train
+from fedra.client.task import FitSettings
+from fedra.examples.charlm import task
+
+
+def _args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--plan", required=True)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--experts", type=int, default=0, help="MoE experts (0: dense)")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--d-model", type=int, default=32)
+    p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--tp-size", type=int, default=0)
+    p.add_argument("--pp-size", type=int, default=0)
+    p.add_argument("--schedule", default="1f1b")
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--no-reference", action="store_true", help="skip the one-process run")
+    p.add_argument("--out", required=True)
+    return p.parse_args()
+
+
+def _init() -> World:
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend)
+    return World.current()
+
+
+def main() -> None:
+    args = _args()
+    torch.set_num_threads(1)
+    world = _init()
+    params = {
+        "n_layers": str(args.layers),
+        "d_model": str(args.d_model),
+        "n_heads": "4",
+        "d_ff": str(4 * args.d_model),
+        "seq_len": str(args.seq_len),
+        "n_experts": str(args.experts),
+        "top_k": "2" if args.experts > 1 else "1",
+        "moe_every": "1",
+    }
+    settings = FitSettings(args.steps, 0, args.batch_size, args.lr, seed=0, params=params)
+    options = PlanOptions(args.tp_size, args.pp_size, args.schedule, args.microbatches)
+    data = task.load_data({"part": 0, "num_parts": 1, "max_bytes": 200_000})
+
+    model = task.create_model(0, params).to(world.device)
+    broadcast_module(model)
+    runner = get_plan(args.plan)(model, world, options)
+    stats = train(runner, task, data, settings, world)
+    full = runner.full_state_dict()
+    if world.rank == 0:
+        assert full is not None
+        report: dict[str, Any] = {"plan": args.plan, "world": world.size, "backend": world.backend}
+        report.update(losses=stats.losses, tokens_per_s=stats.tokens / stats.seconds)
+        if not args.no_reference:
+            report.update(_compare(full, settings, data, params, world))
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _compare(
+    full: dict[str, torch.Tensor],
+    settings: FitSettings,
+    data: Any,
+    params: dict[str, str],
+    world: World,
+) -> dict[str, Any]:
+    reference = task.create_model(0, params).to(world.device)
+    ref_runner = SingleRunner(reference)
+    ref_stats = train(ref_runner, task, data, settings, World(0, 1, world.backend, world.device))
+    ref_state = ref_runner.full_state_dict()
+    assert ref_state is not None
+    missing = sorted(set(ref_state) ^ set(full))
+    diffs = {
+        name: float((full[name].float() - ref.float()).abs().max())
+        if full[name].shape == ref.shape
+        else float("inf")
+        for name, ref in ref_state.items()
+        if name in full
+    }
+    return {
+        "reference_losses": ref_stats.losses,
+        "reference_tokens_per_s": ref_stats.tokens / ref_stats.seconds,
+        "mismatched_names": missing,
+        "max_abs_diff": max(diffs.values(), default=float("inf")),
+        "worst_param": max(diffs, key=lambda k: diffs[k]) if diffs else "",
+    }
+
+
+if __name__ == "__main__":
+    main()
