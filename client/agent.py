@@ -19,7 +19,9 @@ import torch
 
 from fedra.client.config import SiteConfig
 from fedra.client.connection import TRANSIENT, Assignment, Connection, Session, new_nonce
-from fedra.client.task import FitSettings, Task, load_task
+from fedra.client.executor import Executor, LocalExecutor
+from fedra.client.task import FitSettings, ParallelTask, Task, load_task
+from fedra.config import ConfigError
 from fedra.faults import crash_point
 from fedra.retry import Backoff
 
@@ -36,21 +38,33 @@ _TASK_GONE = frozenset(
 
 
 class SiteAgent:
-    def __init__(self, config: SiteConfig, stop: threading.Event | None = None) -> None:
+    def __init__(
+        self,
+        config: SiteConfig,
+        executor: Executor | None = None,
+        tasks: dict[str, Task] | None = None,
+        data: dict[str, Any] | None = None,
+    ) -> None:
         self.config = config
-        self.stop = stop or threading.Event()
-        # Import every allowed task up front: a broken install fails at start, not mid-round.
-        self.tasks: dict[str, Task] = {ep: load_task(ep) for ep in config.allowed_tasks}
-        # Data too: a bad [data] table is an error at start, and round 1 is not slowed by it.
-        self._data: dict[str, Any] = {ep: t.load_data(config.data) for ep, t in self.tasks.items()}
+        self.stop = threading.Event()
+        self.tasks = tasks if tasks is not None else load_tasks(config)
+        self._data = data if data is not None else load_data(config, self.tasks)
+        self.executor: Executor = executor or LocalExecutor()
+        self.current: Assignment | None = None
         self.conn = Connection(config.coordinator, config.site_id)
         self.backoff = Backoff(cap_s=config.reconnect_max_s)
         self.tag = f"site {config.site_id}"
         self.rounds_done = 0
 
-    def shutdown(self) -> None:
-        """Stop serving: cancels a long poll in flight (safe from a signal handler)."""
+    def shutdown(self, reason: str = "") -> None:
+        """Stop serving: report a task in flight as failed, cancel a long poll.
+
+        Safe from a signal handler.
+        """
         self.stop.set()
+        task = self.current
+        if task is not None and reason:
+            self._report(task, reason)
         self.conn.close()
 
     def run(self) -> None:
@@ -68,8 +82,9 @@ class SiteAgent:
                     raise
                 delay = self.backoff.next_delay_s()
                 log.warning(
-                    "%s: coordinator unreachable (%s); retrying in %.1f s",
+                    "%s: coordinator %s unreachable (%s); retrying in %.1f s",
                     self.tag,
+                    self.config.coordinator,
                     exc.code().name,
                     delay,
                 )
@@ -88,6 +103,7 @@ class SiteAgent:
             self.conn.report_failure(task.task_id, f"task {task.entry_point!r} is not allowed here")
             return
         beat = _Heartbeat(self.conn, task.task_id, session.heartbeat_interval_s)
+        self.current = task
         try:
             with beat:
                 self._train_and_upload(task, session, tag, beat)
@@ -96,9 +112,13 @@ class SiteAgent:
                 log.warning("%s: task dropped: %s", tag, exc.details())
                 return
             raise
-        except Exception as exc:  # the task's own code failed: say so, keep serving
+        except Exception as exc:  # the task's own code or the local world failed: say so
             log.exception("%s: training failed", tag)
             self._report(task, f"{type(exc).__name__}: {exc}")
+            if self.executor.fatal_errors:
+                raise  # the local world may be broken: exit, and let it be restarted
+        finally:
+            self.current = None
 
     def _report(self, task: Assignment, reason: str) -> None:
         try:
@@ -149,9 +169,11 @@ class SiteAgent:
             seed=_fit_seed(task, self.config.site_id),
             params=task.train.params,
         )
-        result = impl.fit(model, data, settings)
-        metrics.update({k: float(v) for k, v in result.metrics.items()})
-        return delta(model.state_dict(), global_state), result.num_samples, metrics
+        trained, num_samples, fit_metrics = self.executor.train(
+            impl, task.entry_point, task.round, model, data, settings
+        )
+        metrics.update(fit_metrics)
+        return delta(trained, global_state), num_samples, metrics
 
     def _upload(
         self,
@@ -174,6 +196,25 @@ class SiteAgent:
                     "%s: upload failed (%s); retrying in %.1f s", self.tag, exc.code().name, delay
                 )
                 self.stop.wait(delay)
+
+
+def load_tasks(config: SiteConfig) -> dict[str, Task]:
+    """Import every allowed task up front: a broken install fails at start, not mid-round."""
+    tasks = {ep: load_task(ep) for ep in config.allowed_tasks}
+    if config.parallel.nproc > 1:
+        for ep, impl in tasks.items():
+            if not isinstance(impl, ParallelTask):
+                raise ConfigError(
+                    f"parallel.plan: task {ep!r} cannot run with plan {config.parallel.plan!r}: "
+                    "it does not implement ParallelTask (batch, loss, optimizer, num_steps, "
+                    "num_samples)"
+                )
+    return tasks
+
+
+def load_data(config: SiteConfig, tasks: dict[str, Task]) -> dict[str, Any]:
+    """Data too: a bad [data] table is an error at start, and round 1 is not slowed by it."""
+    return {ep: impl.load_data(config.data) for ep, impl in tasks.items()}
 
 
 def delta(

@@ -17,7 +17,89 @@ from fedra.config import (
     require,
 )
 
-_KEYS = {"site_id", "coordinator", "allowed_tasks", "data", "reconnect_max_s", "threads"}
+_KEYS = {
+    "site_id",
+    "coordinator",
+    "allowed_tasks",
+    "data",
+    "reconnect_max_s",
+    "threads",
+    "parallel",
+}
+_PARALLEL_KEYS = {
+    "nproc", "plan", "backend", "tp_size", "pp_size", "pp_schedule", "microbatches", "max_restarts",
+}  # fmt: skip
+PLAN_NAMES = ("none", "dp", "fsdp", "tp", "fsdp+tp", "pp", "pp+dp", "ep")
+_TWO_D = {"fsdp+tp": "tp_size", "pp+dp": "pp_size"}
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the site trains across its own processes: the ``[parallel]`` table."""
+
+    nproc: int = 1
+    plan: str = "none"
+    backend: str = "auto"  # auto: nccl when CUDA is present, else gloo
+    tp_size: int = 0
+    pp_size: int = 0
+    pp_schedule: str = "1f1b"
+    microbatches: int = 4
+    max_restarts: int = 100  # local-world restarts after a rank fails
+
+    @staticmethod
+    def from_toml(t: dict[str, Any]) -> ParallelConfig:
+        check_keys(t, _PARALLEL_KEYS, "parallel")
+        c = ParallelConfig(
+            nproc=get(t, "nproc", int, "parallel", 1),
+            plan=get(t, "plan", str, "parallel", "none"),
+            backend=get(t, "backend", str, "parallel", "auto"),
+            tp_size=get(t, "tp_size", int, "parallel", 0),
+            pp_size=get(t, "pp_size", int, "parallel", 0),
+            pp_schedule=get(t, "pp_schedule", str, "parallel", "1f1b"),
+            microbatches=get(t, "microbatches", int, "parallel", 4),
+            max_restarts=get(t, "max_restarts", int, "parallel", 100),
+        )
+        c.validate()
+        return c
+
+    def validate(self) -> None:
+        require(1 <= self.nproc <= 1024, "parallel.nproc", "must be in [1, 1024]", self.nproc)
+        require(
+            self.plan in PLAN_NAMES,
+            "parallel.plan",
+            f"must be one of {', '.join(PLAN_NAMES)}",
+            self.plan,
+        )
+        require(
+            self.backend in ("auto", "gloo", "nccl"),
+            "parallel.backend",
+            "must be auto, gloo or nccl",
+            self.backend,
+        )
+        require(
+            (self.plan == "none") == (self.nproc == 1),
+            "parallel.plan",
+            f"'none' is for nproc = 1, the other plans for nproc > 1 (nproc = {self.nproc})",
+            self.plan,
+        )
+        if self.plan in _TWO_D:
+            key = _TWO_D[self.plan]
+            size = getattr(self, key)
+            ok = 1 < size < self.nproc and self.nproc % size == 0
+            require(
+                ok,
+                f"parallel.{key}",
+                f"must divide nproc = {self.nproc} and lie in (1, nproc)",
+                size,
+            )
+        require(
+            self.pp_schedule in ("gpipe", "1f1b"),
+            "parallel.pp_schedule",
+            "must be gpipe or 1f1b",
+            self.pp_schedule,
+        )
+        require(self.microbatches >= 1, "parallel.microbatches", "must be >= 1", self.microbatches)
+        require(self.max_restarts >= 0, "parallel.max_restarts", "must be >= 0", self.max_restarts)
 
 
 @dataclass(frozen=True)
@@ -28,6 +110,7 @@ class SiteConfig:
     data: dict[str, Any] = field(default_factory=dict)  # handed to the task's load_data
     reconnect_max_s: float = 30.0
     threads: int = 0  # torch intra-op threads; 0 leaves torch's default
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @staticmethod
     def from_toml(doc: dict[str, Any]) -> SiteConfig:
@@ -60,6 +143,7 @@ class SiteConfig:
             data=dict(get(doc, "data", dict, "", {})),
             reconnect_max_s=reconnect,
             threads=threads,
+            parallel=ParallelConfig.from_toml(get(doc, "parallel", dict, "", {})),
         )
 
     @staticmethod

@@ -14,6 +14,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from fedra.config import ConfigError
+
 
 @dataclass(frozen=True)
 class FitSettings:
@@ -86,8 +88,12 @@ class ParallelTask(Task, Protocol):
         """Optimiser steps of one round: ``local_steps`` or epochs' worth."""
         ...
 
+    def num_samples(self, data: Any) -> int:
+        """Size of the local training set: the site's FedAvg weight."""
+        ...
 
-class TaskLoadError(Exception):
+
+class TaskLoadError(ConfigError):
     """An entry point that cannot be imported or does not name a task."""
 
 

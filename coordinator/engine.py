@@ -122,6 +122,13 @@ class Engine:
         if not tasks:
             raise InvalidArgument("tasks: a site must serve at least one task")
         now = self.clock()
+        with self.lock:
+            if self._polling[site_id] > 0:
+                log.warning(
+                    "site %s registered again while another connection of it is polling: "
+                    "are two processes using the same site_id?",
+                    site_id,
+                )
         self.store.upsert_site(site_id, tasks, version, now)
         with self.lock:
             self._site_tasks[site_id] = tuple(tasks)
@@ -286,6 +293,13 @@ class Engine:
         log.info(
             "run %s: submitted (%s, %d rounds, %s)", run_id, spec.task, spec.rounds, spec.strategy
         )
+        with self.lock:
+            if not any(spec.task in tasks for tasks in self._site_tasks.values()):
+                log.warning(
+                    "run %s: no known site serves %s; its rounds wait until one registers",
+                    run_id,
+                    spec.task,
+                )
         self._launch(ActiveRun(run_id=run_id, spec=spec, optimizer=ServerOptimizer(spec)))
         return run_id
 

@@ -77,7 +77,8 @@ class RoundDriver:
                 ):
                     break
                 run.waiting_reason = (
-                    f"round {number}: waiting for sites, {len(eligible)} of {wanted} online"
+                    f"round {number}: waiting for online sites serving {spec.task}: "
+                    f"{len(eligible)} eligible, want {wanted} (quorum {quorum})"
                 )
                 engine.changed.wait(_RECHECK_S)
             # Keyed by the spec's seed alone, so the same spec samples the same sites.

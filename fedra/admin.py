@@ -4,22 +4,26 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
-import torch
 
-from fedra.protos.codec import DEFAULT_CHUNK_BYTES, decode_chunks
 from fedra.protos.serde import runspec_to_proto
 from fedra.protos.v1 import admin_pb2, admin_pb2_grpc
 from fedra.runspec import RunSpec
 
+if TYPE_CHECKING:
+    import torch
+
+# Admin commands import torch (seconds) only to export a model.
+_MAX_MESSAGE = 5 * 1024 * 1024  # a 4 MiB chunk and its envelope
+
 
 class AdminClient:
     def __init__(self, address: str, timeout_s: float = 30.0) -> None:
-        limit = DEFAULT_CHUNK_BYTES + 1024 * 1024
         self.channel = grpc.insecure_channel(
             address,
-            options=[("grpc.max_receive_message_length", limit)],
+            options=[("grpc.max_receive_message_length", _MAX_MESSAGE)],
         )
         self.stub = admin_pb2_grpc.AdminServiceStub(self.channel)
         self.timeout_s = timeout_s
@@ -62,15 +66,21 @@ class AdminClient:
             yield chunk.data
 
     def export_model(self, run_id: str, round_number: int | None = None) -> dict[str, torch.Tensor]:
+        from fedra.protos.codec import decode_chunks  # noqa: PLC0415 - torch on export only
+
         return decode_chunks(self.export_chunks(run_id, round_number))
 
     def export_to_file(self, run_id: str, path: Path, round_number: int | None = None) -> int:
         """Write the model as a .safetensors file; returns its size."""
         tmp = path.with_suffix(path.suffix + ".part")
         size = 0
-        with tmp.open("wb") as f:
-            for chunk in self.export_chunks(run_id, round_number):
-                f.write(chunk)
-                size += len(chunk)
+        try:
+            with tmp.open("wb") as f:
+                for chunk in self.export_chunks(run_id, round_number):
+                    f.write(chunk)
+                    size += len(chunk)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         tmp.replace(path)
         return size

@@ -10,9 +10,12 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
+from google.protobuf.message import Message
 
 from fedra.config import ConfigError, load_toml
 from fedra.protos.v1 import admin_pb2
@@ -65,6 +68,15 @@ def _cmd_site(args: argparse.Namespace) -> int:
         config = SiteConfig.from_toml({**load_toml(args.config), "coordinator": args.coordinator})
     if config.threads:
         torch.set_num_threads(config.threads)
+    if config.parallel.nproc > 1:
+        from fedra.client.launch import launch_world
+
+        if args.coordinator:
+            raise ConfigError(
+                "--coordinator: not supported with [parallel] nproc > 1; edit the file"
+            )
+        launch_world(config, Path(args.config))
+        return 0
     agent = SiteAgent(config)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: agent.shutdown())
@@ -185,9 +197,46 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(options)
 
 
-def status_to_dict(status: admin_pb2.RunStatus) -> dict[str, object]:
+def status_to_dict(status: admin_pb2.RunStatus) -> dict[str, Any]:
+    """The status as JSON-ready data; 64-bit integers stay numbers (protobuf's JSON makes
+    them strings)."""
+    return _int64_as_int(status, _message_dict(status))
+
+
+_INT64_TYPES = {
+    FieldDescriptor.TYPE_INT64,
+    FieldDescriptor.TYPE_UINT64,
+    FieldDescriptor.TYPE_SINT64,
+    FieldDescriptor.TYPE_FIXED64,
+    FieldDescriptor.TYPE_SFIXED64,
+}
+
+
+def _int64_as_int(message: Message, data: dict[str, Any]) -> dict[str, Any]:
+    for field in message.DESCRIPTOR.fields:
+        if (
+            field.name not in data
+            or (field.message_type is not None
+            and field.message_type.GetOptions().map_entry)
+        ):
+            continue
+        value = getattr(message, field.name)
+        repeated = field.is_repeated
+        if field.type in _INT64_TYPES:
+            data[field.name] = [int(v) for v in value] if repeated else int(value)
+        elif field.type == FieldDescriptor.TYPE_MESSAGE:
+            if repeated:
+                data[field.name] = [
+                    _int64_as_int(m, d) for m, d in zip(value, data[field.name], strict=True)
+                ]
+            else:
+                data[field.name] = _int64_as_int(value, data[field.name])
+    return data
+
+
+def _message_dict(message: Message) -> dict[str, Any]:
     return MessageToDict(
-        status, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+        message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
     )
 
 

@@ -69,10 +69,17 @@ def _toml_value(value: Any) -> str:
     raise TypeError(f"cannot write {type(value).__name__} to TOML")
 
 
-def write_site_config(path: Path, site: Mapping[str, Any], data: Mapping[str, Any]) -> Path:
-    """Write a site.toml with top-level keys ``site`` and a ``[data]`` table."""
+def write_site_config(
+    path: Path,
+    site: Mapping[str, Any],
+    data: Mapping[str, Any],
+    parallel: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write a site.toml: top-level keys ``site``, a ``[data]`` and a ``[parallel]`` table."""
     lines = [f"{k} = {_toml_value(v)}" for k, v in site.items()]
     lines += ["", "[data]"] + [f"{k} = {_toml_value(v)}" for k, v in data.items()]
+    if parallel:
+        lines += ["", "[parallel]"] + [f"{k} = {_toml_value(v)}" for k, v in parallel.items()]
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -137,8 +144,9 @@ class LocalCluster:
         extra_env: Mapping[str, str] | None = None,
         threads: int = 1,
         reconnect_max_s: float = 2.0,
+        parallel: Mapping[str, Any] | None = None,
     ) -> ManagedProcess:
-        """Write ``<site_id>.toml`` and start ``fedra site`` on it."""
+        """Write ``<site_id>.toml`` (with an optional ``[parallel]`` table) and start it."""
         site = {
             "site_id": site_id,
             "coordinator": self.address,
@@ -146,7 +154,7 @@ class LocalCluster:
             "threads": threads,
             "reconnect_max_s": reconnect_max_s,
         }
-        config = write_site_config(self.state_dir / f"{site_id}.toml", site, data)
+        config = write_site_config(self.state_dir / f"{site_id}.toml", site, data, parallel)
         proc = self._spawn(site_id, ["site", "--config", str(config)], extra_env)
         self.sites[site_id] = proc
         return proc

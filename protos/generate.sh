@@ -16,7 +16,7 @@ cd "$root"
 # modules import each other as fedra.protos.v1.*.
 "$python" -m grpc_tools.protoc -I . \
   --python_out="$out" --grpc_python_out="$out" \
-  --mypy_out="$out" --mypy_grpc_out="$out" \
+  --mypy_out=quiet:"$out" --mypy_grpc_out=quiet:"$out" \
   fedra/protos/v1/*.proto
 
 generated=$(cd "$out/fedra/protos/v1" && ls)

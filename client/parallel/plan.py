@@ -117,7 +117,7 @@ class SingleRunner:
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn) -> torch.Tensor | None:
         loss = loss_fn(self.model(x), y)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         return loss.detach()
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:

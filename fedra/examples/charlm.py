@@ -101,11 +101,14 @@ class CharLMTask:
         tokens_per_step = settings.batch_size * self._seq_len(settings)
         return max(1, settings.local_epochs * len(data.train) // tokens_per_step)
 
+    def num_samples(self, data: CharLMData) -> int:
+        return len(data.train)
+
     def batch(
         self, data: CharLMData, settings: FitSettings, step: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         seq = self._seq_len(settings)
-        g = torch.Generator().manual_seed(settings.seed * 1_000_003 + step)
+        g = torch.Generator().manual_seed((settings.seed * 1_000_003 + step) % 2**63)
         return _windows(data.train, settings.batch_size, seq, g)
 
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -128,7 +131,7 @@ class CharLMTask:
             x, y = self.batch(data, settings, step)
             loss = self.loss(model(x), y)
             opt.zero_grad()
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
             opt.step()
             losses.append(float(loss.detach()))
         seconds = time.perf_counter() - started

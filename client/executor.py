@@ -1,0 +1,142 @@
+"""How a site trains a task: in this process, or across its local world with a plan.
+
+The agent (rank 0) hands an executor the global model and gets back the trained,
+full, unsharded state and metrics; it never needs to know which plan ran.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import asdict
+from typing import Any, Protocol
+
+import torch
+
+from fedra.client.config import ParallelConfig
+from fedra.client.parallel.plan import PlanOptions, World, broadcast_module, get_plan
+from fedra.client.parallel.trainer import train
+from fedra.client.task import FitSettings, ParallelTask, Task
+from fedra.client.world import ControlChannel
+from fedra.faults import crash_point
+
+log = logging.getLogger("fedra.site")
+
+
+class Executor(Protocol):
+    def train(
+        self,
+        impl: Task,
+        entry_point: str,
+        round_number: int,
+        model: torch.nn.Module,
+        data: Any,
+        settings: FitSettings,
+    ) -> tuple[dict[str, torch.Tensor], int, dict[str, float]]:
+        """Train ``model`` (it holds the global weights): (trained state, samples, metrics)."""
+        ...
+
+    def close(self) -> None: ...
+
+    @property
+    def fatal_errors(self) -> bool:
+        """Whether a failed task leaves this executor unusable (the site must restart)."""
+        ...
+
+
+class LocalExecutor:
+    """One process: the task's own ``fit``."""
+
+    fatal_errors = False
+
+    def train(
+        self,
+        impl: Task,
+        entry_point: str,
+        round_number: int,
+        model: torch.nn.Module,
+        data: Any,
+        settings: FitSettings,
+    ) -> tuple[dict[str, torch.Tensor], int, dict[str, float]]:
+        result = impl.fit(model, data, settings)
+        state = {k: v.detach() for k, v in model.state_dict().items()}
+        return state, result.num_samples, dict(result.metrics)
+
+    def close(self) -> None:
+        pass
+
+
+def plan_options(config: ParallelConfig) -> PlanOptions:
+    return PlanOptions(config.tp_size, config.pp_size, config.pp_schedule, config.microbatches)
+
+
+def train_in_world(
+    impl: ParallelTask,
+    model: torch.nn.Module,
+    data: Any,
+    settings: FitSettings,
+    round_number: int,
+    config: ParallelConfig,
+    world: World,
+) -> tuple[dict[str, torch.Tensor] | None, dict[str, float]]:
+    """Every rank: take rank 0's weights, apply the plan, train, gather the full state."""
+    model = model.to(world.device)
+    broadcast_module(model)  # rank 0 holds the global model
+    crash_point(f"rank{world.rank}_train", round_number)
+    runner = get_plan(config.plan)(model, world, plan_options(config))
+    stats = train(runner, impl, data, settings, world)
+    return runner.full_state_dict(), stats.metrics()
+
+
+class WorldExecutor:
+    """Rank 0 of a local world: tells the other ranks what to train, then trains with them."""
+
+    # A rank that failed mid-collective leaves the process group unusable.
+    fatal_errors = True
+
+    def __init__(self, config: ParallelConfig, world: World, control: ControlChannel) -> None:
+        self.config, self.world, self.control = config, world, control
+
+    def train(
+        self,
+        impl: Task,
+        entry_point: str,
+        round_number: int,
+        model: torch.nn.Module,
+        data: Any,
+        settings: FitSettings,
+    ) -> tuple[dict[str, torch.Tensor], int, dict[str, float]]:
+        if not isinstance(impl, ParallelTask):
+            raise TypeError(f"task {entry_point!r} does not support parallel plans")
+        message = {"cmd": "train", "entry_point": entry_point, "round": round_number}
+        message["settings"] = {**asdict(settings), "params": dict(settings.params)}
+        self.control.send(message)
+        state, metrics = train_in_world(
+            impl, model, data, settings, round_number, self.config, self.world
+        )
+        assert state is not None  # rank 0 receives the full state
+        return state, impl.num_samples(data), metrics
+
+    def close(self) -> None:
+        self.control.send({"cmd": "stop"})
+
+
+def follow(
+    tasks: Mapping[str, Task],
+    data: Mapping[str, Any],
+    config: ParallelConfig,
+    world: World,
+    control: ControlChannel,
+) -> None:
+    """Ranks other than 0: train whatever rank 0 says until it says stop."""
+    while True:
+        message = control.recv()
+        if message["cmd"] == "stop":
+            return
+        impl = tasks[message["entry_point"]]
+        assert isinstance(impl, ParallelTask)
+        settings = FitSettings(**message["settings"])
+        model = impl.create_model(settings.seed, settings.params)
+        train_in_world(
+            impl, model, data[message["entry_point"]], settings, message["round"], config, world
+        )
