@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import torch
 
 from fedra.client.config import ParallelConfig
+from fedra.client.parallel.extract import HostStager
 from fedra.client.parallel.plan import PlanOptions, World, broadcast_module, get_plan
 from fedra.client.parallel.trainer import train
 from fedra.client.task import FitSettings, ParallelTask, Task
@@ -45,9 +46,14 @@ class Executor(Protocol):
 
 
 class LocalExecutor:
-    """One process: the task's own ``fit``."""
+    """One process: the task's own ``fit``, on the GPU when there is one."""
 
     fatal_errors = False
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        cuda = torch.cuda.is_available()
+        self.device = device or torch.device("cuda" if cuda else "cpu")
+        self.stager = HostStager()
 
     def train(
         self,
@@ -58,9 +64,12 @@ class LocalExecutor:
         data: Any,
         settings: FitSettings,
     ) -> tuple[dict[str, torch.Tensor], int, dict[str, float]]:
-        result = impl.fit(model, data, settings)
-        state = {k: v.detach() for k, v in model.state_dict().items()}
-        return state, result.num_samples, dict(result.metrics)
+        result = impl.fit(model.to(self.device), data, settings)
+        state = self.stager.to_host(model.state_dict())
+        metrics = dict(result.metrics)
+        if self.device.type == "cuda":
+            metrics["extract_gbps"] = self.stager.last_gbps
+        return state, result.num_samples, metrics
 
     def close(self) -> None:
         pass

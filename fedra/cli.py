@@ -214,10 +214,8 @@ _INT64_TYPES = {
 
 def _int64_as_int(message: Message, data: dict[str, Any]) -> dict[str, Any]:
     for field in message.DESCRIPTOR.fields:
-        if (
-            field.name not in data
-            or (field.message_type is not None
-            and field.message_type.GetOptions().map_entry)
+        if field.name not in data or (
+            field.message_type is not None and field.message_type.GetOptions().map_entry
         ):
             continue
         value = getattr(message, field.name)

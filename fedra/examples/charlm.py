@@ -8,6 +8,7 @@ mixture-of-experts layers); its size comes from the run's ``[train.params]``.
 
 from __future__ import annotations
 
+import contextlib
 import sysconfig
 import time
 from collections.abc import Mapping
@@ -123,38 +124,52 @@ class CharLMTask:
     def fit(self, model: torch.nn.Module, data: CharLMData, settings: FitSettings) -> FitResult:
         """Single-process training: the reference every parallel plan must match."""
         model.train()
+        device = next(model.parameters()).device
         opt = self.optimizer(list(model.parameters()), settings)
         steps = self.num_steps(data, settings)
-        losses = []
+        loss_sum = torch.zeros((), device=device)  # summed on the device: no sync per step
         started = time.perf_counter()
         for step in range(steps):
-            x, y = self.batch(data, settings, step)
-            loss = self.loss(model(x), y)
+            x, y = (t.to(device, non_blocking=True) for t in self.batch(data, settings, step))
+            with _autocast(device, settings):
+                output = model(x)
+            loss = self.loss(output, y)
             opt.zero_grad()
             loss.backward()  # type: ignore[no-untyped-call]
             opt.step()
-            losses.append(float(loss.detach()))
+            loss_sum += loss.detach()
+        train_loss = float(loss_sum) / steps  # waits for the device to finish
         seconds = time.perf_counter() - started
         tokens = steps * settings.batch_size * self._seq_len(settings)
-        metrics = {"train_loss": sum(losses) / len(losses), "tokens": float(tokens)}
+        metrics = {"train_loss": train_loss, "tokens": float(tokens)}
         metrics["tokens_per_s"] = tokens / max(seconds, 1e-9)
         return FitResult(num_samples=len(data.train), metrics=metrics)
 
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module, data: CharLMData) -> dict[str, float]:
         model.eval()
+        device = next(model.parameters()).device
         seq = model.cfg.seq_len if isinstance(model, GPT) else 64
         g = torch.Generator().manual_seed(0)
         losses = []
         for _ in range(EVAL_BATCHES):
             x, y = _windows(data.eval, EVAL_BATCH_SIZE, seq, g)
-            losses.append(float(self.loss(model(x), y)))
+            losses.append(float(self.loss(model(x.to(device)), y.to(device))))
         model.train()
         return {"loss": sum(losses) / len(losses)}
 
     @staticmethod
     def _seq_len(settings: FitSettings) -> int:
         return int(settings.params.get("seq_len", GPTConfig.seq_len))
+
+
+def _autocast(
+    device: torch.device, settings: FitSettings
+) -> contextlib.AbstractContextManager[None]:
+    """bf16 autocast on CUDA unless the run's params say ``autocast = "none"``."""
+    if device.type == "cuda" and settings.params.get("autocast", "bf16") == "bf16":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def _windows(
