@@ -7,8 +7,9 @@ full, unsharded state and metrics; it never needs to know which plan ran.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 import torch
@@ -16,7 +17,7 @@ import torch
 from fedra.client.config import ParallelConfig
 from fedra.client.parallel.extract import HostStager
 from fedra.client.parallel.plan import PlanOptions, World, broadcast_module, get_plan
-from fedra.client.parallel.trainer import train
+from fedra.client.parallel.trainer import TrainStats, train
 from fedra.client.task import FitSettings, ParallelTask, Task
 from fedra.client.world import ControlChannel
 from fedra.faults import crash_point
@@ -79,22 +80,38 @@ def plan_options(config: ParallelConfig) -> PlanOptions:
     return PlanOptions(config.tp_size, config.pp_size, config.pp_schedule, config.microbatches)
 
 
+@dataclass(frozen=True)
+class WorldResult:
+    state: dict[str, torch.Tensor] | None  # the full trained state on rank 0, None elsewhere
+    stats: TrainStats
+    scatter_s: float  # global model to every rank, plan applied
+    gather_s: float  # full state back on rank 0
+
+    def metrics(self) -> dict[str, float]:
+        return {**self.stats.metrics(), "scatter_s": self.scatter_s, "gather_s": self.gather_s}
+
+
 def train_in_world(
     impl: ParallelTask,
     model: torch.nn.Module,
     data: Any,
     settings: FitSettings,
     round_number: int,
-    config: ParallelConfig,
+    plan: str,
+    options: PlanOptions,
     world: World,
-) -> tuple[dict[str, torch.Tensor] | None, dict[str, float]]:
+) -> WorldResult:
     """Every rank: take rank 0's weights, apply the plan, train, gather the full state."""
+    started = time.perf_counter()
     model = model.to(world.device)
     broadcast_module(model)  # rank 0 holds the global model
     crash_point(f"rank{world.rank}_train", round_number)
-    runner = get_plan(config.plan)(model, world, plan_options(config))
+    runner = get_plan(plan)(model, world, options)
+    scattered = time.perf_counter()
     stats = train(runner, impl, data, settings, world)
-    return runner.full_state_dict(), stats.metrics()
+    trained = time.perf_counter()
+    state = runner.full_state_dict()
+    return WorldResult(state, stats, scattered - started, time.perf_counter() - trained)
 
 
 class WorldExecutor:
@@ -120,11 +137,12 @@ class WorldExecutor:
         message = {"cmd": "train", "entry_point": entry_point, "round": round_number}
         message["settings"] = {**asdict(settings), "params": dict(settings.params)}
         self.control.send(message)
-        state, metrics = train_in_world(
-            impl, model, data, settings, round_number, self.config, self.world
+        options = plan_options(self.config)
+        result = train_in_world(
+            impl, model, data, settings, round_number, self.config.plan, options, self.world
         )
-        assert state is not None  # rank 0 receives the full state
-        return state, impl.num_samples(data), metrics
+        assert result.state is not None  # rank 0 receives the full state
+        return result.state, impl.num_samples(data), result.metrics()
 
     def close(self) -> None:
         self.control.send({"cmd": "stop"})
@@ -146,6 +164,6 @@ def follow(
         assert isinstance(impl, ParallelTask)
         settings = FitSettings(**message["settings"])
         model = impl.create_model(settings.seed, settings.params)
-        train_in_world(
-            impl, model, data[message["entry_point"]], settings, message["round"], config, world
-        )
+        options = plan_options(config)
+        shard = data[message["entry_point"]]
+        train_in_world(impl, model, shard, settings, message["round"], config.plan, options, world)

@@ -91,7 +91,7 @@ def run_demo(options: DemoOptions) -> int:
                 print(f"\nrun {run_id} {final.state}: {final.reason}")
                 return 1
             model = admin.export_model(run_id)
-    return _finish(options, spec, run_id, rounds, _score(model, x_test, y_test), site_ids, started)
+    return _finish(options, spec, run_id, rounds, _score(model, x_test, y_test), started)
 
 
 def _score(state: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
@@ -132,7 +132,6 @@ def _finish(
     run_id: str,
     rounds: list[dict[str, Any]],
     final: dict[str, float],
-    site_ids: list[str],
     started: float,
 ) -> int:
     samples = sum(r["samples_seen"] for r in rounds)
@@ -154,7 +153,7 @@ def _finish(
         summary = {
             "run_id": run_id,
             "spec": json.loads(spec.to_json()),
-            "sites": site_ids,
+            "sites": sorted({s for r in rounds for s in r["sites"]}),  # those that took part
             "rounds": rounds,
             "final": {
                 "accuracy": final["accuracy"],

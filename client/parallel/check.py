@@ -18,7 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fedra.client.parallel.plan import PlanOptions, SingleRunner, World, broadcast_module, get_plan
+from fedra.client.executor import train_in_world
+from fedra.client.parallel.plan import PlanOptions, SingleRunner, World
 from fedra.client.parallel.trainer import train
 from fedra.client.task import FitSettings
 from fedra.examples.charlm import task
@@ -69,15 +70,15 @@ def main() -> None:
     options = PlanOptions(args.tp_size, args.pp_size, args.schedule, args.microbatches)
     data = task.load_data({"part": 0, "num_parts": 1, "max_bytes": 200_000})
 
-    model = task.create_model(0, params).to(world.device)
-    broadcast_module(model)
-    runner = get_plan(args.plan)(model, world, options)
-    stats = train(runner, task, data, settings, world)
-    full = runner.full_state_dict()
+    model = task.create_model(0, params)
+    # The same code path a site's local world runs every round.
+    result = train_in_world(task, model, data, settings, 0, args.plan, options, world)
+    full, stats = result.state, result.stats
     if world.rank == 0:
         assert full is not None
         report: dict[str, Any] = {"plan": args.plan, "world": world.size, "backend": world.backend}
         report.update(losses=stats.losses, tokens_per_s=stats.tokens / stats.seconds)
+        report.update(scatter_s=result.scatter_s, train_s=stats.seconds, gather_s=result.gather_s)
         if not args.no_reference:
             report.update(_compare(full, settings, data, params, world))
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
