@@ -59,7 +59,7 @@ class WeightedSum:
 
 
 class ServerOptimizer:
-    """FedAvg, FedAvgM and FedAdam: x <- x + step(mean delta), with persisted state."""
+    """FedAvg, FedAvgM, FedAdam, FedYogi and DiLoCo: x <- x + step(mean delta), with state."""
 
     def __init__(self, spec: RunSpec) -> None:
         self.kind = spec.strategy
@@ -82,13 +82,26 @@ class ServerOptimizer:
             m = self.state.setdefault(f"m.{name}", torch.zeros_like(delta))
             m.mul_(self.params["momentum"]).add_(delta)
             return m
-        # FedAdam (Reddi et al. 2021), no bias correction as in the paper:
-        # m <- b1 m + (1-b1) d; v <- b2 v + (1-b2) d^2; x <- x + lr m / (sqrt(v) + tau)
+        if self.kind == "diloco":
+            # DiLoCo (Douillard et al. 2023): outer SGD with Nesterov momentum on the
+            # pseudo-gradient g = global - local = -delta, as torch.optim.SGD(nesterov=True):
+            # b <- mu b + g; x <- x - lr (g + mu b). With b' = -b: x <- x + lr (d + mu b').
+            mu = self.params["momentum"]
+            b = self.state.setdefault(f"m.{name}", torch.zeros_like(delta))
+            b.mul_(mu).add_(delta)
+            return delta + mu * b
+        # FedAdam / FedYogi (Reddi et al. 2021), no bias correction as in the paper:
+        # m <- b1 m + (1-b1) d; x <- x + lr m / (sqrt(v) + tau), with
+        # Adam: v <- b2 v + (1-b2) d^2;  Yogi: v <- v - (1-b2) d^2 sign(v - d^2)
         b1, b2, tau = self.params["beta1"], self.params["beta2"], self.params["tau"]
         m = self.state.setdefault(f"m.{name}", torch.zeros_like(delta))
         v = self.state.setdefault(f"v.{name}", torch.zeros_like(delta))
         m.mul_(b1).add_(delta, alpha=1 - b1)
-        v.mul_(b2).addcmul_(delta, delta, value=1 - b2)
+        squared = delta * delta
+        if self.kind == "fedyogi":
+            v.sub_((1 - b2) * squared * torch.sign(v - squared))
+        else:
+            v.mul_(b2).add_(squared, alpha=1 - b2)
         return m / (v.sqrt() + tau)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -102,4 +115,6 @@ _STATE_PARAMS = {
     "fedavg": (),
     "fedavgm": ("momentum",),
     "fedadam": ("beta1", "beta2", "tau"),
+    "fedyogi": ("beta1", "beta2", "tau"),
+    "diloco": ("momentum",),
 }

@@ -30,15 +30,19 @@ class Param:
 
 _POSITIVE = Param(1.0, 0.0, math.inf)
 _UNIT = Param(0.9, 0.0, 1.0, low_inclusive=True)
+_ADAPTIVE = {
+    "server_lr": Param(0.01, 0.0, math.inf),
+    "beta1": _UNIT,
+    "beta2": Param(0.99, 0.0, 1.0, low_inclusive=True),
+    "tau": Param(1e-3, 0.0, math.inf),
+}
 STRATEGY_PARAMS: dict[str, dict[str, Param]] = {
     "fedavg": {"server_lr": _POSITIVE},
     "fedavgm": {"server_lr": _POSITIVE, "momentum": _UNIT},
-    "fedadam": {
-        "server_lr": Param(0.01, 0.0, math.inf),
-        "beta1": _UNIT,
-        "beta2": Param(0.99, 0.0, 1.0, low_inclusive=True),
-        "tau": Param(1e-3, 0.0, math.inf),
-    },
+    "fedadam": _ADAPTIVE,
+    "fedyogi": _ADAPTIVE,
+    # Outer Nesterov SGD on the pseudo-gradient; defaults from the DiLoCo paper.
+    "diloco": {"server_lr": Param(0.7, 0.0, math.inf), "momentum": _UNIT},
 }
 CODECS = ("none",)
 

@@ -223,6 +223,38 @@ def test_fedadam_matches_reddi_et_al() -> None:
     assert one[0] == pytest.approx(0.1 * 0.4 / (math.sqrt(0.2) + 0.01))
 
 
+def test_fedyogi_matches_reddi_et_al() -> None:
+    lr, b1, b2, tau = 0.1, 0.8, 0.95, 0.01
+    opt = ServerOptimizer(_spec("fedyogi", server_lr=lr, beta1=b1, beta2=b2, tau=tau))
+    x = _run(opt, X0, DELTAS)
+    xs, m, v = list(X0), [0.0] * 3, [0.0] * 3
+    for d in DELTAS:
+        for i, di in enumerate(d):
+            m[i] = b1 * m[i] + (1 - b1) * di
+            v[i] = v[i] - (1 - b2) * di * di * math.copysign(1.0, v[i] - di * di) * (
+                v[i] != di * di
+            )
+            xs[i] += lr * m[i] / (math.sqrt(v[i]) + tau)
+    assert_close(x, torch.tensor(xs, dtype=torch.float64))
+    # Yogi differs from Adam once v is populated: its v grows additively, not by decay.
+    assert not torch.allclose(x, _run(ServerOptimizer(_spec("fedadam", server_lr=lr)), X0, DELTAS))
+
+
+def test_diloco_is_torch_nesterov_sgd_on_the_pseudo_gradient() -> None:
+    """x <- SGD(lr, momentum, nesterov) stepped with grad = global - local = -delta."""
+    lr, mu = 0.7, 0.9
+    opt = ServerOptimizer(_spec("diloco", server_lr=lr, momentum=mu))
+    x = _run(opt, X0, DELTAS)
+    param = torch.nn.Parameter(torch.tensor(X0, dtype=torch.float64))
+    sgd = torch.optim.SGD([param], lr=lr, momentum=mu, nesterov=True)
+    for d in DELTAS:
+        param.grad = -torch.tensor(d, dtype=torch.float64)
+        sgd.step()
+    assert_close(x, param.detach())
+    assert STRATEGY_PARAMS["diloco"]["server_lr"].default == 0.7
+    assert STRATEGY_PARAMS["diloco"]["momentum"].default == 0.9
+
+
 @pytest.mark.parametrize("strategy", sorted(STRATEGY_PARAMS))
 def test_optimizer_defaults_come_from_strategy_params(strategy: str) -> None:
     defaults = {k: p.default for k, p in STRATEGY_PARAMS[strategy].items()}
@@ -237,6 +269,21 @@ def test_optimizer_defaults_come_from_strategy_params(strategy: str) -> None:
             for i in range(3):
                 v[i] = beta * v[i] + d[i]
                 expected[i] += lr * v[i]
+    elif strategy == "diloco":  # x <- x + lr (d + mu b), b <- mu b + d
+        mu, b, expected = defaults["momentum"], [0.0] * 3, list(X0)
+        for d in DELTAS:
+            for i in range(3):
+                b[i] = mu * b[i] + d[i]
+                expected[i] += lr * (d[i] + mu * b[i])
+    elif strategy == "fedyogi":
+        b1, b2, tau = defaults["beta1"], defaults["beta2"], defaults["tau"]
+        m, v, expected = [0.0] * 3, [0.0] * 3, list(X0)
+        for d in DELTAS:
+            for i in range(3):
+                m[i] = b1 * m[i] + (1 - b1) * d[i]
+                sq = d[i] * d[i]
+                v[i] -= (1 - b2) * sq * (v[i] > sq) - (1 - b2) * sq * (v[i] < sq)
+                expected[i] += lr * m[i] / (math.sqrt(v[i]) + tau)
     else:
         expected = _adam_reference(
             X0, DELTAS, lr, defaults["beta1"], defaults["beta2"], defaults["tau"]
@@ -310,10 +357,12 @@ def test_half_precision_params_are_updated_in_their_own_dtype(strategy: str) -> 
     opt.step(model, {"w": delta})
     assert model["w"] is w  # in place
     assert w.dtype == torch.float16
-    if strategy == "fedadam":
-        b1, b2, tau = (STRATEGY_PARAMS["fedadam"][k].default for k in ("beta1", "beta2", "tau"))
+    if strategy in ("fedadam", "fedyogi"):  # from zero state both give v = (1 - b2) d^2
+        b1, b2, tau = (STRATEGY_PARAMS[strategy][k].default for k in ("beta1", "beta2", "tau"))
         m, v = (1 - b1) * delta, (1 - b2) * delta * delta
         direction = m / (v.sqrt() + tau)
+    elif strategy == "diloco":  # first Nesterov step: d + mu d
+        direction = delta * (1 + STRATEGY_PARAMS["diloco"]["momentum"].default)
     else:
         direction = delta
     assert_close(w, (before + 0.5 * direction).half())

@@ -67,7 +67,7 @@ class RunSpec(_message.Message):
     join_timeout_s: _builtins.float
     """how long a round waits for sites_per_round sites to be online"""
     strategy: _builtins.str
-    """fedavg | fedavgm | fedadam"""
+    """fedavg | fedavgm | fedadam | fedyogi | diloco"""
     seed: _builtins.int
     @_builtins.property
     def train(self) -> _common_pb2.TrainSettings: ...
