@@ -3,11 +3,12 @@
     python bench/plans_bench.py [--steps 20] [--d-model 128] [--json out.json]
 
 For each plan, torchrun starts a local world of 2 (gloo on CPU, NCCL on GPUs) that
-runs exactly what a site runs each round (``train_in_world``): the global model is
-broadcast from rank 0 and the plan applied (scatter), the local steps run, and the
-full update is gathered back on rank 0 (gather). Rank 0 then trains the same steps
-alone. Printed per plan: tokens/s of the plan and of one process, their ratio, and
-scatter + gather as a share of the round's local work.
+runs exactly what a site runs each round (``train_in_world``), once to warm up and
+once measured: the global model is broadcast from rank 0 and the plan applied
+(scatter), the local steps run, and the full update is gathered back on rank 0
+(gather). Rank 0 then trains the same steps alone. Printed per plan: tokens/s of the
+plan and of one process, their ratio, and scatter + gather as a share of the round's
+local work.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def run_plan(plan: str, extra: list[str], args: argparse.Namespace, out: Path) -
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         "-m", "fedra.client.parallel.check", "--plan", plan, "--steps", str(args.steps),
         "--d-model", str(args.d_model), "--seq-len", str(args.seq_len), "--layers", "4",
-        "--batch-size", str(args.batch_size), "--out", str(out), *extra,
+        "--batch-size", str(args.batch_size), "--out", str(out), "--warmup", *extra,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
@@ -74,9 +75,10 @@ def main() -> None:
             f"{r['move_share']:>10.1%} {r['max_abs_diff']:>10.1e}"
         )
     print(
-        "\nratio: tokens/s of the plan over one process on the same cores; a tiny model on a\n"
-        "2-core CPU box is communication-bound, so < 1 here is expected. move share: scatter\n"
-        "(broadcast + plan set-up) and gather (full update to rank 0) over the local round."
+        "\nratio: tokens/s of the plan over one process on the same cores (2 processes: at\n"
+        "most 2x). TP and FSDP communicate per layer, so a model this small gains little.\n"
+        "move share: scatter (broadcast + plan set-up) and gather (full update to rank 0)\n"
+        "over the local round, measured after a warm-up round as a site runs every round."
     )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")

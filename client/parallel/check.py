@@ -40,6 +40,9 @@ def _args() -> argparse.Namespace:
     p.add_argument("--schedule", default="1f1b")
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--no-reference", action="store_true", help="skip the one-process run")
+    p.add_argument(
+        "--warmup", action="store_true", help="run one round first: time the steady state"
+    )
     p.add_argument("--out", required=True)
     return p.parse_args()
 
@@ -70,6 +73,9 @@ def main() -> None:
     options = PlanOptions(args.tp_size, args.pp_size, args.schedule, args.microbatches)
     data = task.load_data({"part": 0, "num_parts": 1, "max_bytes": 200_000})
 
+    if args.warmup:  # imports, first connections, allocator: what only the first round pays
+        warm = FitSettings(1, 0, args.batch_size, args.lr, seed=0, params=params)
+        train_in_world(task, task.create_model(0, params), data, warm, 0, args.plan, options, world)
     model = task.create_model(0, params)
     # The same code path a site's local world runs every round.
     result = train_in_world(task, model, data, settings, 0, args.plan, options, world)
