@@ -3,7 +3,10 @@
 ``python bench/raw_grpc.py serve`` starts a server on a free localhost port and prints
 ``PORT <n>``; it serves raw bytes (identity serializers, no protobuf) until SIGTERM, SIGINT
 or its stdin closes. ``measure`` streams a pre-built payload through it in chunks, both
-directions: a client-streaming upload and a server-streaming download.
+directions: a client-streaming upload and a server-streaming download. With ``proto=True``
+each chunk travels wrapped in fedra's ``ModelChunk`` message instead (same bytes on the
+wire plus a few bytes of framing, but protobuf's copies on both sides): the cost of the
+message layer before any fedra logic.
 ``python bench/raw_grpc.py client --port N`` runs ``measure`` against a running server.
 """
 
@@ -23,6 +26,8 @@ from dataclasses import dataclass
 
 import grpc
 
+from fedra.protos.v1 import common_pb2
+
 SERVICE = "fedra.bench.Raw"
 UPLOAD = f"/{SERVICE}/Upload"
 DOWNLOAD = f"/{SERVICE}/Download"
@@ -34,6 +39,20 @@ _COUNT = struct.Struct("<Q")
 
 def _identity(data: bytes) -> bytes:
     return data
+
+
+def _to_proto(data: bytes) -> bytes:
+    return common_pb2.ModelChunk(data=data).SerializeToString()
+
+
+def _from_proto(raw: bytes) -> bytes:
+    return common_pb2.ModelChunk.FromString(raw).data
+
+
+_SERIALIZERS: dict[str, tuple[Callable[[bytes], bytes], Callable[[bytes], bytes]]] = {
+    "": (_identity, _identity),
+    "Proto": (_to_proto, _from_proto),
+}
 
 
 def _channel_options() -> list[tuple[str, int]]:
@@ -78,17 +97,15 @@ class _Handlers:
 def create_server(address: str, data: bytes) -> tuple[grpc.Server, int]:
     """A server with the raw-bytes Upload (stream-unary) and Download (unary-stream) methods."""
     handlers = _Handlers(data)
-    generic = grpc.method_handlers_generic_handler(
-        SERVICE,
-        {
-            "Upload": grpc.stream_unary_rpc_method_handler(
-                handlers.upload, request_deserializer=_identity, response_serializer=_identity
-            ),
-            "Download": grpc.unary_stream_rpc_method_handler(
-                handlers.download, request_deserializer=_identity, response_serializer=_identity
-            ),
-        },
-    )
+    methods: dict[str, grpc.RpcMethodHandler[bytes, bytes]] = {}
+    for suffix, (serialize, deserialize) in _SERIALIZERS.items():
+        methods[f"Upload{suffix}"] = grpc.stream_unary_rpc_method_handler(
+            handlers.upload, request_deserializer=deserialize, response_serializer=_identity
+        )
+        methods[f"Download{suffix}"] = grpc.unary_stream_rpc_method_handler(
+            handlers.download, request_deserializer=_identity, response_serializer=serialize
+        )
+    generic = grpc.method_handlers_generic_handler(SERVICE, methods)
     server = grpc.server(
         ThreadPoolExecutor(max_workers=4, thread_name_prefix="raw"), options=_channel_options()
     )
@@ -126,6 +143,7 @@ class RawResult:
     total_bytes: int
     chunk_bytes: int
     repeats: int
+    proto: bool
     upload_bps: float
     download_bps: float
     upload_runs_s: list[float]
@@ -152,16 +170,19 @@ def measure(
     chunk_bytes: int = CHUNK_BYTES,
     repeats: int = 3,
     timeout_s: float = 120.0,
+    proto: bool = False,
 ) -> RawResult:
     """Stream ``total_bytes`` up and down ``repeats`` times each (after a warm-up)."""
     data = payload(total_bytes)
+    suffix = "Proto" if proto else ""
+    serialize, deserialize = _SERIALIZERS[suffix]
     with grpc.insecure_channel(address, options=_channel_options()) as channel:
         grpc.channel_ready_future(channel).result(timeout=timeout_s)
         upload = channel.stream_unary(
-            UPLOAD, request_serializer=_identity, response_deserializer=_identity
+            UPLOAD + suffix, request_serializer=serialize, response_deserializer=_identity
         )
         download = channel.unary_stream(
-            DOWNLOAD, request_serializer=_identity, response_deserializer=_identity
+            DOWNLOAD + suffix, request_serializer=_identity, response_deserializer=deserialize
         )
 
         def up(size: int) -> int:
@@ -181,6 +202,7 @@ def measure(
         total_bytes=total_bytes,
         chunk_bytes=chunk_bytes,
         repeats=repeats,
+        proto=proto,
         upload_bps=total_bytes / statistics.median(up_s),
         download_bps=total_bytes / statistics.median(down_s),
         upload_runs_s=up_s,
@@ -197,11 +219,14 @@ def main(argv: list[str] | None = None) -> None:
     c.add_argument("--port", type=int, required=True)
     c.add_argument("--total-mib", type=int, default=512)
     c.add_argument("--repeats", type=int, default=3)
+    c.add_argument("--proto", action="store_true", help="wrap chunks in ModelChunk messages")
     args = parser.parse_args(argv)
     if args.command == "serve":
         serve(args.payload_mib * 1024 * 1024)
         return
-    result = measure(f"127.0.0.1:{args.port}", args.total_mib * 1024 * 1024, repeats=args.repeats)
+    result = measure(
+        f"127.0.0.1:{args.port}", args.total_mib * 2**20, repeats=args.repeats, proto=args.proto
+    )
     print(
         f"upload {result.upload_bps / 1e6:.0f} MB/s, download {result.download_bps / 1e6:.0f} MB/s"
     )

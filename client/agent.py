@@ -12,17 +12,20 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import grpc
 import torch
 
+from fedra import pki
 from fedra.client.config import SiteConfig
 from fedra.client.connection import TRANSIENT, Assignment, Connection, Session, new_nonce
 from fedra.client.executor import Executor, LocalExecutor
 from fedra.client.task import FitSettings, ParallelTask, Task, load_task
 from fedra.config import ConfigError
 from fedra.faults import crash_point
+from fedra.protos.compression import Compressor
 from fedra.retry import Backoff
 
 log = logging.getLogger("fedra.site")
@@ -51,7 +54,9 @@ class SiteAgent:
         self._data = data if data is not None else load_data(config, self.tasks)
         self.executor: Executor = executor or LocalExecutor()
         self.current: Assignment | None = None
-        self.conn = Connection(config.coordinator, config.site_id)
+        self._compressors: dict[str, Compressor] = {}  # by run: top-k error feedback
+        tls = pki.load_folder(config.tls_dir) if config.tls_dir is not None else None
+        self.conn = Connection(config.coordinator, config.site_id, tls)
         self.backoff = Backoff(cap_s=config.reconnect_max_s)
         self.tag = f"site {config.site_id}"
         self.rounds_done = 0
@@ -145,7 +150,15 @@ class SiteAgent:
         if beat.withdrawn.is_set():
             log.warning("%s: round closed while training; not uploading", tag)
             return
-        self._upload(task, payload, num_samples, metrics)
+        compressor = self._compressor(task)
+        before = compressor.residual  # a snapshot: restored if the update does not count
+        wire = compressor.compress(payload)  # once: a retried upload resends the same bytes
+        try:
+            self._upload(task, wire, num_samples, metrics)
+        except BaseException:
+            self._compressors[task.run_id] = Compressor(task.codec, before or None)
+            raise
+        self._save_residual(task, compressor)
         self.rounds_done += 1
         log.info(
             "%s: update accepted (%s)",
@@ -174,6 +187,31 @@ class SiteAgent:
         )
         metrics.update(fit_metrics)
         return delta(trained, global_state), num_samples, metrics
+
+    def _compressor(self, task: Assignment) -> Compressor:
+        """This run's compressor, resuming its saved error-feedback residual if any."""
+        codec = task.codec
+        current = self._compressors.get(task.run_id)
+        if current is None or current.codec != codec:
+            path = self._residual_path(task)
+            if codec.name == "topk" and path is not None and path.exists():
+                current = Compressor.load(codec, path)
+                log.info("%s: resumed top-k error feedback from %s", self.tag, path)
+            else:
+                current = Compressor(codec)
+            self._compressors[task.run_id] = current
+        return current
+
+    def _residual_path(self, task: Assignment) -> Path | None:
+        if self.config.state_dir is None:
+            return None
+        return self.config.state_dir / f"residual-{task.run_id}.safetensors"
+
+    def _save_residual(self, task: Assignment, compressor: Compressor) -> None:
+        path = self._residual_path(task)
+        if path is not None and task.codec.name == "topk":
+            path.parent.mkdir(parents=True, exist_ok=True)
+            compressor.save(path)
 
     def _upload(
         self,

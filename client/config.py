@@ -18,14 +18,9 @@ from fedra.config import (
 )
 
 _KEYS = {
-    "site_id",
-    "coordinator",
-    "allowed_tasks",
-    "data",
-    "reconnect_max_s",
-    "threads",
-    "parallel",
-}
+    "site_id", "coordinator", "allowed_tasks", "data", "reconnect_max_s", "threads", "parallel",
+    "tls_dir", "insecure", "state_dir",
+}  # fmt: skip
 _PARALLEL_KEYS = {
     "nproc", "plan", "backend", "tp_size", "pp_size", "pp_schedule", "microbatches", "max_restarts",
 }  # fmt: skip
@@ -111,6 +106,9 @@ class SiteConfig:
     reconnect_max_s: float = 30.0
     threads: int = 0  # torch intra-op threads; 0 leaves torch's default
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    tls_dir: Path | None = None  # this site's folder from `fedra provision`
+    insecure: bool = False  # plaintext to an --insecure coordinator: development only
+    state_dir: Path | None = None  # keeps top-k error feedback across restarts
 
     @staticmethod
     def from_toml(doc: dict[str, Any]) -> SiteConfig:
@@ -136,6 +134,16 @@ class SiteConfig:
         )
         threads = get(doc, "threads", int, "", 0)
         require(threads >= 0, "threads", "must be >= 0", threads)
+        state_dir = get(doc, "state_dir", str, "", "")
+        tls_dir = get(doc, "tls_dir", str, "", "")
+        insecure = get(doc, "insecure", bool, "", False)
+        require(
+            bool(tls_dir) != insecure,
+            "tls_dir",
+            "give this site's folder from `fedra provision`, or insecure = true for an "
+            "--insecure coordinator (not both)",
+            tls_dir,
+        )
         return SiteConfig(
             site_id=site_id,
             coordinator=coordinator,
@@ -144,6 +152,9 @@ class SiteConfig:
             reconnect_max_s=reconnect,
             threads=threads,
             parallel=ParallelConfig.from_toml(get(doc, "parallel", dict, "", {})),
+            tls_dir=Path(tls_dir) if tls_dir else None,
+            insecure=insecure,
+            state_dir=Path(state_dir) if state_dir else None,
         )
 
     @staticmethod

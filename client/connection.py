@@ -10,11 +10,11 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from fedra import __version__
+from fedra import __version__, pki
 from fedra.protos.codec import DEFAULT_CHUNK_BYTES, CodecError, decode_chunks, encode_chunks
-from fedra.protos.serde import train_from_proto
+from fedra.protos.serde import codec_from_proto, train_from_proto
 from fedra.protos.v1 import site_pb2, site_pb2_grpc
-from fedra.runspec import TrainSpec
+from fedra.runspec import CodecSpec, TrainSpec
 
 # Transient: the coordinator is restarting or the network blinked. Retry with backoff.
 TRANSIENT = frozenset(
@@ -36,6 +36,7 @@ class Assignment:
     model_sha256: str
     model_bytes: int
     deadline_in_s: float
+    codec: CodecSpec
 
 
 @dataclass(frozen=True)
@@ -48,15 +49,25 @@ class Session:
 class Connection:
     """Typed calls to the SiteService; raises grpc.RpcError like the stubs do."""
 
-    def __init__(self, address: str, site_id: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+    def __init__(
+        self,
+        address: str,
+        site_id: str,
+        tls: pki.TlsFiles | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ) -> None:
         limit = chunk_bytes + 1024 * 1024
-        self.channel = grpc.insecure_channel(
-            address,
-            options=[
-                ("grpc.max_receive_message_length", limit),
-                ("grpc.max_send_message_length", limit),
-            ],
-        )
+        options = [
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+        ]
+        if tls is None:
+            self.channel = grpc.insecure_channel(address, options=options)
+        else:
+            self.channel = grpc.secure_channel(
+                address, pki.channel_credentials(tls), options=options
+            )
+        self.tls = tls
         self.stub = site_pb2_grpc.SiteServiceStub(self.channel)
         self.site_id = site_id
         self.chunk_bytes = chunk_bytes
@@ -108,6 +119,13 @@ class Connection:
         for chunk in encode_chunks(tensors, self.chunk_bytes):  # first pass: hash and size
             digest.update(chunk)
             size += len(chunk)
+        sha256 = digest.hexdigest()
+        signature = b""
+        if self.tls is not None:  # bind the payload's digest to this site, round and nonce
+            message = pki.upload_message(
+                task.run_id, task.round, self.site_id, task.task_id, nonce, sha256
+            )
+            signature = pki.sign(self.tls.key, message)
         header = site_pb2.UpdateHeader(
             site_id=self.site_id,
             run_id=task.run_id,
@@ -115,10 +133,11 @@ class Connection:
             task_id=task.task_id,
             num_samples=num_samples,
             metrics=dict(metrics),
-            codec="none",
-            sha256=digest.hexdigest(),
+            codec=task.codec.name,
+            sha256=sha256,
             nonce=nonce,
             payload_bytes=size,
+            signature=signature,
         )
 
         def messages() -> Iterator[site_pb2.UpdateChunk]:
@@ -151,4 +170,5 @@ def _assignment(t: site_pb2.Task) -> Assignment:
         model_sha256=t.model_sha256,
         model_bytes=t.model_bytes,
         deadline_in_s=t.deadline_in_s,
+        codec=codec_from_proto(t.compression),
     )

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from fedra.protos.codec import TensorPiece, TensorSpec
+from fedra.protos.compression import SparsePiece
 from fedra.runspec import RunSpec
 
 
@@ -33,11 +34,14 @@ class WeightedSum:
         self.total_weight = 0.0
         self.count = 0
 
-    def add_pieces(self, pieces: Iterable[TensorPiece], weight: float) -> None:
-        """Fold pieces of one update (from ``StreamDecoder.feed``) in with ``weight``."""
+    def add_pieces(self, pieces: Iterable[TensorPiece | SparsePiece], weight: float) -> None:
+        """Fold pieces of one update (dense runs, or top-k entries) in with ``weight``."""
         for piece in pieces:
             acc = self.sums.get(piece.name)
             if acc is None:  # integer buffers are not averaged; they keep the global value
+                continue
+            if isinstance(piece, SparsePiece):
+                acc.index_add_(0, piece.indices, piece.values.to(acc.dtype), alpha=weight)
                 continue
             end = piece.offset + piece.values.numel()
             acc[piece.offset : end].add_(piece.values.to(acc.dtype), alpha=weight)

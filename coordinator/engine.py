@@ -22,7 +22,7 @@ from fedra.coordinator.recovery import restore_run
 from fedra.coordinator.rounds import RoundDriver
 from fedra.coordinator.state import INIT_ROUND, ActiveRun, Assignment
 from fedra.protos.codec import DEFAULT_CHUNK_BYTES
-from fedra.runspec import RunSpec, TrainSpec
+from fedra.runspec import CodecSpec, RunSpec, TrainSpec
 from fedra.storage import BlobStore, Store
 from fedra.storage.records import CheckpointRecord, RunRecord, SiteRecord
 
@@ -53,6 +53,7 @@ class TaskView:
     model_sha256: str
     model_bytes: int
     deadline_in_s: float
+    codec: CodecSpec  # how the site compresses its update (none for the initial model)
 
 
 class Engine:
@@ -214,6 +215,7 @@ class Engine:
             model_sha256="" if init else run.model_sha256,
             model_bytes=0 if init else run.model_bytes,
             deadline_in_s=max(0.0, run.deadline_at - self.clock()),
+            codec=CodecSpec() if init else run.spec.codec,
         )
 
     def _find_task(self, task_id: str) -> tuple[ActiveRun, Assignment] | None:

@@ -30,3 +30,7 @@ class PermissionDenied(FedraError):
 
 class ResourceExhausted(FedraError):
     """A payload larger than the model it claims to update."""
+
+
+class Unauthenticated(FedraError):
+    """No verified identity, a revoked certificate, or a bad upload signature."""

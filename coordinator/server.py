@@ -15,6 +15,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from fedra import pki
+from fedra.config import ConfigError
+from fedra.coordinator.auth import Guard
 from fedra.coordinator.engine import Engine, EngineSettings
 from fedra.coordinator.service import AdminService, SiteService
 from fedra.protos.v1 import admin_pb2, admin_pb2_grpc, site_pb2, site_pb2_grpc
@@ -22,6 +25,7 @@ from fedra.storage import BlobStore, Store
 
 log = logging.getLogger("fedra.coordinator")
 READY_FILE = "coordinator.json"
+DENY_LIST = "revoked.json"  # `fedra revoke` writes it; read on every call
 SERVICE_NAMES = (
     site_pb2.DESCRIPTOR.services_by_name["SiteService"].full_name,
     admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name,
@@ -38,6 +42,19 @@ class CoordinatorConfig:
     max_workers: int = 128
     grace_s: float = 5.0
     engine: EngineSettings = field(default_factory=EngineSettings)
+    tls_dir: Path | None = None  # the coordinator's folder from `fedra provision`
+    insecure: bool = False  # plaintext, no identities: localhost development only
+
+    def __post_init__(self) -> None:
+        if (self.tls_dir is None) == (not self.insecure):
+            raise ConfigError(
+                "--tls-dir: give the coordinator's folder from `fedra provision`, "
+                "or --insecure for localhost development (not both)"
+            )
+
+    @property
+    def deny_list_path(self) -> Path:
+        return self.state_dir / DENY_LIST
 
     @property
     def database_url(self) -> str:
@@ -55,8 +72,14 @@ def build_engine(config: CoordinatorConfig) -> Engine:
     )
 
 
-def create_server(engine: Engine, address: str, max_workers: int = 128) -> tuple[grpc.Server, int]:
-    """A gRPC server with the site, admin and health services bound to ``address``."""
+def create_server(
+    engine: Engine,
+    address: str,
+    max_workers: int = 128,
+    tls: pki.TlsFiles | None = None,
+    deny_list: Path | None = None,
+) -> tuple[grpc.Server, int]:
+    """The site, admin and health services on ``address``: mTLS with ``tls``, else plaintext."""
     limit = engine.settings.chunk_bytes + 1024 * 1024  # a chunk plus its envelope
     server = grpc.server(
         ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
@@ -65,13 +88,19 @@ def create_server(engine: Engine, address: str, max_workers: int = 128) -> tuple
             ("grpc.max_send_message_length", limit),
         ],
     )
-    site_pb2_grpc.add_SiteServiceServicer_to_server(SiteService(engine), server)
-    admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminService(engine), server)
+    if tls is not None and deny_list is None:
+        raise ValueError("a server with TLS needs a deny list path")
+    guard = Guard(pki.DenyList(deny_list) if deny_list else None, insecure=tls is None)
+    site_pb2_grpc.add_SiteServiceServicer_to_server(SiteService(engine, guard), server)
+    admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminService(engine, guard), server)
     health_servicer = health.HealthServicer()
     for name in ("", *SERVICE_NAMES):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(address)
+    if tls is None:
+        port = server.add_insecure_port(address)
+    else:
+        port = server.add_secure_port(address, pki.server_credentials(tls))
     if port == 0:
         raise OSError(f"could not bind {address}")
     return server, port
@@ -85,10 +114,11 @@ def _write_ready_file(path: Path, payload: dict[str, object]) -> None:
 
 def serve(config: CoordinatorConfig) -> None:
     """Run the daemon until SIGTERM or SIGINT."""
+    tls = pki.load_folder(config.tls_dir) if config.tls_dir is not None else None
     engine = build_engine(config)
     engine.start()
     address = f"{config.host}:{config.port}"
-    server, port = create_server(engine, address, config.max_workers)
+    server, port = create_server(engine, address, config.max_workers, tls, config.deny_list_path)
     server.start()
     ready = config.state_dir / READY_FILE
     host = config.host if config.host not in ("0.0.0.0", "::", "[::]") else "127.0.0.1"
@@ -100,10 +130,13 @@ def serve(config: CoordinatorConfig) -> None:
             "pid": os.getpid(),
             "database": _redact(config.database_url),
             "started_unix_s": time.time(),
-            "insecure": True,
+            "insecure": config.insecure,
         },
     )
-    log.warning("serving on %s:%d WITHOUT TLS: for localhost development only", host, port)
+    if config.insecure:
+        log.warning("serving on %s:%d WITHOUT TLS: for localhost development only", host, port)
+    else:
+        log.info("serving on %s:%d with mutual TLS", host, port)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

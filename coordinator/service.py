@@ -10,7 +10,9 @@ from typing import Any, TypeVar
 
 import grpc
 
+from fedra import pki
 from fedra.coordinator import uploads
+from fedra.coordinator.auth import Guard
 from fedra.coordinator.engine import Engine, TaskView
 from fedra.coordinator.errors import (
     AlreadyExists,
@@ -20,9 +22,10 @@ from fedra.coordinator.errors import (
     NotFound,
     PermissionDenied,
     ResourceExhausted,
+    Unauthenticated,
 )
 from fedra.coordinator.status import run_status
-from fedra.protos.serde import runspec_from_proto, train_to_proto
+from fedra.protos.serde import codec_to_proto, runspec_from_proto, train_to_proto
 from fedra.protos.v1 import admin_pb2, admin_pb2_grpc, common_pb2, site_pb2, site_pb2_grpc
 
 log = logging.getLogger("fedra.coordinator")
@@ -35,6 +38,7 @@ _STATUS = {
     AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
 }
 
 
@@ -84,7 +88,8 @@ def _task_to_proto(t: TaskView) -> site_pb2.Task:
         model_sha256=t.model_sha256,
         model_bytes=t.model_bytes,
         deadline_in_s=t.deadline_in_s,
-        codec="none",
+        codec=t.codec.name,
+        compression=codec_to_proto(t.codec),
     )
 
 
@@ -104,13 +109,14 @@ def _header_from_proto(m: site_pb2.UpdateHeader) -> uploads.UpdateHeader:
 
 
 class SiteService(site_pb2_grpc.SiteServiceServicer):
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, engine: Engine, guard: Guard) -> None:
+        self.engine, self.guard = engine, guard
 
     @mapped
     def Register(
         self, request: site_pb2.RegisterRequest, context: Any
     ) -> site_pb2.RegisterResponse:
+        self.guard.site(context, request.site_id)
         self.engine.register(request.site_id, list(request.tasks), request.version)
         s = self.engine.settings
         return site_pb2.RegisterResponse(
@@ -123,6 +129,7 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
     def Heartbeat(
         self, request: site_pb2.HeartbeatRequest, context: Any
     ) -> site_pb2.HeartbeatResponse:
+        self.guard.site(context, request.site_id)
         current = self.engine.heartbeat(request.site_id, request.task_id)
         return site_pb2.HeartbeatResponse(task_current=current)
 
@@ -130,6 +137,7 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
     def PollTask(
         self, request: site_pb2.PollTaskRequest, context: Any
     ) -> site_pb2.PollTaskResponse:
+        self.guard.site(context, request.site_id)
         # Leave a margin inside the caller's own deadline so the reply gets back in time.
         remaining = context.time_remaining()
         timeout = self.engine.settings.poll_timeout_s
@@ -144,6 +152,7 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
     def DownloadModel(
         self, request: site_pb2.DownloadModelRequest, context: Any
     ) -> Iterator[common_pb2.ModelChunk]:
+        self.guard.site(context, request.site_id)
         digest, _ = self.engine.open_download(request.site_id, request.task_id)
         started, sent = time.monotonic(), 0
         for chunk in self.engine.models.read_chunks(digest, self.engine.settings.chunk_bytes):
@@ -158,7 +167,11 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
         first = next(request_iterator, None)
         if first is None or first.WhichOneof("part") != "header":
             raise InvalidArgument("an upload must start with exactly one header message")
-        ticket = uploads.begin_upload(self.engine, _header_from_proto(first.header))
+        h = first.header
+        self.guard.site(context, h.site_id)
+        message = pki.upload_message(h.run_id, h.round, h.site_id, h.task_id, h.nonce, h.sha256)
+        self.guard.upload(context, message, h.signature)
+        ticket = uploads.begin_upload(self.engine, _header_from_proto(h))
         try:
             digest = uploads.receive(self.engine, ticket, _data_chunks(request_iterator))
         except BaseException:
@@ -171,6 +184,7 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
     def ReportFailure(
         self, request: site_pb2.ReportFailureRequest, context: Any
     ) -> site_pb2.ReportFailureResponse:
+        self.guard.site(context, request.site_id)
         self.engine.report_failure(request.site_id, request.task_id, request.reason)
         return site_pb2.ReportFailureResponse()
 
@@ -183,27 +197,34 @@ def _data_chunks(messages: Iterator[site_pb2.UpdateChunk]) -> Iterator[bytes]:
 
 
 class AdminService(admin_pb2_grpc.AdminServiceServicer):
-    def __init__(self, engine: Engine, watch_interval_s: float = 10.0) -> None:
-        self.engine = engine
+    def __init__(self, engine: Engine, guard: Guard, watch_interval_s: float = 10.0) -> None:
+        self.engine, self.guard = engine, guard
         self.watch_interval_s = watch_interval_s
 
     @mapped
     def SubmitRun(
         self, request: admin_pb2.SubmitRunRequest, context: Any
     ) -> admin_pb2.SubmitRunResponse:
+        self.guard.admin(context)
         if not request.HasField("spec"):
             raise InvalidArgument("spec: required")
-        run_id = self.engine.submit(runspec_from_proto(request.spec))
+        try:
+            spec = runspec_from_proto(request.spec)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from exc
+        run_id = self.engine.submit(spec)
         return admin_pb2.SubmitRunResponse(run_id=run_id)
 
     @mapped
     def GetRun(self, request: admin_pb2.GetRunRequest, context: Any) -> admin_pb2.RunStatus:
+        self.guard.admin(context)
         return run_status(self.engine, self.engine.get_run_record(request.run_id))
 
     @mapped
     def ListRuns(
         self, request: admin_pb2.ListRunsRequest, context: Any
     ) -> admin_pb2.ListRunsResponse:
+        self.guard.admin(context)
         records = self.engine.store.list_runs()
         return admin_pb2.ListRunsResponse(runs=[run_status(self.engine, r) for r in records])
 
@@ -211,6 +232,7 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
     def WatchRun(
         self, request: admin_pb2.WatchRunRequest, context: Any
     ) -> Iterator[admin_pb2.RunStatus]:
+        self.guard.admin(context)
         engine = self.engine
         version = engine.version
         last = None
@@ -228,12 +250,14 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
     def CancelRun(
         self, request: admin_pb2.CancelRunRequest, context: Any
     ) -> admin_pb2.CancelRunResponse:
+        self.guard.admin(context)
         return admin_pb2.CancelRunResponse(state=self.engine.cancel(request.run_id))
 
     @mapped
     def ListSites(
         self, request: admin_pb2.ListSitesRequest, context: Any
     ) -> admin_pb2.ListSitesResponse:
+        self.guard.admin(context)
         sites = [
             admin_pb2.Site(
                 site_id=s.id,
@@ -251,6 +275,7 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
     def ExportModel(
         self, request: admin_pb2.ExportModelRequest, context: Any
     ) -> Iterator[common_pb2.ModelChunk]:
+        self.guard.admin(context)
         round_number = None if request.latest else request.round
         ckpt = self.engine.export_checkpoint(request.run_id, round_number)
         for chunk in self.engine.models.read_chunks(

@@ -24,6 +24,8 @@ from fedra.coordinator.errors import (
 )
 from fedra.coordinator.state import INIT_ROUND, ActiveRun, Assignment
 from fedra.protos.codec import MAX_HEADER_BYTES, CodecError, StreamDecoder, TensorSpec
+from fedra.protos.compression import Piece, StreamingDecompressor, compressed_specs
+from fedra.runspec import CODECS, CodecSpec
 from fedra.storage.blobs import BlobDigestError
 from fedra.storage.store import DuplicateError
 
@@ -32,7 +34,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fedra.coordinator")
 NONCE_BYTES = 16
-SUPPORTED_CODECS = ("none",)
 
 
 @dataclass(frozen=True)
@@ -58,8 +59,14 @@ class UploadTicket:
     assignment: Assignment
     round: int
     attempt: int
-    expected: dict[str, TensorSpec] | None  # None for the initial model
+    codec: CodecSpec
+    model: dict[str, TensorSpec] | None  # the global model's specs; None for the initial model
     started: float = field(default_factory=time.monotonic)
+
+    @property
+    def expected(self) -> dict[str, TensorSpec] | None:
+        """What the payload must hold: the compressed layout of the model."""
+        return None if self.model is None else compressed_specs(self.model, self.codec)
 
 
 def begin_upload(engine: Engine, h: UpdateHeader) -> UploadTicket:
@@ -78,21 +85,27 @@ def begin_upload(engine: Engine, h: UpdateHeader) -> UploadTicket:
             raise AlreadyExists(
                 f"task {h.task_id} is already {a.state}: one update per site per round"
             )
-        expected = None if run.open_round == INIT_ROUND else run.model_specs
-        limit = _size_limit(engine, expected)
+        init = run.open_round == INIT_ROUND
+        codec = CodecSpec() if init else run.spec.codec
+        if h.codec != codec.name:
+            raise InvalidArgument(
+                f"codec {h.codec!r} does not match the run's codec {codec.name!r}"
+            )
+        ticket = UploadTicket(
+            h, run, a, run.open_round, run.attempt, codec, None if init else run.model_specs
+        )
+        limit = _size_limit(engine, ticket.expected)
         if h.payload_bytes > limit:
             raise ResourceExhausted(
                 f"payload_bytes {h.payload_bytes} exceeds the {limit} bytes this update can take"
             )
         a.before_upload, a.state = a.state, "uploading"
-        return UploadTicket(h, run, a, run.open_round, run.attempt, expected)
+        return ticket
 
 
 def _check_header_fields(h: UpdateHeader) -> None:
-    if h.codec not in SUPPORTED_CODECS:
-        raise InvalidArgument(
-            f"codec {h.codec!r} is not supported (expected one of {SUPPORTED_CODECS})"
-        )
+    if h.codec not in CODECS:
+        raise InvalidArgument(f"codec {h.codec!r} is not supported (expected one of {CODECS})")
     if len(h.nonce) != NONCE_BYTES:
         raise InvalidArgument(f"nonce must be {NONCE_BYTES} bytes, got {len(h.nonce)}")
     if len(h.sha256) != 64 or not all(c in "0123456789abcdef" for c in h.sha256):
@@ -114,6 +127,8 @@ def receive(engine: Engine, ticket: UploadTicket, chunks: Iterable[bytes]) -> st
     """Spool and check the payload; returns its digest, the payload durable in the spool."""
     h = ticket.header
     decoder = StreamDecoder(ticket.expected)
+    # Decompressed as it arrives, so a crafted scale or index is caught before acceptance.
+    dense = None if ticket.model is None else StreamingDecompressor(ticket.model, ticket.codec)
     with engine.updates.writer() as writer:
         try:
             for chunk in chunks:
@@ -122,7 +137,9 @@ def receive(engine: Engine, ticket: UploadTicket, chunks: Iterable[bytes]) -> st
                         f"payload is longer than the declared {h.payload_bytes} bytes"
                     )
                 writer.write(chunk)
-                for piece in decoder.feed(chunk):
+                raw = decoder.feed(chunk)
+                pieces: Iterable[Piece] = raw if dense is None else dense.feed(raw)
+                for piece in pieces:
                     if piece.values.is_floating_point() and not bool(
                         torch.isfinite(piece.values).all()
                     ):
@@ -133,6 +150,8 @@ def receive(engine: Engine, ticket: UploadTicket, chunks: Iterable[bytes]) -> st
                     f"{h.payload_bytes} bytes"
                 )
             decoder.finish()
+            if dense is not None:
+                dense.finish()
             _check_init_model(ticket, decoder)
             return writer.commit(expected_digest=h.sha256)
         except CodecError as exc:
@@ -199,10 +218,13 @@ def fold(engine: Engine, run: ActiveRun, digest: str, num_samples: int) -> None:
         run.init_sha256 = digest
         return
     assert run.accumulator is not None and run.model_specs is not None
-    decoder = StreamDecoder(run.model_specs)
+    codec = run.spec.codec
+    decoder = StreamDecoder(compressed_specs(run.model_specs, codec))
+    dense = StreamingDecompressor(run.model_specs, codec)
     for chunk in engine.updates.read_chunks(digest, engine.settings.chunk_bytes):
-        run.accumulator.add_pieces(decoder.feed(chunk), float(num_samples))
+        run.accumulator.add_pieces(dense.feed(decoder.feed(chunk)), float(num_samples))
     decoder.finish()
+    dense.finish()
     run.accumulator.finish_update(float(num_samples))
 
 

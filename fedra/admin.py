@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from fedra.pki import TlsFiles, channel_credentials
 from fedra.protos.serde import runspec_to_proto
 from fedra.protos.v1 import admin_pb2, admin_pb2_grpc
 from fedra.runspec import RunSpec
@@ -20,11 +21,12 @@ _MAX_MESSAGE = 5 * 1024 * 1024  # a 4 MiB chunk and its envelope
 
 
 class AdminClient:
-    def __init__(self, address: str, timeout_s: float = 30.0) -> None:
-        self.channel = grpc.insecure_channel(
-            address,
-            options=[("grpc.max_receive_message_length", _MAX_MESSAGE)],
-        )
+    def __init__(self, address: str, tls: TlsFiles | None = None, timeout_s: float = 30.0) -> None:
+        options = [("grpc.max_receive_message_length", _MAX_MESSAGE)]
+        if tls is None:
+            self.channel = grpc.insecure_channel(address, options=options)
+        else:
+            self.channel = grpc.secure_channel(address, channel_credentials(tls), options=options)
         self.stub = admin_pb2_grpc.AdminServiceStub(self.channel)
         self.timeout_s = timeout_s
 

@@ -10,7 +10,7 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from google.protobuf.descriptor import FieldDescriptor
@@ -18,6 +18,9 @@ from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
 from fedra.config import ConfigError, load_toml
+
+if TYPE_CHECKING:
+    from fedra.pki import TlsFiles
 from fedra.protos.v1 import admin_pb2
 from fedra.runspec import runspec_from_toml
 
@@ -52,6 +55,8 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
         port=args.port,
         db_url=args.db or "",
         engine=settings,
+        tls_dir=Path(args.tls_dir) if args.tls_dir else None,
+        insecure=args.insecure,
     )
     serve(config)
     return 0
@@ -96,10 +101,52 @@ def _address(args: argparse.Namespace) -> str:
     return os.environ.get("FEDRA_COORDINATOR", DEFAULT_ADDRESS)
 
 
+def _admin_tls(args: argparse.Namespace) -> TlsFiles | None:
+    """The admin's credentials: --tls-dir, $FEDRA_TLS_DIR, or a local cluster's own admin."""
+    from fedra import pki
+
+    if args.insecure:
+        return None
+    folder = args.tls_dir or os.environ.get("FEDRA_TLS_DIR")
+    if not folder and args.state_dir:
+        local = Path(args.state_dir) / "pki" / "admins" / "admin"  # what LocalCluster provisions
+        folder = str(local) if local.is_dir() else None
+    if not folder:
+        raise ConfigError(
+            "--tls-dir: give an admin folder from `fedra provision` "
+            "(or set FEDRA_TLS_DIR), or --insecure for an insecure coordinator"
+        )
+    return pki.load_folder(Path(folder))
+
+
 def _admin(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from fedra.admin import AdminClient
 
-    return AdminClient(_address(args))
+    return AdminClient(_address(args), tls=_admin_tls(args))
+
+
+def _cmd_provision(args: argparse.Namespace) -> int:
+    from fedra import pki
+
+    out = Path(args.out)
+    if args.add:
+        made = [pki.add_participant(out, args.role, name, hosts=args.host) for name in args.add]
+    else:
+        hosts = args.host or ["localhost", "127.0.0.1"]
+        made = pki.provision(out, coordinator_hosts=hosts, sites=args.site, admins=args.admin)
+    for p in made:
+        print(f"{p.role:<12} {p.name:<24} {p.folder}")
+    return 0
+
+
+def _cmd_revoke(args: argparse.Namespace) -> int:
+    from fedra import pki
+    from fedra.coordinator.server import DENY_LIST
+
+    path = Path(args.state_dir) / DENY_LIST
+    pki.revoke(path, Path(args.cert))
+    print(f"revoked {args.cert}: the coordinator refuses it from its next call ({path})")
+    return 0
 
 
 def _cmd_submit(args: argparse.Namespace) -> int:
@@ -272,6 +319,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--host", default="127.0.0.1")
     c.add_argument("--port", type=int, default=50051, help="0 picks a free port")
     c.add_argument("--db", help="SQLAlchemy URL (default: SQLite file in the state directory)")
+    c.add_argument("--tls-dir", help="the coordinator's folder from `fedra provision` (mTLS)")
+    c.add_argument(
+        "--insecure", action="store_true", help="plaintext, no identities: localhost development"
+    )
     c.add_argument("--heartbeat-s", type=float, default=5.0, help="how often busy sites check in")
     c.add_argument(
         "--site-timeout-s", type=float, default=20.0, help="a site silent this long is offline"
@@ -291,6 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument(
             "--state-dir", help="read the address from this coordinator's coordinator.json"
         )
+        q.add_argument("--tls-dir", help="an admin folder from `fedra provision` ($FEDRA_TLS_DIR)")
+        q.add_argument("--insecure", action="store_true", help="for an --insecure coordinator")
 
     r = sub.add_parser("run", help="submit, inspect and cancel runs")
     rsub = r.add_subparsers(dest="run_command", required=True)
@@ -321,6 +374,20 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--json", action="store_true")
     admin_args(q)
     q.set_defaults(func=_cmd_sites)
+
+    v = sub.add_parser("provision", help="make a CA and a certificate folder per participant")
+    v.add_argument("--out", required=True, help="where the CA and the folders go")
+    v.add_argument("--host", action="append", default=[], help="coordinator host or IP (repeat)")
+    v.add_argument("--site", action="append", default=[], help="a site id (repeat)")
+    v.add_argument("--admin", action="append", default=[], help="an admin name (repeat)")
+    v.add_argument("--add", action="append", help="add a participant to an existing CA (repeat)")
+    v.add_argument("--role", default="site", choices=["site", "admin", "coordinator"])
+    v.set_defaults(func=_cmd_provision)
+
+    k = sub.add_parser("revoke", help="refuse a certificate from the coordinator's next call on")
+    k.add_argument("--state-dir", required=True, help="the coordinator's state directory")
+    k.add_argument("cert", help="the certificate (cert.pem) or participant folder to revoke")
+    k.set_defaults(func=_cmd_revoke)
 
     d = sub.add_parser("demo", help="coordinator + sites on localhost, digits, SQLite")
     d.add_argument("--state-dir", help="default: a temporary directory")

@@ -63,7 +63,7 @@ SITE_ID_RULE = "1-128 ASCII letters, digits, '-', '_' or '.'"
 
 def is_valid_site_id(site_id: str) -> bool:
     """Site ids appear in file names, logs and certificates: keep them plain."""
-    return _SITE_ID.fullmatch(site_id) is not None
+    return _SITE_ID.fullmatch(site_id) is not None and site_id not in (".", "..")
 
 
 def require(ok: bool, name: str, reason: str, value: object) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fedra import pki
 from fedra.admin import AdminClient
 
 
@@ -90,6 +91,8 @@ class LocalCluster:
 
     state_dir: Path
     env: dict[str, str] = field(default_factory=dict)
+    # mTLS like production: a throw-away CA in state_dir/pki, a folder per participant.
+    secure: bool = True
     coordinator: ManagedProcess | None = None
     sites: dict[str, ManagedProcess] = field(default_factory=dict)
     address: str = ""
@@ -126,6 +129,11 @@ class LocalCluster:
         ready = self.state_dir / "coordinator.json"
         ready.unlink(missing_ok=True)
         args = ["coordinator", "--state-dir", str(self.state_dir), "--port", str(port), *flags]
+        args += (
+            ["--tls-dir", str(self._pki_folder("coordinator", ""))]
+            if self.secure
+            else ["--insecure"]
+        )
         if db_url:
             args += ["--db", db_url]
         proc = self._spawn("coordinator", args, extra_env)
@@ -153,14 +161,42 @@ class LocalCluster:
             "allowed_tasks": tasks,
             "threads": threads,
             "reconnect_max_s": reconnect_max_s,
+            "state_dir": str(self.state_dir / "sites" / site_id),
         }
+        if self.secure:
+            site["tls_dir"] = str(self._pki_folder("site", site_id))
+        else:
+            site["insecure"] = True
         config = write_site_config(self.state_dir / f"{site_id}.toml", site, data, parallel)
         proc = self._spawn(site_id, ["site", "--config", str(config)], extra_env)
         self.sites[site_id] = proc
         return proc
 
+    @property
+    def pki_dir(self) -> Path:
+        return self.state_dir / "pki"
+
+    def _pki_folder(self, role: str, name: str) -> Path:
+        """The participant's certificate folder, provisioning the CA or the participant first."""
+        if not (self.pki_dir / "ca").exists():
+            pki.provision(
+                self.pki_dir,
+                coordinator_hosts=["localhost", "127.0.0.1"],
+                sites=[],
+                admins=["admin"],
+            )
+        folder = (
+            self.pki_dir / "coordinator"
+            if role == "coordinator"
+            else self.pki_dir / f"{role}s" / name
+        )
+        if not folder.exists():
+            pki.add_participant(self.pki_dir, role, name)
+        return folder
+
     def admin(self) -> AdminClient:
-        return AdminClient(self.address)
+        tls = pki.load_folder(self._pki_folder("admin", "admin")) if self.secure else None
+        return AdminClient(self.address, tls=tls)
 
     def wait_for_sites(self, site_ids: list[str], timeout_s: float = 60.0) -> None:
         """Wait until the coordinator lists every one of ``site_ids`` as online."""

@@ -44,7 +44,30 @@ STRATEGY_PARAMS: dict[str, dict[str, Param]] = {
     # Outer Nesterov SGD on the pseudo-gradient; defaults from the DiLoCo paper.
     "diloco": {"server_lr": Param(0.7, 0.0, math.inf), "momentum": _UNIT},
 }
-CODECS = ("none",)
+CODECS = ("none", "fp16", "bf16", "int8", "topk")
+
+
+@dataclass(frozen=True)
+class CodecSpec:
+    """How sites compress their updates, and its parameters (``[codec]`` in run.toml)."""
+
+    name: str = "none"
+    block: int = 256  # int8: elements per block, each with its own fp32 absmax scale
+    fraction: float = 0.01  # topk: share of each float tensor's elements sent (at least 1)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> CodecSpec:
+        """Return self, or raise ConfigError naming the offending field."""
+        if self.name not in CODECS:
+            raise ConfigError(f"codec.name: must be one of {', '.join(CODECS)}, got {self.name!r}")
+        if not isinstance(self.block, int) or isinstance(self.block, bool) or self.block < 1:
+            raise ConfigError(f"codec.block: must be a positive int, got {self.block!r}")
+        ok = isinstance(self.fraction, int | float) and not isinstance(self.fraction, bool)
+        if not ok or not 0 < self.fraction <= 1:  # also refuses NaN
+            raise ConfigError(f"codec.fraction: must be a number in (0, 1], got {self.fraction!r}")
+        return self
 
 
 @dataclass(frozen=True)
@@ -87,6 +110,7 @@ class RunSpec:
     train: TrainSpec = field(default_factory=TrainSpec)
     strategy: str = "fedavg"
     strategy_params: dict[str, float] = field(default_factory=dict)
+    codec: CodecSpec = field(default_factory=CodecSpec)
 
     @property
     def quorum(self) -> int:
@@ -145,12 +169,13 @@ class RunSpec:
     def from_json(text: str) -> RunSpec:
         raw = json.loads(text)
         raw["train"] = TrainSpec(**raw["train"])
+        raw["codec"] = CodecSpec(**raw.get("codec", {}))
         return RunSpec(**raw)
 
 
 _TOP_KEYS = {
     "name", "task", "rounds", "sites_per_round", "min_sites", "round_deadline_s",
-    "max_round_attempts", "join_timeout_s", "seed", "train", "strategy",
+    "max_round_attempts", "join_timeout_s", "seed", "train", "strategy", "codec",
 }  # fmt: skip
 _TRAIN_KEYS = {"local_steps", "local_epochs", "batch_size", "learning_rate", "params"}
 
@@ -172,7 +197,15 @@ def runspec_from_toml(doc: Mapping[str, Any]) -> RunSpec:
     strategy_name = get(strategy_t, "name", str, "strategy", "fedavg")
     strategy_t.pop("name", None)
     strategy_params = {k: get(strategy_t, k, float, "strategy") for k in strategy_t}
+    codec_t = get(doc, "codec", dict, "", {})
+    check_keys(codec_t, {"name", "block", "fraction"}, "codec")
+    codec = CodecSpec(
+        name=get(codec_t, "name", str, "codec", "none"),
+        block=get(codec_t, "block", int, "codec", 256),
+        fraction=get(codec_t, "fraction", float, "codec", 0.01),
+    )
     spec = RunSpec(
+        codec=codec,
         task=get(doc, "task", str, ""),
         rounds=get(doc, "rounds", int, ""),
         name=get(doc, "name", str, "", ""),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fedra.protos.v1 import admin_pb2, common_pb2
-from fedra.runspec import RunSpec, TrainSpec
+from fedra.runspec import CodecSpec, RunSpec, TrainSpec
 
 
 def train_to_proto(t: TrainSpec) -> common_pb2.TrainSettings:
@@ -26,6 +26,17 @@ def train_from_proto(m: common_pb2.TrainSettings) -> TrainSpec:
     )
 
 
+def codec_to_proto(c: CodecSpec) -> common_pb2.Codec:
+    return common_pb2.Codec(name=c.name, block=c.block, fraction=c.fraction)
+
+
+def codec_from_proto(m: common_pb2.Codec) -> CodecSpec:
+    """An unset message is "none"; a bad one raises ConfigError naming the field."""
+    if not m.name:
+        return CodecSpec()
+    return CodecSpec(m.name, m.block or 256, m.fraction or 0.01)
+
+
 def runspec_to_proto(s: RunSpec) -> admin_pb2.RunSpec:
     return admin_pb2.RunSpec(
         name=s.name,
@@ -40,6 +51,7 @@ def runspec_to_proto(s: RunSpec) -> admin_pb2.RunSpec:
         strategy=s.strategy,
         strategy_params=dict(s.strategy_params),
         seed=s.seed,
+        codec=codec_to_proto(s.codec),
     )
 
 
@@ -58,4 +70,5 @@ def runspec_from_proto(m: admin_pb2.RunSpec) -> RunSpec:
         strategy=m.strategy,
         strategy_params=dict(m.strategy_params),
         seed=m.seed,
+        codec=codec_from_proto(m.codec),
     )

@@ -25,7 +25,8 @@ class InProcessCoordinator:
     """The real engine and gRPC server in this process, bound to port 0."""
 
     def __init__(self, state_dir: Path, settings: EngineSettings) -> None:
-        self.engine: Engine = build_engine(CoordinatorConfig(state_dir=state_dir, engine=settings))
+        config = CoordinatorConfig(state_dir=state_dir, engine=settings, insecure=True)
+        self.engine: Engine = build_engine(config)
         self.engine.start()
         self.server, port = create_server(self.engine, "127.0.0.1:0", max_workers=32)
         self.server.start()

@@ -18,7 +18,7 @@ import torch
 from fedra.admin import AdminClient
 from fedra.local import LocalCluster
 from fedra.protos.v1 import admin_pb2
-from fedra.runspec import RunSpec, TrainSpec
+from fedra.runspec import CodecSpec, RunSpec, TrainSpec
 from fedra.storage import Store
 
 pytestmark = pytest.mark.multiprocess
@@ -100,11 +100,28 @@ def test_full_run_through_the_cli(cluster: LocalCluster, tmp_path: Path) -> None
         f'name = "cli"\ntask = "{DIGITS}"\nrounds = 4\nsites_per_round = 3\nmin_sites = 2\n'
         "round_deadline_s = 60\n[train]\nlocal_epochs = 2\nbatch_size = 32\nlearning_rate = 0.05\n"
     )
-    submitted = fedra_cli("run", "submit", str(run_toml), "--coordinator", address)
+    submitted = fedra_cli(
+        "run",
+        "submit",
+        str(run_toml),
+        "--coordinator",
+        address,
+        "--state-dir",
+        str(cluster.state_dir),
+    )
     assert submitted.returncode == 0, submitted.stderr
     run_id = submitted.stdout.strip()
 
-    watched = fedra_cli("run", "watch", run_id, "--coordinator", address, timeout_s=240)
+    watched = fedra_cli(
+        "run",
+        "watch",
+        run_id,
+        "--coordinator",
+        address,
+        "--state-dir",
+        str(cluster.state_dir),
+        timeout_s=240,
+    )
     assert watched.returncode == 0, watched.stderr
     assert "round   4" in watched.stdout and "completed" in watched.stdout
 
@@ -119,20 +136,36 @@ def test_full_run_through_the_cli(cluster: LocalCluster, tmp_path: Path) -> None
     assert rounds[4]["metrics"]["eval_accuracy"] > rounds[1]["metrics"]["eval_accuracy"] + 0.3
     assert all(int(r["bytes_up"]) > 0 and int(r["bytes_down"]) > 0 for r in rounds[1:])
 
-    sites = json.loads(fedra_cli("sites", "--json", "--coordinator", address).stdout)
+    sites = json.loads(
+        fedra_cli(
+            "sites", "--json", "--coordinator", address, "--state-dir", str(cluster.state_dir)
+        ).stdout
+    )
     assert sorted(s["site_id"] for s in sites) == ids and all(s["online"] for s in sites)
 
     out = tmp_path / "model.safetensors"
-    exported = fedra_cli("run", "export", run_id, "--out", str(out), "--coordinator", address)
+    exported = fedra_cli(
+        "run",
+        "export",
+        run_id,
+        "--out",
+        str(out),
+        "--coordinator",
+        address,
+        "--state-dir",
+        str(cluster.state_dir),
+    )
     assert exported.returncode == 0, exported.stderr
     from safetensors.torch import load_file
 
-    with AdminClient(address) as admin:
+    with cluster.admin() as admin:
         latest = admin.export_model(run_id)
     for name, tensor in load_file(str(out)).items():
         torch.testing.assert_close(tensor, latest[name], rtol=0, atol=0)
 
-    bad = fedra_cli("run", "status", "nope", "--coordinator", address)
+    bad = fedra_cli(
+        "run", "status", "nope", "--coordinator", address, "--state-dir", str(cluster.state_dir)
+    )
     assert bad.returncode == 1 and "NOT_FOUND" in bad.stderr and "nope" in bad.stderr
 
 
@@ -166,7 +199,7 @@ def test_crash_between_checkpoint_and_commit_loses_nothing(cluster: LocalCluster
     address = cluster.start_coordinator(flags=FAST)
     port = int(address.rsplit(":", 1)[1])
     start_synthetic_sites(cluster)
-    spec = synthetic_spec(rounds=4)
+    spec = synthetic_spec(rounds=4, strategy="diloco")  # outer Nesterov momentum in the checkpoint
     with cluster.admin() as admin:
         reference_id = admin.submit(spec)
         assert wait_until(admin, reference_id, finished).state == "completed"
@@ -243,6 +276,41 @@ def test_site_restarted_mid_round_is_given_its_current_task(cluster: LocalCluste
     # One attempt, all three sampled sites delivered: the restarted site finished its task.
     assert (r1.attempt, r1.updates) == (1, 3)
     assert [p.status for p in r1.participations] == ["accepted"] * 3
+
+
+@pytest.mark.parametrize(("codec", "max_share"), [("int8", 0.3), ("topk", 0.06)])
+def test_diloco_with_compressed_updates(
+    cluster: LocalCluster, codec: str, max_share: float
+) -> None:
+    """DiLoCo's outer step on int8 / top-k updates: fewer bytes up, and it still learns."""
+    cluster.start_coordinator(flags=FAST)
+    ids = [f"site-{i}" for i in range(3)]
+    for i, site_id in enumerate(ids):
+        # Mild shifts: DiLoCo's aggressive outer step (lr 0.7, Nesterov 0.9) stays stable.
+        data = {"shift": 0.25 * i, "seed": i, "samples": 128, "dim": 8}
+        cluster.start_site(site_id, [SYNTHETIC], data)
+    cluster.wait_for_sites(ids)
+    params = {"extra_params": "20000"}
+    train = TrainSpec(local_steps=10, batch_size=16, learning_rate=0.02, params=params)
+    spec = synthetic_spec(
+        rounds=4, strategy="diloco", train=train, codec=CodecSpec(codec, fraction=0.02)
+    )
+    with cluster.admin() as admin:
+        run_id = admin.submit(spec)
+        status = wait_until(admin, run_id, finished)
+    assert status.state == "completed", status.reason
+    rounds = [r for r in status.rounds if r.number > 0]
+    model_bytes = 4 * (20000 + 8 + 1)
+    for r in rounds:
+        for p in r.participations:
+            assert p.status == "accepted"
+            assert p.bytes_up < max_share * model_bytes, (codec, p.bytes_up)
+    assert rounds[-1].metrics["eval_loss"] < rounds[0].metrics["eval_loss"]
+    if codec == "topk":  # the error-feedback residual is kept on disk across restarts
+        for site_id in ids:
+            assert (
+                cluster.state_dir / "sites" / site_id / f"residual-{run_id}.safetensors"
+            ).exists()
 
 
 def test_demo_writes_a_summary(tmp_path: Path) -> None:

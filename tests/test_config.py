@@ -238,6 +238,7 @@ coordinator = "coord.example.org:50051"
 allowed_tasks = ["fedra.examples.digits:task", "pkg.mod:other"]
 reconnect_max_s = 5
 threads = 2
+tls_dir = "/etc/fedra/hospital-a"
 
 [data]
 shard = 1
@@ -254,14 +255,15 @@ def test_site_toml(tmp_path: Path) -> None:
         data={"shard": 1, "path": "/data/a"},
         reconnect_max_s=5.0,
         threads=2,
+        tls_dir=Path("/etc/fedra/hospital-a"),
     )
     assert isinstance(config.reconnect_max_s, float)
 
 
 def test_minimal_site_toml_uses_defaults() -> None:
-    doc = {"site_id": "s1", "coordinator": "[::1]:7000", "allowed_tasks": ["m:t"]}
+    doc = {"site_id": "s1", "coordinator": "[::1]:7000", "allowed_tasks": ["m:t"], "insecure": True}
     config = SiteConfig.from_toml(doc)
-    assert config == SiteConfig("s1", "[::1]:7000", ("m:t",))
+    assert config == SiteConfig("s1", "[::1]:7000", ("m:t",), insecure=True)
     assert config.reconnect_max_s == 30.0
     assert config.threads == 0
     assert config.data == {}
@@ -272,6 +274,7 @@ def _site_doc(**changes: object) -> dict[str, object]:
         "site_id": "site-1",
         "coordinator": "localhost:50051",
         "allowed_tasks": ["m:t"],
+        "insecure": True,
     }
     doc.update(changes)
     return {k: v for k, v in doc.items() if v is not None}
@@ -299,6 +302,9 @@ BAD_SITES = [
     (_site_doc(reconnect_max_s=math.inf), "reconnect_max_s", "> 0"),
     (_site_doc(data=["a"]), "data", "expected dict"),
     (_site_doc(thread=2), "thread", "unknown key"),
+    (_site_doc(insecure=None), "tls_dir", "fedra provision"),
+    (_site_doc(tls_dir="/x"), "tls_dir", "not both"),
+    (_site_doc(site_id=".."), "site_id", "letters, digits"),
 ]
 
 

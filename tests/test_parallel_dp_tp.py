@@ -3,13 +3,8 @@ a world of one in-process, and real torchrun worlds matching one process."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -22,6 +17,7 @@ from fedra.client.parallel.tp import apply_fsdp_tp, apply_tp
 from fedra.client.parallel.trainer import train
 from fedra.client.task import FitSettings
 from fedra.examples.charlm import task
+from tests.torchrun import assert_matches_one_process, run_check
 
 CPU = torch.device("cpu")
 # Two blocks: block 0 dense, block 1 MoE (moe_every defaults to 2), so one model has both.
@@ -36,7 +32,6 @@ FOUR = World(0, 4, "gloo", CPU)
 # missed all-reduce or a wrong gradient scale shows up as >= 1e-4.
 PARAM_TOL = 1e-5
 LOSS_TOL = 1e-5
-RUN_TIMEOUT_S = 240
 
 
 # --- in-process: errors before any collective ---------------------------------------------
@@ -113,38 +108,6 @@ def test_world_of_one_trains_like_one_process(world_of_one: World, plan: str) ->
 # --- real worlds under torchrun -----------------------------------------------------------
 
 
-def stop_launcher(proc: subprocess.Popen[str], grace_s: float = 30.0) -> None:
-    """Stop a torchrun that is still running, and its workers with it."""
-    if proc.poll() is not None:
-        return
-    # torchrun puts each worker in its own session: only the launcher's SIGTERM handler
-    # reaches them (killing the launcher outright would orphan them).
-    proc.terminate()
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-def run_check(tmp_path: Path, nproc: int, plan: str, *extra: str) -> dict[str, Any]:
-    """Run ``fedra.client.parallel.check`` under torchrun and return its JSON report."""
-    out = tmp_path / "report.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    cmd += ["--nproc-per-node", str(nproc), "-m", "fedra.client.parallel.check"]
-    cmd += ["--plan", plan, "--steps", "3", "--out", str(out), *extra]
-    env = os.environ | {"OMP_NUM_THREADS": "1"}
-    pipe = subprocess.PIPE
-    with subprocess.Popen(cmd, env=env, stdout=pipe, stderr=pipe, text=True) as proc:
-        try:
-            _, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
-        finally:
-            stop_launcher(proc)
-    assert proc.returncode == 0, stderr[-4000:]
-    report: dict[str, Any] = json.loads(out.read_text())
-    return report
-
-
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     ("nproc", "plan", "extra"),
@@ -163,13 +126,5 @@ def run_check(tmp_path: Path, nproc: int, plan: str, *extra: str) -> dict[str, A
 def test_parallel_world_matches_one_process(
     tmp_path: Path, nproc: int, plan: str, extra: tuple[str, ...]
 ) -> None:
-    report = run_check(tmp_path, nproc, plan, *extra)
-    assert report["world"] == nproc
-    assert report["mismatched_names"] == []
-    assert report["max_abs_diff"] < PARAM_TOL, report["worst_param"]
-    torch.testing.assert_close(
-        torch.tensor(report["losses"]),
-        torch.tensor(report["reference_losses"]),
-        rtol=0,
-        atol=LOSS_TOL,
-    )
+    report = run_check(tmp_path / "report.json", nproc, plan, *extra)
+    assert_matches_one_process(report, nproc, PARAM_TOL, LOSS_TOL)

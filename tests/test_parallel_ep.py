@@ -3,12 +3,7 @@ the equivalence check against one process through torchrun."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -25,6 +20,7 @@ from fedra.client.parallel.ep import (
 )
 from fedra.client.parallel.plan import PlanOptions, World
 from fedra.examples.gpt import GPT, GPTConfig, build, local_experts
+from tests.torchrun import assert_matches_one_process, run_check
 
 CPU = torch.device("cpu")
 # Measured on CPU/gloo, 3 AdamW steps: max |param diff| 1.2e-7 (2 ranks) and 1.1e-6
@@ -200,26 +196,8 @@ def test_two_ranks_exchange_tokens_and_match_one_process(tmp_path: Path) -> None
 # --- the equivalence check through torchrun -------------------------------------------
 
 
-def _run_check(nproc: int, out: Path) -> dict[str, Any]:
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        "--nproc-per-node", str(nproc), "-m", "fedra.client.parallel.check",
-        "--plan", "ep", "--experts", "4", "--steps", "3", "--out", str(out),
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        cmd, check=False, env=env, capture_output=True, text=True, timeout=CHECK_TIMEOUT_S
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    report: dict[str, Any] = json.loads(out.read_text())
-    return report
-
-
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_check_matches_one_process(nproc: int, tmp_path: Path) -> None:
-    report = _run_check(nproc, tmp_path / "ep.json")
-    assert report["world"] == nproc
-    assert report["mismatched_names"] == []
-    assert report["max_abs_diff"] < PARAM_TOL, report["worst_param"]
-    assert report["losses"] == pytest.approx(report["reference_losses"], abs=LOSS_TOL)
+    report = run_check(tmp_path / "ep.json", nproc, "ep", "--experts", "4")
+    assert_matches_one_process(report, nproc, PARAM_TOL, LOSS_TOL)

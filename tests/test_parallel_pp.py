@@ -3,13 +3,8 @@ matching one process."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -19,6 +14,7 @@ from fedra.client.parallel.plan import PlanOptions, SingleRunner, World
 from fedra.client.parallel.pp import apply_pp, apply_pp_dp, split_stage, stage_layers
 from fedra.client.task import FitSettings
 from fedra.examples.charlm import task
+from tests.torchrun import assert_matches_one_process, run_check
 
 PARAMS = {"n_layers": "5", "d_model": "32", "n_heads": "4", "d_ff": "64", "seq_len": "16"}
 TWO = World(0, 2, "gloo", torch.device("cpu"))  # a world that is never initialised
@@ -29,7 +25,6 @@ TWO = World(0, 2, "gloo", torch.device("cpu"))  # a world that is never initiali
 # replicas measured 1.8e-4; the one-stage test below pins the gradients themselves.
 PARAM_TOL = 5e-5
 LOSS_TOL = 1e-5
-RUN_TIMEOUT_S = 240
 
 
 @pytest.mark.parametrize("n_layers", range(1, 9))
@@ -107,22 +102,6 @@ def test_one_stage_microbatched_step_matches_one_process(
         runner.train_step(x[:6], y[:6], task.loss)
 
 
-def run_check(tmp_path: Path, nproc: int, plan: str, schedule: str, *extra: str) -> dict[str, Any]:
-    """Run ``fedra.client.parallel.check`` under torchrun and return its JSON report."""
-    out = tmp_path / f"{plan}-{schedule}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    cmd += ["--nproc-per-node", str(nproc), "-m", "fedra.client.parallel.check"]
-    cmd += ["--plan", plan, "--steps", "3", "--schedule", schedule, "--microbatches", "4"]
-    cmd += ["--layers", "4", "--out", str(out), *extra]
-    env = os.environ | {"OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        cmd, check=False, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    report: dict[str, Any] = json.loads(out.read_text())
-    return report
-
-
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     ("nproc", "plan", "schedule", "extra"),
@@ -137,13 +116,6 @@ def run_check(tmp_path: Path, nproc: int, plan: str, schedule: str, *extra: str)
 def test_pipeline_world_matches_one_process(
     tmp_path: Path, nproc: int, plan: str, schedule: str, extra: tuple[str, ...]
 ) -> None:
-    report = run_check(tmp_path, nproc, plan, schedule, *extra)
-    assert report["world"] == nproc
-    assert report["mismatched_names"] == []
-    assert report["max_abs_diff"] < PARAM_TOL, report["worst_param"]
-    torch.testing.assert_close(
-        torch.tensor(report["losses"]),
-        torch.tensor(report["reference_losses"]),
-        rtol=0,
-        atol=LOSS_TOL,
-    )
+    args = ("--schedule", schedule, "--microbatches", "4", "--layers", "4", *extra)
+    report = run_check(tmp_path / "report.json", nproc, plan, *args)
+    assert_matches_one_process(report, nproc, PARAM_TOL, LOSS_TOL)

@@ -55,6 +55,7 @@ class RunSpec(_message.Message):
     STRATEGY_FIELD_NUMBER: _builtins.int
     STRATEGY_PARAMS_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
+    CODEC_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     task: _builtins.str
     """entry point sites must have installed and allowed"""
@@ -73,6 +74,10 @@ class RunSpec(_message.Message):
     def train(self) -> _common_pb2.TrainSettings: ...
     @_builtins.property
     def strategy_params(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]: ...
+    @_builtins.property
+    def codec(self) -> _common_pb2.Codec:
+        """update compression; unset means none"""
+
     def __init__(
         self,
         *,
@@ -88,10 +93,11 @@ class RunSpec(_message.Message):
         strategy: _builtins.str = ...,
         strategy_params: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
         seed: _builtins.int = ...,
+        codec: _common_pb2.Codec | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["train", b"train"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["codec", b"codec", "train", b"train"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["join_timeout_s", b"join_timeout_s", "max_round_attempts", b"max_round_attempts", "min_sites", b"min_sites", "name", b"name", "round_deadline_s", b"round_deadline_s", "rounds", b"rounds", "seed", b"seed", "sites_per_round", b"sites_per_round", "strategy", b"strategy", "strategy_params", b"strategy_params", "task", b"task", "train", b"train"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["codec", b"codec", "join_timeout_s", b"join_timeout_s", "max_round_attempts", b"max_round_attempts", "min_sites", b"min_sites", "name", b"name", "round_deadline_s", b"round_deadline_s", "rounds", b"rounds", "seed", b"seed", "sites_per_round", b"sites_per_round", "strategy", b"strategy", "strategy_params", b"strategy_params", "task", b"task", "train", b"train"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x66\x65\x64ra/protos/v1/common.proto\x12\x08\x66\x65\x64ra.v1\"\xc9\x01\n\rTrainSettings\x12\x13\n\x0blocal_steps\x18\x01 \x01(\r\x12\x14\n\x0clocal_epochs\x18\x02 \x01(\r\x12\x12\n\nbatch_size\x18\x03 \x01(\r\x12\x15\n\rlearning_rate\x18\x04 \x01(\x01\x12\x33\n\x06params\x18\x05 \x03(\x0b\x32#.fedra.v1.TrainSettings.ParamsEntry\x1a-\n\x0bParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x1a\n\nModelChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x66\x65\x64ra/protos/v1/common.proto\x12\x08\x66\x65\x64ra.v1\"\xc9\x01\n\rTrainSettings\x12\x13\n\x0blocal_steps\x18\x01 \x01(\r\x12\x14\n\x0clocal_epochs\x18\x02 \x01(\r\x12\x12\n\nbatch_size\x18\x03 \x01(\r\x12\x15\n\rlearning_rate\x18\x04 \x01(\x01\x12\x33\n\x06params\x18\x05 \x03(\x0b\x32#.fedra.v1.TrainSettings.ParamsEntry\x1a-\n\x0bParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"6\n\x05\x43odec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x62lock\x18\x02 \x01(\r\x12\x10\n\x08\x66raction\x18\x03 \x01(\x01\"\x1a\n\nModelChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,6 +37,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRAINSETTINGS']._serialized_end=244
   _globals['_TRAINSETTINGS_PARAMSENTRY']._serialized_start=199
   _globals['_TRAINSETTINGS_PARAMSENTRY']._serialized_end=244
-  _globals['_MODELCHUNK']._serialized_start=246
-  _globals['_MODELCHUNK']._serialized_end=272
+  _globals['_CODEC']._serialized_start=246
+  _globals['_CODEC']._serialized_end=300
+  _globals['_MODELCHUNK']._serialized_start=302
+  _globals['_MODELCHUNK']._serialized_end=328
 # @@protoc_insertion_point(module_scope)

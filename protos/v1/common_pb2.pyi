@@ -76,6 +76,37 @@ class TrainSettings(_message.Message):
 Global___TrainSettings: _TypeAlias = TrainSettings  # noqa: Y015
 
 @_typing.final
+class Codec(_message.Message):
+    """How sites compress updates: none | fp16 | bf16 | int8 (per-block absmax scale)
+    | topk (with error feedback kept at the site).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    BLOCK_FIELD_NUMBER: _builtins.int
+    FRACTION_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    block: _builtins.int
+    """int8: elements per block"""
+    fraction: _builtins.float
+    """topk: share of each tensor's elements sent"""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        block: _builtins.int = ...,
+        fraction: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block", b"block", "fraction", b"fraction", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Codec: _TypeAlias = Codec  # noqa: Y015
+
+@_typing.final
 class ModelChunk(_message.Message):
     """One piece of a safetensors-format payload; the concatenation of all pieces
     is the payload whose SHA-256 the surrounding exchange names.

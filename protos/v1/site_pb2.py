@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from fedra.protos.v1 import common_pb2 as fedra_dot_protos_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x66\x65\x64ra/protos/v1/site.proto\x12\x08\x66\x65\x64ra.v1\x1a\x1c\x66\x65\x64ra/protos/v1/common.proto\"B\n\x0fRegisterRequest\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12\r\n\x05tasks\x18\x02 \x03(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\"]\n\x10RegisterResponse\x12\x1c\n\x14heartbeat_interval_s\x18\x01 \x01(\x01\x12\x16\n\x0epoll_timeout_s\x18\x02 \x01(\x01\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\r\"4\n\x10HeartbeatRequest\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\")\n\x11HeartbeatResponse\x12\x14\n\x0ctask_current\x18\x01 \x01(\x08\"\"\n\x0fPollTaskRequest\x12\x0f\n\x07site_id\x18\x01 \x01(\t\"\xf7\x01\n\x04Task\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\r\x12 \n\x04kind\x18\x04 \x01(\x0e\x32\x12.fedra.v1.TaskKind\x12\x13\n\x0b\x65ntry_point\x18\x05 \x01(\t\x12)\n\x08settings\x18\x06 \x01(\x0b\x32\x17.fedra.v1.TrainSettings\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x14\n\x0cmodel_sha256\x18\x08 \x01(\t\x12\x13\n\x0bmodel_bytes\x18\t \x01(\x04\x12\x15\n\rdeadline_in_s\x18\n \x01(\x01\x12\r\n\x05\x63odec\x18\x0b \x01(\t\"0\n\x10PollTaskResponse\x12\x1c\n\x04task\x18\x01 \x01(\x0b\x32\x0e.fedra.v1.Task\"8\n\x14\x44ownloadModelRequest\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\"\x8f\x02\n\x0cUpdateHeader\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\r\x12\x0f\n\x07task_id\x18\x04 \x01(\t\x12\x13\n\x0bnum_samples\x18\x05 \x01(\x04\x12\x34\n\x07metrics\x18\x06 \x03(\x0b\x32#.fedra.v1.UpdateHeader.MetricsEntry\x12\r\n\x05\x63odec\x18\x07 \x01(\t\x12\x0e\n\x06sha256\x18\x08 \x01(\t\x12\r\n\x05nonce\x18\t \x01(\x0c\x12\x15\n\rpayload_bytes\x18\n \x01(\x04\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"O\n\x0bUpdateChunk\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.fedra.v1.UpdateHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\".\n\x14UploadUpdateResponse\x12\x16\n\x0e\x62ytes_received\x18\x01 \x01(\x04\"H\n\x14ReportFailureRequest\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x17\n\x15ReportFailureResponse*N\n\x08TaskKind\x12\x19\n\x15TASK_KIND_UNSPECIFIED\x10\x00\x12\x12\n\x0eTASK_KIND_INIT\x10\x01\x12\x13\n\x0fTASK_KIND_TRAIN\x10\x02\x32\xbd\x03\n\x0bSiteService\x12\x41\n\x08Register\x12\x19.fedra.v1.RegisterRequest\x1a\x1a.fedra.v1.RegisterResponse\x12\x44\n\tHeartbeat\x12\x1a.fedra.v1.HeartbeatRequest\x1a\x1b.fedra.v1.HeartbeatResponse\x12\x41\n\x08PollTask\x12\x19.fedra.v1.PollTaskRequest\x1a\x1a.fedra.v1.PollTaskResponse\x12G\n\rDownloadModel\x12\x1e.fedra.v1.DownloadModelRequest\x1a\x14.fedra.v1.ModelChunk0\x01\x12G\n\x0cUploadUpdate\x12\x15.fedra.v1.UpdateChunk\x1a\x1e.fedra.v1.UploadUpdateResponse(\x01\x12P\n\rReportFailure\x12\x1e.fedra.v1.ReportFailureRequest\x1a\x1f.fedra.v1.ReportFailureResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x66\x65\x64ra/protos/v1/site.proto\x12\x08\x66\x65\x64ra.v1\x1a\x1c\x66\x65\x64ra/protos/v1/common.proto\"B\n\x0fRegisterRequest\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12\r\n\x05tasks\x18\x02 \x03(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\"]\n\x10RegisterResponse\x12\x1c\n\x14heartbeat_interval_s\x18\x01 \x01(\x01\x12\x16\n\x0epoll_timeout_s\x18\x02 \x01(\x01\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\r\"4\n\x10HeartbeatRequest\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\")\n\x11HeartbeatResponse\x12\x14\n\x0ctask_current\x18\x01 \x01(\x08\"\"\n\x0fPollTaskRequest\x12\x0f\n\x07site_id\x18\x01 \x01(\t\"\x9d\x02\n\x04Task\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\r\x12 \n\x04kind\x18\x04 \x01(\x0e\x32\x12.fedra.v1.TaskKind\x12\x13\n\x0b\x65ntry_point\x18\x05 \x01(\t\x12)\n\x08settings\x18\x06 \x01(\x0b\x32\x17.fedra.v1.TrainSettings\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x14\n\x0cmodel_sha256\x18\x08 \x01(\t\x12\x13\n\x0bmodel_bytes\x18\t \x01(\x04\x12\x15\n\rdeadline_in_s\x18\n \x01(\x01\x12\r\n\x05\x63odec\x18\x0b \x01(\t\x12$\n\x0b\x63ompression\x18\x0c \x01(\x0b\x32\x0f.fedra.v1.Codec\"0\n\x10PollTaskResponse\x12\x1c\n\x04task\x18\x01 \x01(\x0b\x32\x0e.fedra.v1.Task\"8\n\x14\x44ownloadModelRequest\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\"\xa2\x02\n\x0cUpdateHeader\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\r\x12\x0f\n\x07task_id\x18\x04 \x01(\t\x12\x13\n\x0bnum_samples\x18\x05 \x01(\x04\x12\x34\n\x07metrics\x18\x06 \x03(\x0b\x32#.fedra.v1.UpdateHeader.MetricsEntry\x12\r\n\x05\x63odec\x18\x07 \x01(\t\x12\x0e\n\x06sha256\x18\x08 \x01(\t\x12\r\n\x05nonce\x18\t \x01(\x0c\x12\x15\n\rpayload_bytes\x18\n \x01(\x04\x12\x11\n\tsignature\x18\x0b \x01(\x0c\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"O\n\x0bUpdateChunk\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.fedra.v1.UpdateHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\".\n\x14UploadUpdateResponse\x12\x16\n\x0e\x62ytes_received\x18\x01 \x01(\x04\"H\n\x14ReportFailureRequest\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x17\n\x15ReportFailureResponse*N\n\x08TaskKind\x12\x19\n\x15TASK_KIND_UNSPECIFIED\x10\x00\x12\x12\n\x0eTASK_KIND_INIT\x10\x01\x12\x13\n\x0fTASK_KIND_TRAIN\x10\x02\x32\xbd\x03\n\x0bSiteService\x12\x41\n\x08Register\x12\x19.fedra.v1.RegisterRequest\x1a\x1a.fedra.v1.RegisterResponse\x12\x44\n\tHeartbeat\x12\x1a.fedra.v1.HeartbeatRequest\x1a\x1b.fedra.v1.HeartbeatResponse\x12\x41\n\x08PollTask\x12\x19.fedra.v1.PollTaskRequest\x1a\x1a.fedra.v1.PollTaskResponse\x12G\n\rDownloadModel\x12\x1e.fedra.v1.DownloadModelRequest\x1a\x14.fedra.v1.ModelChunk0\x01\x12G\n\x0cUploadUpdate\x12\x15.fedra.v1.UpdateChunk\x1a\x1e.fedra.v1.UploadUpdateResponse(\x01\x12P\n\rReportFailure\x12\x1e.fedra.v1.ReportFailureRequest\x1a\x1f.fedra.v1.ReportFailureResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_UPDATEHEADER_METRICSENTRY']._loaded_options = None
   _globals['_UPDATEHEADER_METRICSENTRY']._serialized_options = b'8\001'
-  _globals['_TASKKIND']._serialized_start=1226
-  _globals['_TASKKIND']._serialized_end=1304
+  _globals['_TASKKIND']._serialized_start=1283
+  _globals['_TASKKIND']._serialized_end=1361
   _globals['_REGISTERREQUEST']._serialized_start=70
   _globals['_REGISTERREQUEST']._serialized_end=136
   _globals['_REGISTERRESPONSE']._serialized_start=138
@@ -47,23 +47,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_POLLTASKREQUEST']._serialized_start=330
   _globals['_POLLTASKREQUEST']._serialized_end=364
   _globals['_TASK']._serialized_start=367
-  _globals['_TASK']._serialized_end=614
-  _globals['_POLLTASKRESPONSE']._serialized_start=616
-  _globals['_POLLTASKRESPONSE']._serialized_end=664
-  _globals['_DOWNLOADMODELREQUEST']._serialized_start=666
-  _globals['_DOWNLOADMODELREQUEST']._serialized_end=722
-  _globals['_UPDATEHEADER']._serialized_start=725
-  _globals['_UPDATEHEADER']._serialized_end=996
-  _globals['_UPDATEHEADER_METRICSENTRY']._serialized_start=950
-  _globals['_UPDATEHEADER_METRICSENTRY']._serialized_end=996
-  _globals['_UPDATECHUNK']._serialized_start=998
-  _globals['_UPDATECHUNK']._serialized_end=1077
-  _globals['_UPLOADUPDATERESPONSE']._serialized_start=1079
-  _globals['_UPLOADUPDATERESPONSE']._serialized_end=1125
-  _globals['_REPORTFAILUREREQUEST']._serialized_start=1127
-  _globals['_REPORTFAILUREREQUEST']._serialized_end=1199
-  _globals['_REPORTFAILURERESPONSE']._serialized_start=1201
-  _globals['_REPORTFAILURERESPONSE']._serialized_end=1224
-  _globals['_SITESERVICE']._serialized_start=1307
-  _globals['_SITESERVICE']._serialized_end=1752
+  _globals['_TASK']._serialized_end=652
+  _globals['_POLLTASKRESPONSE']._serialized_start=654
+  _globals['_POLLTASKRESPONSE']._serialized_end=702
+  _globals['_DOWNLOADMODELREQUEST']._serialized_start=704
+  _globals['_DOWNLOADMODELREQUEST']._serialized_end=760
+  _globals['_UPDATEHEADER']._serialized_start=763
+  _globals['_UPDATEHEADER']._serialized_end=1053
+  _globals['_UPDATEHEADER_METRICSENTRY']._serialized_start=1007
+  _globals['_UPDATEHEADER_METRICSENTRY']._serialized_end=1053
+  _globals['_UPDATECHUNK']._serialized_start=1055
+  _globals['_UPDATECHUNK']._serialized_end=1134
+  _globals['_UPLOADUPDATERESPONSE']._serialized_start=1136
+  _globals['_UPLOADUPDATERESPONSE']._serialized_end=1182
+  _globals['_REPORTFAILUREREQUEST']._serialized_start=1184
+  _globals['_REPORTFAILUREREQUEST']._serialized_end=1256
+  _globals['_REPORTFAILURERESPONSE']._serialized_start=1258
+  _globals['_REPORTFAILURERESPONSE']._serialized_end=1281
+  _globals['_SITESERVICE']._serialized_start=1364
+  _globals['_SITESERVICE']._serialized_end=1809
 # @@protoc_insertion_point(module_scope)

@@ -172,6 +172,7 @@ class Task(_message.Message):
     MODEL_BYTES_FIELD_NUMBER: _builtins.int
     DEADLINE_IN_S_FIELD_NUMBER: _builtins.int
     CODEC_FIELD_NUMBER: _builtins.int
+    COMPRESSION_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     run_id: _builtins.str
     round: _builtins.int
@@ -184,8 +185,13 @@ class Task(_message.Message):
     deadline_in_s: _builtins.float
     """relative, so clocks need not agree"""
     codec: _builtins.str
+    """the name of compression.codec, for logs"""
     @_builtins.property
     def settings(self) -> _common_pb2.TrainSettings: ...
+    @_builtins.property
+    def compression(self) -> _common_pb2.Codec:
+        """how to compress the update (TASK_KIND_TRAIN)"""
+
     def __init__(
         self,
         *,
@@ -200,10 +206,11 @@ class Task(_message.Message):
         model_bytes: _builtins.int = ...,
         deadline_in_s: _builtins.float = ...,
         codec: _builtins.str = ...,
+        compression: _common_pb2.Codec | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["settings", b"settings"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["compression", b"compression", "settings", b"settings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["codec", b"codec", "deadline_in_s", b"deadline_in_s", "entry_point", b"entry_point", "kind", b"kind", "model_bytes", b"model_bytes", "model_sha256", b"model_sha256", "round", b"round", "run_id", b"run_id", "seed", b"seed", "settings", b"settings", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["codec", b"codec", "compression", b"compression", "deadline_in_s", b"deadline_in_s", "entry_point", b"entry_point", "kind", b"kind", "model_bytes", b"model_bytes", "model_sha256", b"model_sha256", "round", b"round", "run_id", b"run_id", "seed", b"seed", "settings", b"settings", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -287,6 +294,7 @@ class UpdateHeader(_message.Message):
     SHA256_FIELD_NUMBER: _builtins.int
     NONCE_FIELD_NUMBER: _builtins.int
     PAYLOAD_BYTES_FIELD_NUMBER: _builtins.int
+    SIGNATURE_FIELD_NUMBER: _builtins.int
     site_id: _builtins.str
     run_id: _builtins.str
     round: _builtins.int
@@ -298,6 +306,10 @@ class UpdateHeader(_message.Message):
     nonce: _builtins.bytes
     """16 random bytes, fresh per update"""
     payload_bytes: _builtins.int
+    signature: _builtins.bytes
+    """ECDSA-SHA256 by the site's certificate key over (run, round, site, task, nonce,
+    sha256): a replayed or altered update is refused. Required over mTLS.
+    """
     @_builtins.property
     def metrics(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]: ...
     def __init__(
@@ -313,10 +325,11 @@ class UpdateHeader(_message.Message):
         sha256: _builtins.str = ...,
         nonce: _builtins.bytes = ...,
         payload_bytes: _builtins.int = ...,
+        signature: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["codec", b"codec", "metrics", b"metrics", "nonce", b"nonce", "num_samples", b"num_samples", "payload_bytes", b"payload_bytes", "round", b"round", "run_id", b"run_id", "sha256", b"sha256", "site_id", b"site_id", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["codec", b"codec", "metrics", b"metrics", "nonce", b"nonce", "num_samples", b"num_samples", "payload_bytes", b"payload_bytes", "round", b"round", "run_id", b"run_id", "sha256", b"sha256", "signature", b"signature", "site_id", b"site_id", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,68 @@
+"""Who may call what: identities from client certificates, checked on every call.
+
+Over mTLS a caller is the name and role in its certificate (``fedra.pki``): a site
+may act only as itself, admin RPCs need an admin certificate, a revoked certificate
+is refused at once (the deny list is read per call and an unreadable one refuses
+everything), and an upload must be signed by the site's key. In insecure mode
+(localhost development) there is no identity and nothing is checked.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fedra import pki
+from fedra.coordinator.errors import PermissionDenied, Unauthenticated
+
+log = logging.getLogger("fedra.coordinator")
+
+
+class Guard:
+    def __init__(self, deny_list: pki.DenyList | None, insecure: bool = False) -> None:
+        if deny_list is None and not insecure:
+            raise ValueError("a secure coordinator needs a deny list")
+        self.deny_list = deny_list
+        self.insecure = insecure
+
+    def identity(self, context: Any) -> pki.Identity | None:
+        """The verified caller, or None in insecure mode; Unauthenticated otherwise."""
+        if self.insecure:
+            return None
+        who = pki.peer_identity(context)
+        if who is None:
+            raise Unauthenticated("no verified client certificate")
+        assert self.deny_list is not None
+        try:
+            revoked = self.deny_list.is_revoked(who.serial)
+        except pki.DenyListError as exc:  # fail closed: a deny list we cannot read denies all
+            log.error("deny list unreadable, refusing every call: %s", exc)
+            raise Unauthenticated("the coordinator cannot check revocations right now") from exc
+        if revoked:
+            raise Unauthenticated(f"the certificate of {who.role} {who.name!r} is revoked")
+        return who
+
+    def site(self, context: Any, site_id: str) -> None:
+        """The caller must be site ``site_id`` itself."""
+        who = self.identity(context)
+        if who is None:
+            return
+        if who.role != "site":
+            raise PermissionDenied(f"{who.role} {who.name!r} is not a site")
+        if who.name != site_id:
+            raise PermissionDenied(f"site {who.name!r} may only act as itself, not as {site_id!r}")
+
+    def admin(self, context: Any) -> None:
+        who = self.identity(context)
+        if who is not None and who.role != "admin":
+            raise PermissionDenied(
+                f"admin calls need an admin certificate; {who.role} {who.name!r} has none"
+            )
+
+    def upload(self, context: Any, message: bytes, signature: bytes) -> None:
+        """The update header must be signed by the calling site's certificate key."""
+        if self.insecure:
+            return
+        certs = context.auth_context().get("x509_pem_cert") or []
+        if not certs or not signature or not pki.verify(certs[0], signature, message):
+            raise Unauthenticated("the update's signature does not match the site's certificate")

@@ -1,0 +1,273 @@
+"""mTLS identities and authorisation against a real coordinator server.
+
+Each refusal names what was wrong with the right status, and changes nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from fedra import pki
+from fedra.coordinator.server import CoordinatorConfig, build_engine, create_server
+from fedra.examples import synthetic
+from fedra.protos.codec import encode
+from fedra.protos.v1 import admin_pb2, admin_pb2_grpc, common_pb2, site_pb2, site_pb2_grpc
+
+TASK = "fedra.examples.synthetic:task"
+
+
+class SecureCoordinator:
+    def __init__(self, root: Path) -> None:
+        self.pki = root / "pki"
+        pki.provision(
+            self.pki,
+            coordinator_hosts=["localhost", "127.0.0.1"],
+            sites=["site-a", "site-b"],
+            admins=["ops"],
+        )
+        state = root / "state"
+        tls = pki.load_folder(self.pki / "coordinator")
+        config = CoordinatorConfig(state_dir=state, tls_dir=self.pki / "coordinator")
+        self.engine = build_engine(config)
+        self.engine.start()
+        self.deny_list = config.deny_list_path
+        self.server, port = create_server(self.engine, "127.0.0.1:0", 16, tls, self.deny_list)
+        self.server.start()
+        self.address = f"localhost:{port}"
+        self._channels: list[grpc.Channel] = []
+
+    def channel(self, folder: Path | None) -> grpc.Channel:
+        if folder is None:
+            ch = grpc.insecure_channel(self.address)
+        else:
+            ch = grpc.secure_channel(self.address, pki.channel_credentials(pki.load_folder(folder)))
+        self._channels.append(ch)
+        return ch
+
+    def site(self, name: str, folder: Path | None = None) -> site_pb2_grpc.SiteServiceStub:
+        return site_pb2_grpc.SiteServiceStub(self.channel(folder or self.pki / "sites" / name))
+
+    def admin(self, folder: Path | None = None) -> admin_pb2_grpc.AdminServiceStub:
+        return admin_pb2_grpc.AdminServiceStub(self.channel(folder or self.pki / "admins" / "ops"))
+
+    def close(self) -> None:
+        for ch in self._channels:
+            ch.close()
+        with self.engine.lock:
+            self.engine.stopping = True
+            self.engine.notify()
+        self.server.stop(0).wait()
+        self.engine.stop()
+        self.engine.store.close()
+
+
+@pytest.fixture
+def secure(tmp_path: Path) -> Iterator[SecureCoordinator]:
+    c = SecureCoordinator(tmp_path)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def register(stub: site_pb2_grpc.SiteServiceStub, site_id: str) -> None:
+    stub.Register(site_pb2.RegisterRequest(site_id=site_id, tasks=[TASK]), timeout=10)
+
+
+def refused(call, request, code: grpc.StatusCode, text: str = "") -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(grpc.RpcError) as info:
+        call(request, timeout=10)
+    assert info.value.code() == code, info.value.details()
+    assert text in (info.value.details() or ""), info.value.details()
+
+
+def sites_known(secure: SecureCoordinator) -> list[str]:
+    reply = secure.admin().ListSites(admin_pb2.ListSitesRequest(), timeout=10)
+    return [s.site_id for s in reply.sites]
+
+
+def test_a_provisioned_site_and_admin_are_served(secure: SecureCoordinator) -> None:
+    register(secure.site("site-a"), "site-a")
+    assert sites_known(secure) == ["site-a"]
+
+
+def test_no_certificate_is_refused_at_the_handshake(secure: SecureCoordinator) -> None:
+    plain = site_pb2_grpc.SiteServiceStub(secure.channel(None))
+    refused(
+        plain.Register,
+        site_pb2.RegisterRequest(site_id="site-a", tasks=[TASK]),
+        grpc.StatusCode.UNAVAILABLE,
+    )
+    server_only = grpc.secure_channel(
+        secure.address,
+        grpc.ssl_channel_credentials(root_certificates=(secure.pki / "ca" / "ca.pem").read_bytes()),
+    )
+    try:
+        stub = site_pb2_grpc.SiteServiceStub(server_only)
+        refused(
+            stub.Register,
+            site_pb2.RegisterRequest(site_id="site-a", tasks=[TASK]),
+            grpc.StatusCode.UNAVAILABLE,
+        )
+    finally:
+        server_only.close()
+    assert sites_known(secure) == []
+
+
+def test_a_certificate_from_another_ca_is_refused(
+    secure: SecureCoordinator, tmp_path: Path
+) -> None:
+    other = tmp_path / "other"
+    pki.provision(other, coordinator_hosts=["localhost"], sites=["site-a"], admins=[])
+    # Trust our CA (so the server is accepted) but present the other CA's site certificate.
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    (mixed / "ca.pem").write_bytes((secure.pki / "ca" / "ca.pem").read_bytes())
+    for name in ("cert.pem", "key.pem"):
+        (mixed / name).write_bytes((other / "sites" / "site-a" / name).read_bytes())
+    stub = secure.site("site-a", mixed)
+    refused(
+        stub.Register,
+        site_pb2.RegisterRequest(site_id="site-a", tasks=[TASK]),
+        grpc.StatusCode.UNAVAILABLE,
+    )
+    assert sites_known(secure) == []
+
+
+def test_a_revoked_certificate_is_refused_at_once(secure: SecureCoordinator) -> None:
+    stub = secure.site("site-a")
+    register(stub, "site-a")
+    pki.revoke(secure.deny_list, secure.pki / "sites" / "site-a")
+    refused(
+        stub.Heartbeat,
+        site_pb2.HeartbeatRequest(site_id="site-a"),
+        grpc.StatusCode.UNAUTHENTICATED,
+        "revoked",
+    )
+    register(secure.site("site-b"), "site-b")  # others are unaffected
+
+
+def test_an_unreadable_deny_list_refuses_everyone(secure: SecureCoordinator) -> None:
+    secure.deny_list.write_text("{not json")
+    stub = secure.site("site-a")
+    refused(
+        stub.Register,
+        site_pb2.RegisterRequest(site_id="site-a", tasks=[TASK]),
+        grpc.StatusCode.UNAUTHENTICATED,
+    )
+
+
+def test_a_site_can_only_act_as_itself(secure: SecureCoordinator) -> None:
+    stub = secure.site("site-a")
+    request = site_pb2.RegisterRequest(site_id="site-b", tasks=[TASK])
+    refused(stub.Register, request, grpc.StatusCode.PERMISSION_DENIED, "may only act as itself")
+    refused(
+        stub.PollTask, site_pb2.PollTaskRequest(site_id="site-b"), grpc.StatusCode.PERMISSION_DENIED
+    )
+    assert sites_known(secure) == []
+
+
+def test_admin_calls_need_an_admin_certificate(secure: SecureCoordinator) -> None:
+    as_site = secure.admin(secure.pki / "sites" / "site-a")
+    refused(
+        as_site.ListRuns, admin_pb2.ListRunsRequest(), grpc.StatusCode.PERMISSION_DENIED, "admin"
+    )
+    spec = admin_pb2.RunSpec(
+        task=TASK,
+        rounds=1,
+        sites_per_round=1,
+        round_deadline_s=5,
+        join_timeout_s=5,
+        max_round_attempts=1,
+        strategy="fedavg",
+        train=common_pb2.TrainSettings(local_steps=1, batch_size=4, learning_rate=0.1),
+    )
+    refused(
+        as_site.SubmitRun, admin_pb2.SubmitRunRequest(spec=spec), grpc.StatusCode.PERMISSION_DENIED
+    )
+    assert secure.admin().ListRuns(admin_pb2.ListRunsRequest(), timeout=10).runs == []
+    # and an admin is not a site
+    as_admin = secure.site("ops", secure.pki / "admins" / "ops")
+    refused(
+        as_admin.Register,
+        site_pb2.RegisterRequest(site_id="ops", tasks=[TASK]),
+        grpc.StatusCode.PERMISSION_DENIED,
+    )
+
+
+def _initial_upload(
+    secure: SecureCoordinator,
+) -> tuple[site_pb2_grpc.SiteServiceStub, site_pb2.Task, bytes]:
+    stub = secure.site("site-a")
+    register(stub, "site-a")
+    spec = admin_pb2.RunSpec(
+        task=TASK,
+        rounds=2,
+        sites_per_round=1,
+        round_deadline_s=60,
+        join_timeout_s=5,
+        max_round_attempts=1,
+        strategy="fedavg",
+        train=common_pb2.TrainSettings(local_steps=1, batch_size=4, learning_rate=0.1),
+    )
+    secure.admin().SubmitRun(admin_pb2.SubmitRunRequest(spec=spec), timeout=10)
+    task = stub.PollTask(site_pb2.PollTaskRequest(site_id="site-a"), timeout=10).task
+    assert task.task_id
+    model = {
+        k: v.detach().clone() for k, v in synthetic.task.create_model(0, {}).state_dict().items()
+    }
+    return stub, task, encode(model)
+
+
+def _upload(
+    stub, task, payload: bytes, *, nonce: bytes, key: bytes, round_number: int | None = None
+):  # type: ignore[no-untyped-def]
+    sha = hashlib.sha256(payload).hexdigest()
+    signed = pki.upload_message(task.run_id, task.round, "site-a", task.task_id, nonce, sha)
+    header = site_pb2.UpdateHeader(
+        site_id="site-a",
+        run_id=task.run_id,
+        round=task.round if round_number is None else round_number,
+        task_id=task.task_id,
+        num_samples=1,
+        codec="none",
+        sha256=sha,
+        nonce=nonce,
+        payload_bytes=len(payload),
+        signature=pki.sign(key, signed),
+    )
+    msgs = [site_pb2.UpdateChunk(header=header), site_pb2.UpdateChunk(data=payload)]
+    return stub.UploadUpdate(iter(msgs), timeout=30)
+
+
+def test_uploads_must_be_signed_by_the_site_and_cannot_be_replayed(
+    secure: SecureCoordinator,
+) -> None:
+    stub, task, payload = _initial_upload(secure)
+    key_a = (secure.pki / "sites" / "site-a" / "key.pem").read_bytes()
+    key_b = (secure.pki / "sites" / "site-b" / "key.pem").read_bytes()
+    with pytest.raises(grpc.RpcError) as info:  # signed with another site's key
+        _upload(stub, task, payload, nonce=os.urandom(16), key=key_b)
+    assert (
+        info.value.code() == grpc.StatusCode.UNAUTHENTICATED and "signature" in info.value.details()
+    )
+    with pytest.raises(grpc.RpcError) as info:  # header altered after signing
+        _upload(stub, task, payload, nonce=os.urandom(16), key=key_a, round_number=task.round + 1)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    nonce = os.urandom(16)
+    _upload(stub, task, payload, nonce=nonce, key=key_a)
+    with pytest.raises(grpc.RpcError) as info:  # the same signed update again
+        _upload(stub, task, payload, nonce=nonce, key=key_a)
+    assert info.value.code() in (
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.FAILED_PRECONDITION,
+    )
+    runs = secure.admin().ListRuns(admin_pb2.ListRunsRequest(), timeout=10).runs
+    (r0,) = [r for r in runs[0].rounds if r.number == 0]
+    assert r0.updates == 1
