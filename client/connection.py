@@ -11,7 +11,13 @@ import grpc
 import torch
 
 from fedra import __version__, pki
-from fedra.protos.codec import DEFAULT_CHUNK_BYTES, CodecError, decode_chunks, encode_chunks
+from fedra.protos.codec import (
+    DEFAULT_CHUNK_BYTES,
+    CodecError,
+    decode_chunks,
+    digest_and_size,
+    encode_chunks,
+)
 from fedra.protos.serde import codec_from_proto, train_from_proto
 from fedra.protos.v1 import site_pb2, site_pb2_grpc
 from fedra.runspec import CodecSpec, TrainSpec
@@ -115,11 +121,9 @@ class Connection:
         timeout_s: float,
     ) -> int:
         """Stream an update up: a header with the payload's SHA-256, then the chunks."""
-        digest, size = hashlib.sha256(), 0
-        for chunk in encode_chunks(tensors, self.chunk_bytes):  # first pass: hash and size
-            digest.update(chunk)
-            size += len(chunk)
-        sha256 = digest.hexdigest()
+        # The header carries the payload's SHA-256, so hash first (from tensor memory, no
+        # copies), then stream.
+        sha256, size = digest_and_size(tensors)
         signature = b""
         if self.tls is not None:  # bind the payload's digest to this site, round and nonce
             message = pki.upload_message(

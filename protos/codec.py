@@ -155,6 +155,20 @@ def _chunked(header: bytes, ordered: list[torch.Tensor], chunk_bytes: int) -> It
         yield b"".join(views)
 
 
+def digest_and_size(
+    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> tuple[str, int]:
+    """SHA-256 (hex) and length of the encoding, hashed straight from tensor memory (no chunks)."""
+    header = _header_bytes(spec_of(tensors), metadata)
+    digest = hashlib.sha256(header)
+    size = len(header)
+    for name in sorted(tensors):
+        view = _tensor_bytes(tensors[name])
+        digest.update(view)
+        size += len(view)
+    return digest.hexdigest(), size
+
+
 def encode(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytes:
     """The whole payload as one bytes object; prefer ``encode_chunks`` for large tensors."""
     return b"".join(encode_chunks(tensors, metadata=metadata))

@@ -27,8 +27,8 @@ from fedra.protos.codec import (
     encoded_size,
     spec_of,
 )
-from fedra.runspec import CODECS as CODECS  # re-exported: the codec names
-from fedra.runspec import CodecSpec as CodecSpec
+from fedra.runspec import CODECS as CODECS  # noqa: PLC0414 - re-exported here
+from fedra.runspec import CodecSpec as CodecSpec  # noqa: PLC0414 - re-exported here
 
 # (metadata suffix, values suffix) per codec that splits a tensor in two.
 SUFFIXES: dict[str, tuple[str, str]] = {

@@ -309,3 +309,17 @@ def test_decode_chunks_never_builds_the_whole_payload() -> None:
     # torch allocations are not traced, so this bounds the Python-side transport buffers.
     assert peak < 1.5 * DEFAULT_CHUNK_BYTES < payload_bytes // 8
     assert torch.equal(decoded["w"], tensor)
+
+
+def test_digest_and_size_match_the_encoding() -> None:
+    from fedra.protos.codec import digest_and_size
+
+    tensors = {
+        "b": torch.arange(10, dtype=torch.bfloat16),
+        "a": torch.randn(3, 5).t(),  # non-contiguous
+        "c": torch.zeros(0),
+    }
+    payload = encode(tensors)
+    digest, size = digest_and_size(tensors)
+    assert size == len(payload)
+    assert digest == hashlib.sha256(payload).hexdigest()
