@@ -218,7 +218,9 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
     @mapped
     def GetRun(self, request: admin_pb2.GetRunRequest, context: Any) -> admin_pb2.RunStatus:
         self.guard.admin(context)
-        return run_status(self.engine, self.engine.get_run_record(request.run_id))
+        return run_status(
+            self.engine, self.engine.get_run_record(request.run_id), self.guard.insecure
+        )
 
     @mapped
     def ListRuns(
@@ -226,7 +228,9 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
     ) -> admin_pb2.ListRunsResponse:
         self.guard.admin(context)
         records = self.engine.store.list_runs()
-        return admin_pb2.ListRunsResponse(runs=[run_status(self.engine, r) for r in records])
+        return admin_pb2.ListRunsResponse(
+            runs=[run_status(self.engine, r, self.guard.insecure) for r in records]
+        )
 
     @mapped_stream
     def WatchRun(
@@ -238,7 +242,7 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
         last = None
         while context.is_active():
             record = engine.get_run_record(request.run_id)
-            status = run_status(engine, record)
+            status = run_status(engine, record, self.guard.insecure)
             if status != last:
                 yield status
                 last = status

@@ -9,7 +9,7 @@ from fedra.runspec import RunSpec
 from fedra.storage.records import ParticipationRecord, RoundRecord, RunRecord
 
 
-def run_status(engine: Engine, record: RunRecord) -> admin_pb2.RunStatus:
+def run_status(engine: Engine, record: RunRecord, insecure: bool = False) -> admin_pb2.RunStatus:
     """The run, every round and every participation, as stored."""
     store = engine.store
     rounds = store.list_rounds(record.id)
@@ -29,6 +29,7 @@ def run_status(engine: Engine, record: RunRecord) -> admin_pb2.RunStatus:
         rounds=[_round(r, [p for p in parts if p.round_number == r.number], ckpts) for r in rounds],
         created_unix_s=record.created_at,
         updated_unix_s=record.updated_at,
+        coordinator_insecure=insecure,
     )
 
 

@@ -296,6 +296,11 @@ def format_round(r: admin_pb2.RoundStatus) -> str:
 def format_status(s: admin_pb2.RunStatus) -> str:
     lines = [
         f"run {s.run_id} ({s.spec.name}): {s.state}" + (f" - {s.reason}" if s.reason else ""),
+        *(
+            ["WARNING: the coordinator runs WITHOUT TLS (--insecure)"]
+            if s.coordinator_insecure
+            else []
+        ),
         f"task {s.spec.task}, strategy {s.spec.strategy}, "
         f"{s.rounds_completed}/{s.spec.rounds} rounds",
     ]

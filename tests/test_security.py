@@ -271,3 +271,4 @@ def test_uploads_must_be_signed_by_the_site_and_cannot_be_replayed(
     runs = secure.admin().ListRuns(admin_pb2.ListRunsRequest(), timeout=10).runs
     (r0,) = [r for r in runs[0].rounds if r.number == 0]
     assert r0.updates == 1
+    assert not runs[0].coordinator_insecure

@@ -404,3 +404,13 @@ def test_health_service_reports_serving(coordinator: InProcessCoordinator) -> No
     for service in ("", "fedra.v1.SiteService", "fedra.v1.AdminService"):
         reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_status_says_when_the_coordinator_is_insecure(coordinator: InProcessCoordinator) -> None:
+    register(coordinator, *SITES)
+    run_id = submit(coordinator)
+    status = coordinator.admin.GetRun(admin_pb2.GetRunRequest(run_id=run_id))
+    assert status.coordinator_insecure
+    from fedra.cli import format_status
+
+    assert "WITHOUT TLS" in format_status(status)
