@@ -21,7 +21,7 @@ import torch
 from fedra import pki
 from fedra.client.config import SiteConfig
 from fedra.client.connection import TRANSIENT, Assignment, Connection, Session, new_nonce
-from fedra.client.executor import Executor, LocalExecutor
+from fedra.client.executor import Executor, LocalExecutor, WorldBroken
 from fedra.client.task import FitSettings, ParallelTask, Task, load_task
 from fedra.config import ConfigError
 from fedra.faults import crash_point
@@ -29,6 +29,8 @@ from fedra.protos.compression import Compressor
 from fedra.retry import Backoff
 
 log = logging.getLogger("fedra.site")
+# Identity failures: nothing this site sends will be accepted until an operator acts.
+_FATAL = frozenset({grpc.StatusCode.UNAUTHENTICATED})
 # Failures that mean "this task no longer counts": drop it and poll again.
 _TASK_GONE = frozenset(
     {
@@ -116,12 +118,18 @@ class SiteAgent:
             if exc.code() in _TASK_GONE:
                 log.warning("%s: task dropped: %s", tag, exc.details())
                 return
+            if exc.code() in TRANSIENT or exc.code() in _FATAL:
+                raise  # reconnect, or (revoked, not who we say) stop for good
+            # The coordinator refused this update (e.g. INVALID_ARGUMENT): say so, keep serving.
+            log.error("%s: update refused: %s: %s", tag, exc.code().name, exc.details())
+            self._report(task, f"update refused: {exc.code().name}: {exc.details()}")
+        except WorldBroken:  # a rank failed mid-collective: exit, the local world restarts
+            log.exception("%s: the local world failed", tag)
+            self._report(task, "a local rank failed; the site's local world is restarting")
             raise
-        except Exception as exc:  # the task's own code or the local world failed: say so
+        except Exception as exc:  # the task's own code failed: say so, keep serving
             log.exception("%s: training failed", tag)
             self._report(task, f"{type(exc).__name__}: {exc}")
-            if self.executor.fatal_errors:
-                raise  # the local world may be broken: exit, and let it be restarted
         finally:
             self.current = None
 
@@ -150,6 +158,9 @@ class SiteAgent:
         if beat.withdrawn.is_set():
             log.warning("%s: round closed while training; not uploading", tag)
             return
+        for name, tensor in payload.items():  # refuse locally what the coordinator would refuse
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise ValueError(f"the update's tensor {name!r} has non-finite values")
         compressor = self._compressor(task)
         before = compressor.residual  # a snapshot: restored if the update does not count
         wire = compressor.compress(payload)  # once: a retried upload resends the same bytes

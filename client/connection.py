@@ -127,8 +127,9 @@ class Connection:
         signature = b""
         if self.tls is not None:  # bind the payload's digest to this site, round and nonce
             message = pki.upload_message(
-                task.run_id, task.round, self.site_id, task.task_id, nonce, sha256
-            )
+                task.run_id, task.round, self.site_id, task.task_id, nonce, sha256,
+                num_samples=num_samples, codec=task.codec.name, payload_bytes=size,
+            )  # fmt: skip
             signature = pki.sign(self.tls.key, message)
         header = site_pb2.UpdateHeader(
             site_id=self.site_id,

@@ -40,16 +40,13 @@ class Executor(Protocol):
 
     def close(self) -> None: ...
 
-    @property
-    def fatal_errors(self) -> bool:
-        """Whether a failed task leaves this executor unusable (the site must restart)."""
-        ...
+
+class WorldBroken(RuntimeError):
+    """A rank of the local world failed mid-round: its process group is unusable."""
 
 
 class LocalExecutor:
     """One process: the task's own ``fit``, on the GPU when there is one."""
-
-    fatal_errors = False
 
     def __init__(self, device: torch.device | None = None) -> None:
         cuda = torch.cuda.is_available()
@@ -117,9 +114,6 @@ def train_in_world(
 class WorldExecutor:
     """Rank 0 of a local world: tells the other ranks what to train, then trains with them."""
 
-    # A rank that failed mid-collective leaves the process group unusable.
-    fatal_errors = True
-
     def __init__(self, config: ParallelConfig, world: World, control: ControlChannel) -> None:
         self.config, self.world, self.control = config, world, control
 
@@ -136,11 +130,14 @@ class WorldExecutor:
             raise TypeError(f"task {entry_point!r} does not support parallel plans")
         message = {"cmd": "train", "entry_point": entry_point, "round": round_number}
         message["settings"] = {**asdict(settings), "params": dict(settings.params)}
-        self.control.send(message)
         options = plan_options(self.config)
-        result = train_in_world(
-            impl, model, data, settings, round_number, self.config.plan, options, self.world
-        )
+        try:
+            self.control.send(message)
+            result = train_in_world(
+                impl, model, data, settings, round_number, self.config.plan, options, self.world
+            )
+        except Exception as exc:  # the other ranks may be stuck in a collective: restart all
+            raise WorldBroken(f"{type(exc).__name__}: {exc}") from exc
         assert result.state is not None  # rank 0 receives the full state
         return result.state, impl.num_samples(data), result.metrics()
 

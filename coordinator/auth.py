@@ -13,7 +13,7 @@ import logging
 from typing import Any
 
 from fedra import pki
-from fedra.coordinator.errors import PermissionDenied, Unauthenticated
+from fedra.coordinator.errors import PermissionDenied, Unauthenticated, Unavailable
 
 log = logging.getLogger("fedra.coordinator")
 
@@ -37,7 +37,8 @@ class Guard:
             revoked = self.deny_list.is_revoked(who.serial)
         except pki.DenyListError as exc:  # fail closed: a deny list we cannot read denies all
             log.error("deny list unreadable, refusing every call: %s", exc)
-            raise Unauthenticated("the coordinator cannot check revocations right now") from exc
+            # UNAVAILABLE: sites retry with backoff instead of giving up for good.
+            raise Unavailable("the coordinator cannot check revocations right now") from exc
         if revoked:
             raise Unauthenticated(f"the certificate of {who.role} {who.name!r} is revoked")
         return who

@@ -111,6 +111,18 @@ class Engine:
             self._drivers[run.run_id] = thread
         thread.start()
 
+    def spool_in_use(self, digest: str) -> bool:
+        """Whether an accepted update of any active run is this blob (lock held).
+
+        The spool is content-addressed: two runs of one task and seed upload the same
+        initial model, so one run's clean-up must not delete the other's update.
+        """
+        return any(
+            a.update_sha256 == digest and a.state == "accepted"
+            for run in self.runs.values()
+            for a in run.assignments.values()
+        )
+
     def notify(self) -> None:
         """Wake drivers, long polls and watchers (call with the lock held)."""
         self.version += 1
@@ -312,6 +324,7 @@ class Engine:
             if run is None or record.finished:
                 raise FailedPrecondition(f"run {run_id} is already {record.state}")
             run.cancelled = True
+            run.closing = True  # no upload is accepted from here on
             self.notify()
         return "cancelled"
 

@@ -34,3 +34,7 @@ class ResourceExhausted(FedraError):
 
 class Unauthenticated(FedraError):
     """No verified identity, a revoked certificate, or a bad upload signature."""
+
+
+class Unavailable(FedraError):
+    """The coordinator cannot serve the call right now (e.g. its deny list is unreadable)."""

@@ -15,6 +15,8 @@ import time
 import uuid
 from typing import TYPE_CHECKING
 
+import torch
+
 from fedra.coordinator.aggregation import WeightedSum
 from fedra.coordinator.state import INIT_ROUND, ActiveRun
 from fedra.faults import crash_point
@@ -40,7 +42,12 @@ class RoundDriver:
                 pass
         except Exception as exc:  # a bug must fail the run visibly, not hang it
             log.exception("%s: driver crashed", self.tag)
-            self._finish("failed", f"internal error: {type(exc).__name__}: {exc}")
+            try:
+                self._finish("failed", f"internal error: {type(exc).__name__}: {exc}")
+            except Exception:  # e.g. the database is down too: it stays running there
+                log.exception("%s: could not record the failure", self.tag)
+            finally:
+                self._forget()  # never leave a run whose rounds nobody drives
 
     def _step(self) -> bool:
         run, engine = self.run_state, self.engine
@@ -120,7 +127,8 @@ class RoundDriver:
                 now = engine.clock()
                 self._fail_silent_sites(now)
                 states = [a.state for a in run.assignments.values()]
-                if all(s in ("accepted", "failed") for s in states) or now >= run.deadline_at:
+                done = all(s in ("accepted", "failed") for s in states)
+                if done or now >= run.deadline_at or run.broken:
                     run.closing = True  # from here on, uploads are late
                     engine.notify()
                     return "closed"
@@ -141,6 +149,8 @@ class RoundDriver:
     def _close(self) -> bool:
         run = self.run_state
         accepted = [a for a in run.assignments.values() if a.state == "accepted"]
+        if run.broken:
+            return self._retry_or_fail(len(accepted), run.broken)
         if len(accepted) >= run.required_updates:
             return self._commit()
         return self._retry_or_fail(len(accepted))
@@ -157,7 +167,19 @@ class RoundDriver:
         else:
             assert run.model is not None and run.accumulator is not None
             model = run.model
-            run.optimizer.step(model, run.accumulator.mean())
+            mean = run.accumulator.mean()
+            bad = _first_non_finite(mean)
+            if bad:  # finite updates can still overflow in the sum: never commit that
+                return self._retry_or_fail(
+                    run.accumulator.count, f"the mean update's {bad} is not finite"
+                )
+            run.optimizer.step(model, mean)
+            bad = _first_non_finite(model)
+            if bad:  # the outer step diverged: the run cannot go on from here
+                self._finish(
+                    "failed", f"round {number}: the new global model's {bad} is not finite"
+                )
+                return False
         model_sha = engine.models.put_chunks(encode_chunks(model, engine.settings.chunk_bytes))
         opt_state = run.optimizer.state_dict()
         opt_sha = engine.models.put_chunks(encode_chunks(opt_state)) if opt_state else None
@@ -184,31 +206,34 @@ class RoundDriver:
             return False
         return True
 
-    def _retry_or_fail(self, accepted: int) -> bool:
+    def _retry_or_fail(self, accepted: int, why: str = "") -> bool:
         run, engine, spec = self.run_state, self.engine, self.run_state.spec
         number, attempt = run.open_round, run.attempt
         assert number is not None
-        reason = (
-            f"round {number} attempt {attempt}: {accepted} of the {run.required_updates} "
-            f"required updates arrived within the {spec.round_deadline_s:g} s deadline"
+        reason = f"round {number} attempt {attempt}: " + (
+            why
+            or f"{accepted} of the {run.required_updates} required updates arrived within "
+            f"the {spec.round_deadline_s:g} s deadline"
         )
         now = engine.clock()
         engine.store.expire_attempt(run.run_id, number, attempt, reason, now)
         engine.store.add_event(run.run_id, "attempt_failed", reason, now, number)
         log.warning("%s: %s", self.tag, reason)
-        self._drop_round_updates(number)
         if attempt >= spec.max_round_attempts:
             self._finish("failed", f"{reason}; gave up after {attempt} attempts")
             return False
         with engine.lock:
             run.set_closed(next_round=number, next_attempt=attempt + 1)
             engine.notify()
+        self._drop_round_updates(number)  # after set_closed: nothing of ours refers to them
         return True
 
     def _drop_round_updates(self, number: int) -> None:
-        for p in self.engine.store.list_participations(self.run_state.run_id, number):
-            if p.update_sha256:
-                self.engine.updates.delete(p.update_sha256)
+        parts = self.engine.store.list_participations(self.run_state.run_id, number)
+        with self.engine.lock:  # this run's round is closed: only other runs can still hold one
+            for p in parts:
+                if p.update_sha256 and not self.engine.spool_in_use(p.update_sha256):
+                    self.engine.updates.delete(p.update_sha256)
 
     def _finish(self, state: str, reason: str) -> None:
         run, engine = self.run_state, self.engine
@@ -219,11 +244,21 @@ class RoundDriver:
         engine.store.add_event(run.run_id, state, reason, now, run.open_round)
         log.info("%s: %s: %s", self.tag, state, reason)
         self._forget()
+        if run.open_round is not None:  # forgotten: nothing of ours refers to them now
+            self._drop_round_updates(run.open_round)
 
     def _forget(self) -> None:
         with self.engine.lock:
             self.engine.runs.pop(self.run_state.run_id, None)
             self.engine.notify()
+
+
+def _first_non_finite(tensors: dict[str, torch.Tensor]) -> str:
+    """The name of the first tensor with a NaN or infinity, or ''."""
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return f"tensor {name!r}"
+    return ""
 
 
 def weighted_metrics(parts: list[ParticipationRecord]) -> dict[str, float]:

@@ -23,6 +23,7 @@ from fedra.coordinator.errors import (
     PermissionDenied,
     ResourceExhausted,
     Unauthenticated,
+    Unavailable,
 )
 from fedra.coordinator.status import run_status
 from fedra.protos.serde import codec_to_proto, runspec_from_proto, train_to_proto
@@ -39,6 +40,7 @@ _STATUS = {
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,
 }
 
 
@@ -169,9 +171,15 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
             raise InvalidArgument("an upload must start with exactly one header message")
         h = first.header
         self.guard.site(context, h.site_id)
-        message = pki.upload_message(h.run_id, h.round, h.site_id, h.task_id, h.nonce, h.sha256)
+        message = pki.upload_message(
+            h.run_id, h.round, h.site_id, h.task_id, h.nonce, h.sha256,
+            num_samples=h.num_samples, codec=h.codec, payload_bytes=h.payload_bytes,
+        )  # fmt: skip
         self.guard.upload(context, message, h.signature)
-        ticket = uploads.begin_upload(self.engine, _header_from_proto(h))
+        try:
+            ticket = uploads.begin_upload(self.engine, _header_from_proto(h))
+        except uploads.AlreadyAccepted as done:
+            return site_pb2.UploadUpdateResponse(bytes_received=done.nbytes)
         try:
             digest = uploads.receive(self.engine, ticket, _data_chunks(request_iterator))
         except BaseException:

@@ -24,6 +24,7 @@ class Assignment:
     update_sha256: str | None = None
     num_samples: int = 0
     before_upload: str = "assigned"  # the state an aborted upload returns to
+    nonce: bytes = b""  # of the accepted update: a retry with the same nonce is answered as done
 
     @property
     def final(self) -> bool:
@@ -59,6 +60,7 @@ class ActiveRun:
     init_sha256: str | None = None  # round 0: the accepted initial model
     cancelled: bool = False
     waiting_reason: str = ""
+    broken: str = ""  # why this attempt's running sum cannot be trusted; it is retried
 
     @property
     def required_updates(self) -> int:
@@ -82,6 +84,6 @@ class ActiveRun:
         self.waiting_reason = ""
 
     def set_closed(self, next_round: int, next_attempt: int = 1) -> None:
-        self.open_round, self.closing = None, False
+        self.open_round, self.closing, self.broken = None, False, ""
         self.next_round, self.next_attempt = next_round, next_attempt
         self.assignments, self.accumulator, self.init_sha256 = {}, None, None

@@ -34,6 +34,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fedra.coordinator")
 NONCE_BYTES = 16
+# A weight far above any real data set; keeps n * value inside fp32's range and exact in fp64.
+MAX_SAMPLES = 2**40
+
+
+class AlreadyAccepted(Exception):
+    """This exact update (same nonce and digest) was already accepted: answer success."""
+
+    def __init__(self, nbytes: int) -> None:
+        super().__init__(nbytes)
+        self.nbytes = nbytes
 
 
 @dataclass(frozen=True)
@@ -79,6 +89,8 @@ def begin_upload(engine: Engine, h: UpdateHeader) -> UploadTicket:
                 f"header names run {h.run_id} round {h.round}, but task {h.task_id} is for "
                 f"run {run.run_id} round {run.open_round}"
             )
+        if a.state == "accepted" and a.nonce == h.nonce and a.update_sha256 == h.sha256:
+            raise AlreadyAccepted(h.payload_bytes)  # a retry after a lost reply: it counted
         if a.state == "uploading":
             raise AlreadyExists(f"an upload for task {h.task_id} is already in progress")
         if not a.pending:
@@ -110,8 +122,8 @@ def _check_header_fields(h: UpdateHeader) -> None:
         raise InvalidArgument(f"nonce must be {NONCE_BYTES} bytes, got {len(h.nonce)}")
     if len(h.sha256) != 64 or not all(c in "0123456789abcdef" for c in h.sha256):
         raise InvalidArgument("sha256 must be 64 lower-case hex characters")
-    if h.num_samples <= 0:
-        raise InvalidArgument(f"num_samples must be > 0, got {h.num_samples}")
+    if not 0 < h.num_samples <= MAX_SAMPLES:
+        raise InvalidArgument(f"num_samples must be in [1, {MAX_SAMPLES}], got {h.num_samples}")
     for key, value in h.metrics.items():
         if not torch.isfinite(torch.tensor(value)):
             raise InvalidArgument(f"metric {key!r} is not finite: {value}")
@@ -203,8 +215,20 @@ def accept(engine: Engine, ticket: UploadTicket, digest: str, nbytes: int) -> No
             _drop_spooled(engine, run, digest)
             abort_upload(engine, ticket)
             raise AlreadyExists(str(exc)) from exc
-        fold(engine, run, digest, h.num_samples)
+        except Exception:
+            _drop_spooled(engine, run, digest)
+            abort_upload(engine, ticket)
+            raise
         a.state, a.update_sha256, a.num_samples = "accepted", digest, h.num_samples
+        a.nonce = h.nonce
+        try:
+            fold(engine, run, digest, h.num_samples)
+        except Exception as exc:
+            # Accepted durably but only partly summed: this attempt's sum cannot be trusted.
+            log.exception(
+                "run %s round %d: folding an accepted update failed", run.run_id, ticket.round
+            )
+            run.broken = f"folding the update of {h.site_id} failed: {type(exc).__name__}"
         engine.notify()
     log.info(
         "run %s round %d: accepted update from %s (%d bytes, %.2fs)",
@@ -230,7 +254,5 @@ def fold(engine: Engine, run: ActiveRun, digest: str, num_samples: int) -> None:
 
 def _drop_spooled(engine: Engine, run: ActiveRun, digest: str) -> None:
     # Identical updates share a blob; keep it while an accepted one refers to it.
-    if not any(
-        a.update_sha256 == digest and a.state == "accepted" for a in run.assignments.values()
-    ):
+    if not engine.spool_in_use(digest):
         engine.updates.delete(digest)

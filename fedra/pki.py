@@ -494,14 +494,30 @@ def verify(cert_pem: bytes, signature: bytes, message: bytes) -> bool:
 
 
 def upload_message(
-    run_id: str, round: int, site_id: str, task_id: str, nonce: bytes, sha256: str
+    run_id: str,
+    round: int,
+    site_id: str,
+    task_id: str,
+    nonce: bytes,
+    sha256: str,
+    *,
+    num_samples: int = 0,
+    codec: str = "",
+    payload_bytes: int = 0,
 ) -> bytes:
     """The bytes a site signs for an update: domain prefix, then length-prefixed fields.
 
-    It encodes and does not validate: the coordinator calls it on an untrusted header.
+    Binds everything that decides what the update does to the aggregate, its weight
+    (``num_samples``) and encoding included. It encodes and does not validate: the
+    coordinator calls it on an untrusted header.
     """
-    if not 0 <= round < 2**63:
-        raise ValueError(f"round out of range: {round}")
+    for name, value in (
+        ("round", round),
+        ("num_samples", num_samples),
+        ("payload_bytes", payload_bytes),
+    ):
+        if not 0 <= value < 2**64:
+            raise ValueError(f"{name} out of range: {value}")
     fields = [
         run_id.encode(),
         struct.pack(">Q", round),
@@ -509,5 +525,8 @@ def upload_message(
         task_id.encode(),
         bytes(nonce),
         sha256.encode(),
+        struct.pack(">Q", num_samples),
+        codec.encode(),
+        struct.pack(">Q", payload_bytes),
     ]
     return _UPLOAD_DOMAIN + b"".join(struct.pack(">I", len(f)) + f for f in fields)

@@ -177,7 +177,8 @@ def test_full_round_flow_downloads_the_initial_model_and_averages(
         ("bad_codec", grpc.StatusCode.INVALID_ARGUMENT, "codec 'zstd'"),
         ("short_nonce", grpc.StatusCode.INVALID_ARGUMENT, "nonce must be 16 bytes"),
         ("bad_sha_format", grpc.StatusCode.INVALID_ARGUMENT, "sha256 must be 64"),
-        ("zero_samples", grpc.StatusCode.INVALID_ARGUMENT, "num_samples must be > 0"),
+        ("zero_samples", grpc.StatusCode.INVALID_ARGUMENT, "num_samples must be in"),
+        ("huge_weight", grpc.StatusCode.INVALID_ARGUMENT, "num_samples must be in"),
         ("checksum", grpc.StatusCode.INVALID_ARGUMENT, "checksum mismatch"),
         ("wrong_shape", grpc.StatusCode.INVALID_ARGUMENT, "linear.weight"),
         ("wrong_dtype", grpc.StatusCode.INVALID_ARGUMENT, "linear.bias"),
@@ -207,6 +208,7 @@ def test_bad_upload_is_refused_and_changes_nothing(
         "short_nonce": lambda: messages(task, site, good, nonce=b"123"),
         "bad_sha_format": lambda: messages(task, site, good, sha256="xyz"),
         "zero_samples": lambda: messages(task, site, good, num_samples=0),
+        "huge_weight": lambda: messages(task, site, good, num_samples=2**62),
         "checksum": lambda: messages(task, site, good, sha256=hashlib.sha256(b"other").hexdigest()),
         "wrong_shape": lambda: messages(
             task, site, encode({**state, "linear.weight": torch.zeros(2, 8)})
@@ -414,3 +416,16 @@ def test_status_says_when_the_coordinator_is_insecure(coordinator: InProcessCoor
     from fedra.cli import format_status
 
     assert "WITHOUT TLS" in format_status(status)
+
+
+def test_a_retry_of_an_accepted_update_is_answered_as_done(
+    coordinator: InProcessCoordinator,
+) -> None:
+    """The reply to an accepted upload was lost; the site retries with the same nonce."""
+    run_id, tasks = start_round_one(coordinator, sites_per_round=3, min_sites=3)
+    site, task = sorted(tasks.items())[0]
+    nonce, payload = os.urandom(16), delta_payload()
+    first = upload(coordinator, messages(task, site, payload, nonce=nonce))
+    again = upload(coordinator, messages(task, site, payload, nonce=nonce))
+    assert again.bytes_received == first.bytes_received == len(payload)
+    assert round_status(coordinator, run_id, 1).updates == 1  # counted once
