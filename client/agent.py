@@ -89,7 +89,8 @@ class SiteAgent:
                     raise
                 delay = self.backoff.next_delay_s()
                 log.warning(
-                    "%s: coordinator %s unreachable (%s); retrying in %.1f s",
+                    "%s: coordinator %s unreachable (%s; check the address, and that tls_dir "
+                    "or insecure matches how the coordinator serves); retrying in %.1f s",
                     self.tag,
                     self.config.coordinator,
                     exc.code().name,

@@ -44,9 +44,16 @@ _STATUS = {
 }
 
 
+# Refusals an operator should see in the coordinator's own log, not only the caller.
+_LOUD = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
+
+
 def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
     if isinstance(exc, FedraError):
-        context.abort(_STATUS.get(type(exc), grpc.StatusCode.INVALID_ARGUMENT), str(exc))
+        code = _STATUS.get(type(exc), grpc.StatusCode.INVALID_ARGUMENT)
+        level = logging.WARNING if code in _LOUD else logging.INFO
+        log.log(level, "refused a call from %s: %s: %s", context.peer(), code.name, exc)
+        context.abort(code, str(exc))
     # Internals stay in the coordinator's log, never in the caller's status.
     log.exception("unexpected error in %s", type(exc).__name__)
     context.abort(grpc.StatusCode.INTERNAL, "internal coordinator error (see the coordinator log)")

@@ -406,9 +406,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _setup_logging(args.log_level)
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `fedra run status --json | head` is fine
     try:
         return int(args.func(args))
-    except ConfigError as exc:
+    except (ConfigError, FileNotFoundError, PermissionError) as exc:  # e.g. a missing TLS file
         print(f"fedra: error: {exc}", file=sys.stderr)
         return 2
     except grpc.RpcError as exc:
