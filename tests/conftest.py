@@ -4,12 +4,18 @@ of real processes started through the CLI."""
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.pool import NullPool
 
 from fedra.coordinator.engine import Engine, EngineSettings
 from fedra.coordinator.server import CoordinatorConfig, build_engine, create_server
@@ -43,6 +49,39 @@ class InProcessCoordinator:
         self.server.stop(0).wait()
         self.engine.stop()
         self.engine.store.close()
+
+
+PG_URL = os.environ.get(
+    "FEDRA_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+)
+
+
+@contextmanager
+def postgres_database(prefix: str) -> Iterator[str]:
+    """A fresh PostgreSQL database, dropped afterwards; skips (fails under CI=true) without one."""
+    admin_url = make_url(PG_URL)
+    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
+    try:
+        admin = create_engine(
+            admin_url,
+            isolation_level="AUTOCOMMIT",
+            poolclass=NullPool,
+            connect_args={"connect_timeout": 5},
+        )
+        with admin.connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{name}"'))
+    except (DBAPIError, ImportError) as exc:
+        where = admin_url.render_as_string(hide_password=True)
+        reason = f"PostgreSQL at {where} is not usable: {exc}"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"{reason} (CI=true: a missing database must fail the build)")
+        pytest.skip(reason)
+    try:
+        yield admin_url.set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
 
 
 @pytest.fixture

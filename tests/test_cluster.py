@@ -20,6 +20,7 @@ from fedra.local import LocalCluster
 from fedra.protos.v1 import admin_pb2
 from fedra.runspec import CodecSpec, RunSpec, TrainSpec
 from fedra.storage import Store
+from tests.conftest import postgres_database
 
 pytestmark = pytest.mark.multiprocess
 
@@ -167,6 +168,33 @@ def test_full_run_through_the_cli(cluster: LocalCluster, tmp_path: Path) -> None
         "run", "status", "nope", "--coordinator", address, "--state-dir", str(cluster.state_dir)
     )
     assert bad.returncode == 1 and "NOT_FOUND" in bad.stderr and "nope" in bad.stderr
+
+
+@pytest.mark.postgres
+def test_a_run_on_postgresql_survives_a_coordinator_kill(cluster: LocalCluster) -> None:
+    """The production set-up: the daemon's state in PostgreSQL, killed and restarted."""
+    with postgres_database("fedra_e2e") as db_url:
+        address = cluster.start_coordinator(db_url=db_url, flags=FAST)
+        port = int(address.rsplit(":", 1)[1])
+        start_synthetic_sites(cluster)
+        with cluster.admin() as admin:
+            run_id = admin.submit(synthetic_spec(rounds=4))
+            wait_until(admin, run_id, lambda s: s.rounds_completed >= 2)
+        assert cluster.coordinator is not None
+        cluster.coordinator.signal(signal.SIGKILL)
+        assert cluster.coordinator.popen.wait(30) == -signal.SIGKILL
+        cluster.start_coordinator(port=port, db_url=db_url, flags=FAST)
+        with cluster.admin() as admin:
+            status = wait_until(admin, run_id, finished)
+        cluster.stop()  # before the database is dropped
+        assert status.state == "completed", status.reason
+        assert [r.number for r in status.rounds] == list(range(5))
+        store = Store(db_url)
+        try:
+            assert [c.round_number for c in store.list_checkpoints(run_id)] == list(range(5))
+        finally:
+            store.close()
+        assert not (cluster.state_dir / "fedra.db").exists()  # nothing went to SQLite
 
 
 def test_coordinator_sigkill_mid_run_then_restart_completes(cluster: LocalCluster) -> None:

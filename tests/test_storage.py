@@ -14,7 +14,6 @@ import os
 import subprocess
 import sys
 import threading
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,8 +21,8 @@ import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import create_engine, event, inspect, text
-from sqlalchemy.engine import Connection, make_url
-from sqlalchemy.exc import DBAPIError, IntegrityError
+from sqlalchemy.engine import Connection
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.pool import NullPool
 
 from fedra.storage import CheckpointRecord, DuplicateError, Store
@@ -31,6 +30,7 @@ from fedra.storage.blobs import BlobDigestError, BlobNotFoundError, BlobStore
 from fedra.storage.migrate import current_revision, head_revision
 from fedra.storage.models import Base
 from fedra.storage.store import NotFoundError, make_engine
+from tests.conftest import postgres_database
 
 PG_URL = os.environ.get(
     "FEDRA_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -44,29 +44,8 @@ T0 = 1_700_000_000.25
 @pytest.fixture(scope="session")
 def pg_database_url() -> Iterator[str]:
     """A fresh PostgreSQL database for this session, dropped at the end."""
-    admin_url = make_url(PG_URL)
-    name = f"fedra_test_{uuid.uuid4().hex[:12]}"
-    try:
-        admin = create_engine(
-            admin_url,
-            isolation_level="AUTOCOMMIT",
-            poolclass=NullPool,
-            connect_args={"connect_timeout": 5},
-        )
-        with admin.connect() as conn:
-            conn.execute(text(f'CREATE DATABASE "{name}"'))
-    except (DBAPIError, ImportError) as exc:
-        where = admin_url.render_as_string(hide_password=True)
-        reason = f"PostgreSQL at {where} is not usable: {exc}"
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"{reason} (CI=true: a missing database must fail the build)")
-        pytest.skip(reason)
-    try:
-        yield admin_url.set(database=name).render_as_string(hide_password=False)
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+    with postgres_database("fedra_test") as url:
+        yield url
 
 
 def _reset_postgres(url: str) -> None:
