@@ -79,6 +79,16 @@ def committed_rounds(state_dir: Path, run_id: str) -> list[int]:
         store.close()
 
 
+def kill_and_restart_coordinator(
+    cluster: LocalCluster, port: int, db_url: str | None = None
+) -> None:
+    """SIGKILL the coordinator, then start it again on the same state, port and database."""
+    assert cluster.coordinator is not None
+    cluster.coordinator.signal(signal.SIGKILL)
+    assert cluster.coordinator.popen.wait(30) == -signal.SIGKILL
+    cluster.start_coordinator(port=port, db_url=db_url, flags=FAST)
+
+
 def fedra_cli(*args: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "fedra", *args],
@@ -180,10 +190,7 @@ def test_a_run_on_postgresql_survives_a_coordinator_kill(cluster: LocalCluster) 
         with cluster.admin() as admin:
             run_id = admin.submit(synthetic_spec(rounds=4))
             wait_until(admin, run_id, lambda s: s.rounds_completed >= 2)
-        assert cluster.coordinator is not None
-        cluster.coordinator.signal(signal.SIGKILL)
-        assert cluster.coordinator.popen.wait(30) == -signal.SIGKILL
-        cluster.start_coordinator(port=port, db_url=db_url, flags=FAST)
+        kill_and_restart_coordinator(cluster, port, db_url=db_url)
         with cluster.admin() as admin:
             status = wait_until(admin, run_id, finished)
         cluster.stop()  # before the database is dropped
@@ -204,11 +211,7 @@ def test_coordinator_sigkill_mid_run_then_restart_completes(cluster: LocalCluste
     with cluster.admin() as admin:
         run_id = admin.submit(synthetic_spec(rounds=8))
         wait_until(admin, run_id, lambda s: s.rounds_completed >= 3)
-    assert cluster.coordinator is not None
-    cluster.coordinator.signal(signal.SIGKILL)
-    assert cluster.coordinator.popen.wait(30) == -signal.SIGKILL
-
-    cluster.start_coordinator(port=port, flags=FAST)  # same state directory, same address
+    kill_and_restart_coordinator(cluster, port)
     with cluster.admin() as admin:
         status = wait_until(admin, run_id, finished)
     assert status.state == "completed", status.reason

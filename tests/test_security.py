@@ -76,6 +76,19 @@ def secure(tmp_path: Path) -> Iterator[SecureCoordinator]:
         c.close()
 
 
+def one_site_spec(rounds: int) -> admin_pb2.RunSpec:
+    return admin_pb2.RunSpec(
+        task=TASK,
+        rounds=rounds,
+        sites_per_round=1,
+        round_deadline_s=60,
+        join_timeout_s=5,
+        max_round_attempts=1,
+        strategy="fedavg",
+        train=common_pb2.TrainSettings(local_steps=1, batch_size=4, learning_rate=0.1),
+    )
+
+
 def register(stub: site_pb2_grpc.SiteServiceStub, site_id: str) -> None:
     stub.Register(site_pb2.RegisterRequest(site_id=site_id, tasks=[TASK]), timeout=10)
 
@@ -180,18 +193,10 @@ def test_admin_calls_need_an_admin_certificate(secure: SecureCoordinator) -> Non
     refused(
         as_site.ListRuns, admin_pb2.ListRunsRequest(), grpc.StatusCode.PERMISSION_DENIED, "admin"
     )
-    spec = admin_pb2.RunSpec(
-        task=TASK,
-        rounds=1,
-        sites_per_round=1,
-        round_deadline_s=5,
-        join_timeout_s=5,
-        max_round_attempts=1,
-        strategy="fedavg",
-        train=common_pb2.TrainSettings(local_steps=1, batch_size=4, learning_rate=0.1),
-    )
     refused(
-        as_site.SubmitRun, admin_pb2.SubmitRunRequest(spec=spec), grpc.StatusCode.PERMISSION_DENIED
+        as_site.SubmitRun,
+        admin_pb2.SubmitRunRequest(spec=one_site_spec(rounds=1)),
+        grpc.StatusCode.PERMISSION_DENIED,
     )
     assert secure.admin().ListRuns(admin_pb2.ListRunsRequest(), timeout=10).runs == []
     # and an admin is not a site
@@ -208,17 +213,7 @@ def _initial_upload(
 ) -> tuple[site_pb2_grpc.SiteServiceStub, site_pb2.Task, bytes]:
     stub = secure.site("site-a")
     register(stub, "site-a")
-    spec = admin_pb2.RunSpec(
-        task=TASK,
-        rounds=2,
-        sites_per_round=1,
-        round_deadline_s=60,
-        join_timeout_s=5,
-        max_round_attempts=1,
-        strategy="fedavg",
-        train=common_pb2.TrainSettings(local_steps=1, batch_size=4, learning_rate=0.1),
-    )
-    secure.admin().SubmitRun(admin_pb2.SubmitRunRequest(spec=spec), timeout=10)
+    secure.admin().SubmitRun(admin_pb2.SubmitRunRequest(spec=one_site_spec(rounds=2)), timeout=10)
     task = stub.PollTask(site_pb2.PollTaskRequest(site_id="site-a"), timeout=10).task
     assert task.task_id
     model = {
