@@ -159,6 +159,7 @@ class RoundDriver:
         run, engine, spec = self.run_state, self.engine, self.run_state.spec
         number = run.open_round
         assert number is not None
+        started = time.perf_counter()
         if number == INIT_ROUND:
             assert run.init_sha256 is not None
             model = decode_chunks(
@@ -189,9 +190,12 @@ class RoundDriver:
         ckpt = CheckpointRecord(
             run.run_id, number, model_sha, engine.models.size(model_sha), opt_sha, now
         )
+        stages = ledger([p for p in parts if p.state == "accepted"], run.aggregate_s)
+        stages["checkpoint_s"] = time.perf_counter() - started
+        stages["round_s"] = now - run.opened_at
         crash_point("before_commit", number)
         final = "completed" if number == spec.rounds else None
-        engine.store.commit_round(run.run_id, number, ckpt, metrics, now, final_state=final)
+        engine.store.commit_round(run.run_id, number, ckpt, metrics, now, final, stages)
         engine.store.add_event(run.run_id, "round_committed", _summary(parts, metrics), now, number)
         with engine.lock:
             run.model, run.model_specs = model, spec_of(model)
@@ -259,6 +263,17 @@ def _first_non_finite(tensors: dict[str, torch.Tensor]) -> str:
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             return f"tensor {name!r}"
     return ""
+
+
+def ledger(accepted: list[ParticipationRecord], aggregate_s: float) -> dict[str, float]:
+    """Seconds per stage of a round: the slowest site's download, compute and upload
+    (they decide when the round can close), and the coordinator's aggregation."""
+    return {
+        "distribute_s": max((p.download_s for p in accepted), default=0.0),
+        "compute_s": max((p.metrics.get("compute_s", 0.0) for p in accepted), default=0.0),
+        "transfer_s": max((p.upload_s for p in accepted), default=0.0),
+        "aggregate_s": aggregate_s,
+    }
 
 
 def weighted_metrics(parts: list[ParticipationRecord]) -> dict[str, float]:

@@ -61,6 +61,7 @@ class ActiveRun:
     cancelled: bool = False
     waiting_reason: str = ""
     broken: str = ""  # why this attempt's running sum cannot be trusted; it is retried
+    aggregate_s: float = 0.0  # time spent folding this attempt's updates into the sum
 
     @property
     def required_updates(self) -> int:
@@ -80,6 +81,7 @@ class ActiveRun:
     ) -> None:
         self.open_round, self.attempt, self.closing = number, attempt, False
         self.opened_at, self.deadline_at = now, deadline
+        self.aggregate_s = 0.0
         self.assignments = {s: Assignment(t, s, "assigned") for s, t in assignments.items()}
         self.waiting_reason = ""
 

@@ -51,6 +51,7 @@ def _round(
         bytes_up=sum(p.bytes_up for p in parts),
         metrics=r.metrics,
         model_sha256=ckpts.get(r.number, ""),
+        stages=r.stages,
         participations=[_participation(p) for p in parts],
     )
 

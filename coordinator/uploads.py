@@ -238,6 +238,14 @@ def accept(engine: Engine, ticket: UploadTicket, digest: str, nbytes: int) -> No
 
 def fold(engine: Engine, run: ActiveRun, digest: str, num_samples: int) -> None:
     """Stream a spooled update into the round's running sum (lock held)."""
+    started = time.perf_counter()
+    try:
+        _fold(engine, run, digest, num_samples)
+    finally:
+        run.aggregate_s += time.perf_counter() - started
+
+
+def _fold(engine: Engine, run: ActiveRun, digest: str, num_samples: int) -> None:
     if run.open_round == INIT_ROUND:
         run.init_sha256 = digest
         return

@@ -60,6 +60,9 @@ class Round(Base):
     deadline_at: Mapped[float] = mapped_column(Float)
     closed_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     metrics_json: Mapped[str] = mapped_column(Text, default="{}")
+    # The round's ledger: seconds spent in each stage (distribute, compute, transfer,
+    # aggregate, checkpoint), written when the round commits.
+    stages_json: Mapped[str] = mapped_column(Text, default="{}", server_default="{}")
 
 
 class Participation(Base):

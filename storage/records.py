@@ -42,6 +42,7 @@ class RoundRecord:
     deadline_at: float
     closed_at: float | None
     metrics: dict[str, float] = field(default_factory=dict)
+    stages: dict[str, float] = field(default_factory=dict)  # seconds per stage, once committed
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,7 @@ def round_record(r: m.Round) -> RoundRecord:
         deadline_at=r.deadline_at,
         closed_at=r.closed_at,
         metrics=json.loads(r.metrics_json),
+        stages=json.loads(r.stages_json or "{}"),
     )
 
 

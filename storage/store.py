@@ -318,6 +318,7 @@ class Store:
         metrics: dict[str, float],
         now: float,
         final_state: str | None = None,
+        stages: dict[str, float] | None = None,
     ) -> None:
         """Atomically: record the checkpoint, close the round, advance the run.
 
@@ -330,6 +331,7 @@ class Store:
             if rnd.state != "open":
                 raise DuplicateError(f"round {number} of run {run_id} is already {rnd.state}")
             rnd.state, rnd.closed_at, rnd.metrics_json = "committed", now, json.dumps(metrics)
+            rnd.stages_json = json.dumps(stages or {})
             s.execute(
                 update(m.Participation)
                 .where(

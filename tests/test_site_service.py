@@ -168,6 +168,14 @@ def test_full_round_flow_downloads_the_initial_model_and_averages(
     r1 = round_status(coordinator, run_id, 1)
     assert r1.status == "committed" and r1.updates == 2
     assert r1.bytes_down > 0 and r1.bytes_up > 0
+    # The round's ledger: every stage timed, the whole round at least as long as its parts.
+    stages = dict(r1.stages)
+    assert set(stages) == {
+        "distribute_s", "compute_s", "transfer_s", "aggregate_s", "checkpoint_s", "round_s",
+    }  # fmt: skip
+    assert all(v >= 0 for v in stages.values())
+    assert stages["aggregate_s"] > 0 and stages["checkpoint_s"] > 0 and stages["distribute_s"] > 0
+    assert stages["round_s"] >= stages["checkpoint_s"]
 
 
 @pytest.mark.parametrize(

@@ -778,3 +778,35 @@ def test_read_chunks(blobs: BlobStore) -> None:
     assert list(blobs.read_chunks(digest, len(data) + 1)) == [data]
     with pytest.raises(BlobNotFoundError):
         list(blobs.read_chunks(hashlib.sha256(b"missing").hexdigest(), 1024))
+
+
+def test_upgrading_from_the_first_revision_keeps_existing_rounds(tmp_path: Path) -> None:
+    """A database made by the first schema upgrades in place; old rounds get an empty ledger."""
+    from alembic import command
+
+    from fedra.storage.migrate import alembic_config
+
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    engine = make_engine(url)
+    command.upgrade(alembic_config(engine), "0001")
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO runs (id, name, task, spec_json, state, reason, rounds_completed,"
+                " created_at, updated_at) VALUES ('r', 'r', 'm:t', '{}', 'running', '', 0, 1, 1)"
+            )
+        )
+        conn.execute(
+            text(
+                "INSERT INTO rounds (run_id, number, attempt, state, sampled_json, opened_at,"
+                " deadline_at, metrics_json) VALUES ('r', 0, 1, 'open', '[]', 1, 2, '{}')"
+            )
+        )
+    engine.dispose()
+    store = Store(url)
+    try:
+        assert current_revision(store.engine) == head_revision()
+        (rnd,) = store.list_rounds("r")
+        assert rnd.stages == {} and rnd.state == "open"
+    finally:
+        store.close()

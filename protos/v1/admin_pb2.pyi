@@ -345,6 +345,26 @@ class RoundStatus(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class StagesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     NUMBER_FIELD_NUMBER: _builtins.int
     ATTEMPT_FIELD_NUMBER: _builtins.int
     STATUS_FIELD_NUMBER: _builtins.int
@@ -358,6 +378,7 @@ class RoundStatus(_message.Message):
     METRICS_FIELD_NUMBER: _builtins.int
     MODEL_SHA256_FIELD_NUMBER: _builtins.int
     PARTICIPATIONS_FIELD_NUMBER: _builtins.int
+    STAGES_FIELD_NUMBER: _builtins.int
     number: _builtins.int
     """0 is the initial model"""
     attempt: _builtins.int
@@ -378,6 +399,12 @@ class RoundStatus(_message.Message):
 
     @_builtins.property
     def participations(self) -> _containers.RepeatedCompositeFieldContainer[Global___Participation]: ...
+    @_builtins.property
+    def stages(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """The round's ledger, seconds per stage: distribute_s, compute_s and transfer_s (the
+        slowest site's), aggregate_s, checkpoint_s, and round_s end to end.
+        """
+
     def __init__(
         self,
         *,
@@ -394,10 +421,11 @@ class RoundStatus(_message.Message):
         metrics: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
         model_sha256: _builtins.str = ...,
         participations: _abc.Iterable[Global___Participation] | None = ...,
+        stages: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "bytes_down", b"bytes_down", "bytes_up", b"bytes_up", "closed_unix_s", b"closed_unix_s", "duration_s", b"duration_s", "metrics", b"metrics", "model_sha256", b"model_sha256", "number", b"number", "opened_unix_s", b"opened_unix_s", "participations", b"participations", "sampled_sites", b"sampled_sites", "status", b"status", "updates", b"updates"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "bytes_down", b"bytes_down", "bytes_up", b"bytes_up", "closed_unix_s", b"closed_unix_s", "duration_s", b"duration_s", "metrics", b"metrics", "model_sha256", b"model_sha256", "number", b"number", "opened_unix_s", b"opened_unix_s", "participations", b"participations", "sampled_sites", b"sampled_sites", "stages", b"stages", "status", b"status", "updates", b"updates"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
