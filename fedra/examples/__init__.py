@@ -1,1 +1,1 @@
-"""Tasks that ship with fedra: a digits classifier and a synthetic task for tests."""
+"""Tasks that ship with fedra: digits, a byte-level GPT language model, a synthetic task."""
