@@ -131,7 +131,9 @@ class RoundDriver:
                 if done or now >= run.deadline_at or run.broken:
                     run.closing = True  # from here on, uploads are late
                     engine.notify()
-                    return "closed"
+                    while run.folding and not engine.stopping:  # let accepted updates land
+                        engine.changed.wait(_RECHECK_S)
+                    return "stopping" if engine.stopping else "closed"
                 engine.changed.wait(min(run.deadline_at - now, _RECHECK_S))
 
     def _fail_silent_sites(self, now: float) -> None:

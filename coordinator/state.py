@@ -3,6 +3,7 @@ this is what can be rebuilt from it at any time (see ``recovery``)."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -62,6 +63,10 @@ class ActiveRun:
     waiting_reason: str = ""
     broken: str = ""  # why this attempt's running sum cannot be trusted; it is retried
     aggregate_s: float = 0.0  # time spent folding this attempt's updates into the sum
+    # Updates are folded outside the engine's lock, one at a time under fold_lock; the
+    # driver closes a round only once no fold is in flight.
+    folding: int = 0
+    fold_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def required_updates(self) -> int:

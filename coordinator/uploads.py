@@ -221,14 +221,21 @@ def accept(engine: Engine, ticket: UploadTicket, digest: str, nbytes: int) -> No
             raise
         a.state, a.update_sha256, a.num_samples = "accepted", digest, h.num_samples
         a.nonce = h.nonce
-        try:
+        run.folding += 1  # the driver will not close the round under this fold
+    # Summing a large update takes a while: polls, heartbeats and other uploads go on.
+    broken = ""
+    try:
+        with run.fold_lock:
             fold(engine, run, digest, h.num_samples)
-        except Exception as exc:
-            # Accepted durably but only partly summed: this attempt's sum cannot be trusted.
-            log.exception(
-                "run %s round %d: folding an accepted update failed", run.run_id, ticket.round
-            )
-            run.broken = f"folding the update of {h.site_id} failed: {type(exc).__name__}"
+    except Exception as exc:
+        # Accepted durably but only partly summed: this attempt's sum cannot be trusted.
+        log.exception(
+            "run %s round %d: folding an accepted update failed", run.run_id, ticket.round
+        )
+        broken = f"folding the update of {h.site_id} failed: {type(exc).__name__}"
+    with engine.lock:
+        run.folding -= 1
+        run.broken = run.broken or broken
         engine.notify()
     log.info(
         "run %s round %d: accepted update from %s (%d bytes, %.2fs)",
@@ -237,7 +244,7 @@ def accept(engine: Engine, ticket: UploadTicket, digest: str, nbytes: int) -> No
 
 
 def fold(engine: Engine, run: ActiveRun, digest: str, num_samples: int) -> None:
-    """Stream a spooled update into the round's running sum (lock held)."""
+    """Stream a spooled update into the round's running sum (``run.fold_lock`` held)."""
     started = time.perf_counter()
     try:
         _fold(engine, run, digest, num_samples)
