@@ -153,8 +153,13 @@ class SiteAgent:
         else:
             budget = max(task.deadline_in_s, 1.0)
             global_state = self.conn.download(task, timeout_s=budget)
+            # As the site sees it: the coordinator's download_s ends when the last byte
+            # leaves it, which buffers on a slow link hide.
+            downloaded = time.monotonic()
             crash_point("after_download", task.round)
             payload, num_samples, metrics = self._train(impl, task, global_state)
+            metrics["download_s"] = downloaded - started
+            started = downloaded
         metrics["compute_s"] = time.monotonic() - started
         if beat.withdrawn.is_set():
             log.warning("%s: round closed while training; not uploading", tag)

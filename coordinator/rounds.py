@@ -271,7 +271,11 @@ def ledger(accepted: list[ParticipationRecord], aggregate_s: float) -> dict[str,
     """Seconds per stage of a round: the slowest site's download, compute and upload
     (they decide when the round can close), and the coordinator's aggregation."""
     return {
-        "distribute_s": max((p.download_s for p in accepted), default=0.0),
+        # The site's own measure when it sent one: on a slow link the coordinator's
+        # download_s ends when its last byte is buffered, long before it arrives.
+        "distribute_s": max(
+            (p.metrics.get("download_s", p.download_s) for p in accepted), default=0.0
+        ),
         "compute_s": max((p.metrics.get("compute_s", 0.0) for p in accepted), default=0.0),
         "transfer_s": max((p.upload_s for p in accepted), default=0.0),
         "aggregate_s": aggregate_s,

@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -123,6 +124,28 @@ def _admin(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from fedra.admin import AdminClient
 
     return AdminClient(_address(args), tls=_admin_tls(args))
+
+
+def _cmd_wan(args: argparse.Namespace) -> int:
+    from fedra.wan import Link, WanProxy
+
+    try:
+        link = Link(args.bandwidth_mbit, args.latency_ms)
+    except ValueError as exc:
+        raise ConfigError("--" + str(exc).replace("_", "-", 1)) from exc
+    host, _, port = args.listen.rpartition(":")
+    proxy = WanProxy(args.target, link, host=host or "127.0.0.1", port=int(port or 0))
+    proxy.start()
+    print(
+        f"{proxy.address} -> {args.target}: {link.bandwidth_mbit:g} Mbit/s, {link.latency_ms:g} ms",
+        flush=True,
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    proxy.stop()
+    return 0
 
 
 def _cmd_provision(args: argparse.Namespace) -> int:
@@ -393,6 +416,13 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--state-dir", required=True, help="the coordinator's state directory")
     k.add_argument("cert", help="the certificate (cert.pem) or participant folder to revoke")
     k.set_defaults(func=_cmd_revoke)
+
+    w = sub.add_parser("wan", help="emulate a slow, distant link in front of a coordinator")
+    w.add_argument("--target", required=True, help="the coordinator's host:port")
+    w.add_argument("--listen", default="127.0.0.1:0", help="host:port to listen on (0: free)")
+    w.add_argument("--bandwidth-mbit", type=float, required=True, help="per direction")
+    w.add_argument("--latency-ms", type=float, default=0.0, help="one way")
+    w.set_defaults(func=_cmd_wan)
 
     d = sub.add_parser("demo", help="coordinator + sites on localhost, digits, SQLite")
     d.add_argument("--state-dir", help="default: a temporary directory")

@@ -153,11 +153,12 @@ class LocalCluster:
         threads: int = 1,
         reconnect_max_s: float = 2.0,
         parallel: Mapping[str, Any] | None = None,
+        coordinator: str | None = None,
     ) -> ManagedProcess:
         """Write ``<site_id>.toml`` (with an optional ``[parallel]`` table) and start it."""
         site = {
             "site_id": site_id,
-            "coordinator": self.address,
+            "coordinator": coordinator or self.address,  # e.g. a WAN-emulating proxy
             "allowed_tasks": tasks,
             "threads": threads,
             "reconnect_max_s": reconnect_max_s,
