@@ -163,13 +163,18 @@ def serve(config: CoordinatorConfig) -> None:
     stop.wait()
     log.info("stopping: finishing in-flight calls (grace %.0f s)", config.grace_s)
     ready.unlink(missing_ok=True)
+    shutdown(server, engine, config.grace_s)
+    log.info("stopped")
+
+
+def shutdown(server: grpc.Server, engine: Engine, grace_s: float) -> None:
+    """Stop in the order that loses nothing: long polls first, then calls, then drivers."""
     with engine.lock:
         engine.stopping = True
         engine.notify()  # long polls return at once
-    server.stop(config.grace_s).wait()
+    server.stop(grace_s).wait()
     engine.stop()
     engine.store.close()
-    log.info("stopped")
 
 
 def _redact(url: str) -> str:

@@ -18,10 +18,8 @@ import datetime as dt
 import functools
 import ipaddress
 import json
-import os
 import re
 import struct
-import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -37,6 +35,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from fedra.config import is_valid_site_id
+from fedra.files import write_atomic
 
 ROLES = ("coordinator", "site", "admin")
 DEFAULT_COORDINATOR_HOSTS = ("localhost", "127.0.0.1")
@@ -82,14 +81,6 @@ class DenyListError(Exception):
 # --- files ------------------------------------------------------------------------------
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _make_dirs(path: Path) -> None:
     """Create ``path`` and missing parents as 0700 (chmod because mkdir obeys the umask)."""
     missing = [p for p in (path, *path.parents) if not p.exists()]
@@ -99,20 +90,9 @@ def _make_dirs(path: Path) -> None:
 
 
 def _write_atomic(path: Path, data: bytes, mode: int) -> None:
-    """Write via temp file + fsync + rename so a reader never sees a partial file."""
+    """Write ``data`` durably with ``mode``, creating 0700 folders as needed."""
     _make_dirs(path.parent)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
+    write_atomic(path, [data], mode)
 
 
 def participant_folder(out: Path, role: str, name: str) -> Path:

@@ -18,6 +18,7 @@ from typing import TypeAlias
 
 import torch
 
+from fedra.files import write_atomic
 from fedra.protos.codec import (
     CodecError,
     TensorPiece,
@@ -207,22 +208,7 @@ class Compressor:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the residual atomically (temp file, fsync, rename, fsync of the directory)."""
-        final = Path(path)
-        tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
-        try:
-            with open(tmp, "wb") as file:
-                for chunk in encode_chunks(self._residual):
-                    file.write(chunk)
-                file.flush()
-                os.fsync(file.fileno())
-            os.replace(tmp, final)
-        finally:
-            tmp.unlink(missing_ok=True)
-        fd = os.open(final.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        write_atomic(Path(path), encode_chunks(self._residual))
 
     @classmethod
     def load(

@@ -13,6 +13,8 @@ import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from fedra.files import fsync_dir
+
 _HEX = frozenset("0123456789abcdef")
 
 
@@ -27,14 +29,6 @@ class BlobDigestError(ValueError):
 def _check_digest(digest: str) -> None:
     if len(digest) != 64 or not set(digest) <= _HEX:
         raise ValueError(f"not a lower-case hex SHA-256 digest: {digest!r}")
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class BlobStore:
@@ -133,7 +127,7 @@ class BlobWriter:
         final = self._store.path(digest)
         final.parent.mkdir(exist_ok=True)
         os.replace(self._tmp_path, final)
-        _fsync_dir(final.parent)
+        fsync_dir(final.parent)
         self._done = True
         return digest
 

@@ -12,13 +12,15 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+import torch.distributed as dist
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.pool import NullPool
 
+from fedra.client.parallel.plan import World
 from fedra.coordinator.engine import Engine, EngineSettings
-from fedra.coordinator.server import CoordinatorConfig, build_engine, create_server
+from fedra.coordinator.server import CoordinatorConfig, build_engine, create_server, shutdown
 from fedra.local import LocalCluster
 from fedra.protos.v1 import admin_pb2_grpc, site_pb2_grpc
 
@@ -43,12 +45,7 @@ class InProcessCoordinator:
 
     def close(self) -> None:
         self.channel.close()
-        with self.engine.lock:
-            self.engine.stopping = True
-            self.engine.notify()
-        self.server.stop(0).wait()
-        self.engine.stop()
-        self.engine.store.close()
+        shutdown(self.server, self.engine, grace_s=0)
 
 
 PG_URL = os.environ.get(
@@ -92,6 +89,16 @@ def coordinator(tmp_path: Path) -> Iterator[InProcessCoordinator]:
         yield c
     finally:
         c.close()
+
+
+@pytest.fixture
+def world_of_one(tmp_path: Path) -> Iterator[World]:
+    """A real gloo process group of one process (a file store: no port)."""
+    dist.init_process_group("gloo", f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield World.current()
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.fixture

@@ -3,7 +3,6 @@ a world of one in-process, and real torchrun worlds matching one process."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -77,15 +76,6 @@ def test_data_parallel_without_a_process_group_fails_clearly() -> None:
 
 
 # --- in-process: a world of one runs every plan's plumbing --------------------------------
-
-
-@pytest.fixture
-def world_of_one(tmp_path: Path) -> Iterator[World]:
-    dist.init_process_group("gloo", f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        yield World.current()
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("plan", ["dp", "fsdp", "tp", "fsdp+tp"])

@@ -3,12 +3,10 @@ matching one process."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from fedra.client.parallel.plan import PlanOptions, SingleRunner, World
 from fedra.client.parallel.pp import apply_pp, apply_pp_dp, split_stage, stage_layers
@@ -72,15 +70,6 @@ def test_pp_size_must_divide_the_world() -> None:
     model = task.create_model(0, PARAMS)
     with pytest.raises(ValueError, match="pp_size 3 must divide the local world of 2"):
         apply_pp_dp(model, TWO, PlanOptions(pp_size=3))
-
-
-@pytest.fixture
-def world_of_one(tmp_path: Path) -> Iterator[World]:
-    dist.init_process_group("gloo", f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        yield World.current()
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

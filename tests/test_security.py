@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from fedra import pki
-from fedra.coordinator.server import CoordinatorConfig, build_engine, create_server
+from fedra.coordinator.server import CoordinatorConfig, build_engine, create_server, shutdown
 from fedra.examples import synthetic
 from fedra.protos.codec import encode
 from fedra.protos.v1 import admin_pb2, admin_pb2_grpc, common_pb2, site_pb2, site_pb2_grpc
@@ -59,12 +59,7 @@ class SecureCoordinator:
     def close(self) -> None:
         for ch in self._channels:
             ch.close()
-        with self.engine.lock:
-            self.engine.stopping = True
-            self.engine.notify()
-        self.server.stop(0).wait()
-        self.engine.stop()
-        self.engine.store.close()
+        shutdown(self.server, self.engine, grace_s=0)
 
 
 @pytest.fixture
