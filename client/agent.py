@@ -11,7 +11,7 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +24,15 @@ from fedra.client.connection import TRANSIENT, Assignment, Connection, Session, 
 from fedra.client.executor import Executor, LocalExecutor, WorldBroken
 from fedra.client.task import FitSettings, ParallelTask, Task, load_task
 from fedra.config import ConfigError
-from fedra.faults import crash_point
-from fedra.protos.compression import Compressor
+from fedra.faults import attack, crash_point
+from fedra.privacy import add_secure_gaussian_, clip_factor
+from fedra.protos.compression import MASKED, Compressor, flatten_update, to_wire_u32
+from fedra.protos.serde import SecAggRound
 from fedra.retry import Backoff
+from fedra.secagg import SiteSecAgg
 
 log = logging.getLogger("fedra.site")
+_SECAGG_WAIT_S = 20.0  # one long poll of a secure-aggregation stage
 # Identity failures: nothing this site sends will be accepted until an operator acts.
 _FATAL = frozenset({grpc.StatusCode.UNAUTHENTICATED})
 # Failures that mean "this task no longer counts": drop it and poll again.
@@ -146,11 +150,15 @@ class SiteAgent:
         impl = self.tasks[task.entry_point]
         params = task.train.params
         started = time.monotonic()
+        masker = None
         if task.init:
             model = impl.create_model(task.seed, params)
             payload = {k: v.detach().clone() for k, v in model.state_dict().items()}
             num_samples, metrics = 1, dict[str, float]()
         else:
+            if task.secagg is not None:  # the key exchange comes before the training
+                masker = self._secagg_setup(task, task.secagg)
+                crash_point("after_secagg_setup", task.round)
             budget = max(task.deadline_in_s, 1.0)
             global_state = self.conn.download(task, timeout_s=budget)
             # As the site sees it: the coordinator's download_s ends when the last byte
@@ -158,6 +166,7 @@ class SiteAgent:
             downloaded = time.monotonic()
             crash_point("after_download", task.round)
             payload, num_samples, metrics = self._train(impl, task, global_state)
+            payload = attack(payload)
             metrics["download_s"] = downloaded - started
             started = downloaded
         metrics["compute_s"] = time.monotonic() - started
@@ -167,6 +176,14 @@ class SiteAgent:
         for name, tensor in payload.items():  # refuse locally what the coordinator would refuse
             if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                 raise ValueError(f"the update's tensor {name!r} has non-finite values")
+        if masker is not None and task.secagg is not None:
+            wire = {MASKED: to_wire_u32(_masked(masker, task.secagg, payload))}
+            self._upload(task, wire, num_samples, metrics)
+            crash_point("after_upload", task.round)
+            self._secagg_reveal(task, masker)
+            self.rounds_done += 1
+            log.info("%s: masked update accepted and unmasking shares revealed", tag)
+            return
         compressor = self._compressor(task)
         before = compressor.residual  # a snapshot: restored if the update does not count
         wire = compressor.compress(payload)  # once: a retried upload resends the same bytes
@@ -204,6 +221,46 @@ class SiteAgent:
         )
         metrics.update(fit_metrics)
         return delta(trained, global_state), num_samples, metrics
+
+    def _secagg_setup(self, task: Assignment, sa: SecAggRound) -> SiteSecAgg:
+        """Stages 1 and 2 of secure aggregation: keys out, shares out, our shares in."""
+        masker = SiteSecAgg(self.config.site_id, sa.threshold, sa.context)
+        keys = self._long_poll(
+            lambda first: self.conn.secagg_keys(
+                task.task_id, masker.public_keys() if first else b"", _SECAGG_WAIT_S
+            )
+        )
+        ciphertexts = masker.share_keys(keys)
+        inbox = self._long_poll(
+            lambda first: self.conn.secagg_shares(
+                task.task_id, ciphertexts if first else {}, _SECAGG_WAIT_S
+            )
+        )
+        masker.receive_shares(inbox)
+        log.info("%s: secure aggregation set up with %d neighbours", self.tag, len(inbox))
+        return masker
+
+    def _secagg_reveal(self, task: Assignment, masker: SiteSecAgg) -> None:
+        """Stage 4: the shares that unmask the sum; never both kinds for one peer."""
+        while True:
+            ready, survivors, dropped = self.conn.secagg_unmask(task.task_id, _SECAGG_WAIT_S)
+            if ready:
+                break
+            if self.stop.is_set():
+                return
+        self.conn.secagg_reveal(task.task_id, masker.reveal(survivors, dropped))
+        if dropped:
+            log.info("%s: revealed shares; dropped neighbours: %s", self.tag, ", ".join(dropped))
+
+    def _long_poll(self, call: Callable[[bool], tuple[bool, dict[str, bytes]]]) -> dict[str, bytes]:
+        first = True
+        while True:
+            ready, answer = call(first)
+            if ready:
+                return answer
+            first = False
+            if self.stop.is_set():
+                raise WorldBroken("the site is stopping")
 
     def _compressor(self, task: Assignment) -> Compressor:
         """This run's compressor, resuming its saved error-feedback residual if any."""
@@ -281,6 +338,16 @@ def delta(
         trained = local[name].detach()
         out[name] = (trained - g) if g.is_floating_point() else torch.zeros_like(g)
     return out
+
+
+def _masked(masker: SiteSecAgg, sa: SecAggRound, delta: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The update as SecAgg+ sends it: flat, L2-clipped and noised under [privacy], masked."""
+    vector = flatten_update(delta)
+    if sa.l2_clip > 0:
+        vector.mul_(clip_factor(float(vector.double().norm()), sa.l2_clip))
+    if sa.noise_std > 0:
+        add_secure_gaussian_(vector, sa.noise_std)
+    return masker.mask(vector, clip=sa.clip, bits=sa.bits)
 
 
 def _fit_seed(task: Assignment, site_id: str) -> int:

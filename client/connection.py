@@ -18,7 +18,12 @@ from fedra.protos.codec import (
     digest_and_size,
     encode_chunks,
 )
-from fedra.protos.serde import codec_from_proto, train_from_proto
+from fedra.protos.serde import (
+    SecAggRound,
+    codec_from_proto,
+    secagg_round_from_proto,
+    train_from_proto,
+)
 from fedra.protos.v1 import site_pb2, site_pb2_grpc
 from fedra.runspec import CodecSpec, TrainSpec
 
@@ -43,6 +48,7 @@ class Assignment:
     model_bytes: int
     deadline_in_s: float
     codec: CodecSpec
+    secagg: SecAggRound | None = None  # set: the update is masked for secure aggregation
 
 
 @dataclass(frozen=True)
@@ -158,6 +164,39 @@ class Connection:
         )
         self.stub.ReportFailure(request, timeout=timeout_s)
 
+    # -- secure aggregation: long polls that answer ready=False until their stage closes
+
+    def secagg_keys(
+        self, task_id: str, public_keys: bytes, wait_s: float
+    ) -> tuple[bool, dict[str, bytes]]:
+        request = site_pb2.SecAggKeysRequest(
+            site_id=self.site_id, task_id=task_id, public_keys=public_keys, wait_s=wait_s
+        )
+        r = self.stub.SecAggKeys(request, timeout=wait_s + 10.0)
+        return r.ready, dict(r.neighbour_keys)
+
+    def secagg_shares(
+        self, task_id: str, ciphertexts: Mapping[str, bytes], wait_s: float
+    ) -> tuple[bool, dict[str, bytes]]:
+        request = site_pb2.SecAggSharesRequest(
+            site_id=self.site_id, task_id=task_id, ciphertexts=dict(ciphertexts), wait_s=wait_s
+        )
+        r = self.stub.SecAggShares(request, timeout=wait_s + 10.0)
+        return r.ready, dict(r.inbox)
+
+    def secagg_unmask(self, task_id: str, wait_s: float) -> tuple[bool, list[str], list[str]]:
+        request = site_pb2.SecAggUnmaskRequest(site_id=self.site_id, task_id=task_id, wait_s=wait_s)
+        r = self.stub.SecAggUnmask(request, timeout=wait_s + 10.0)
+        return r.ready, list(r.survivors), list(r.dropped)
+
+    def secagg_reveal(
+        self, task_id: str, shares: Mapping[str, bytes], timeout_s: float = 30.0
+    ) -> None:
+        request = site_pb2.SecAggRevealRequest(
+            site_id=self.site_id, task_id=task_id, shares=dict(shares)
+        )
+        self.stub.SecAggReveal(request, timeout=timeout_s)
+
 
 def new_nonce() -> bytes:
     return os.urandom(16)
@@ -176,4 +215,5 @@ def _assignment(t: site_pb2.Task) -> Assignment:
         model_bytes=t.model_bytes,
         deadline_in_s=t.deadline_in_s,
         codec=codec_from_proto(t.compression),
+        secagg=secagg_round_from_proto(t.secagg) if t.HasField("secagg") else None,
     )

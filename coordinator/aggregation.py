@@ -51,13 +51,17 @@ class WeightedSum:
         self.total_weight += weight
         self.count += 1
 
-    def mean(self) -> dict[str, torch.Tensor]:
-        """The weighted mean delta, shaped like the model (computed in place)."""
-        if self.total_weight <= 0:
+    def mean(self, denominator: float | None = None) -> dict[str, torch.Tensor]:
+        """The weighted mean delta, shaped like the model (computed in place).
+
+        ``denominator`` replaces the total weight (DP-FedAvg divides by a fixed count).
+        """
+        total = self.total_weight if denominator is None else denominator
+        if total <= 0:
             raise ValueError("no updates to average")
         out = {}
         for name, acc in self.sums.items():
-            acc.div_(self.total_weight)
+            acc.div_(total)
             out[name] = acc.view(self.specs[name].shape)
         return out
 

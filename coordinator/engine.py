@@ -8,6 +8,7 @@ runs one ``RoundDriver`` thread per run (see ``rounds``).
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 import time
 import uuid
@@ -22,6 +23,7 @@ from fedra.coordinator.recovery import restore_run
 from fedra.coordinator.rounds import RoundDriver
 from fedra.coordinator.state import INIT_ROUND, ActiveRun, Assignment
 from fedra.protos.codec import DEFAULT_CHUNK_BYTES
+from fedra.protos.serde import SecAggRound
 from fedra.runspec import CodecSpec, RunSpec, TrainSpec
 from fedra.storage import BlobStore, Store
 from fedra.storage.records import CheckpointRecord, RunRecord, SiteRecord
@@ -54,6 +56,7 @@ class TaskView:
     model_bytes: int
     deadline_in_s: float
     codec: CodecSpec  # how the site compresses its update (none for the initial model)
+    secagg: SecAggRound | None = None  # set: the update is masked for secure aggregation
 
 
 class Engine:
@@ -86,6 +89,7 @@ class Engine:
         """Resume every unfinished run from its last committed round."""
         self.models.clear_tmp()
         self.updates.clear_tmp()
+        shutil.rmtree(self.updates.root / "spill", ignore_errors=True)  # robust rules' spill
         for site in self.store.list_sites():
             self._site_tasks[site.id] = site.tasks
         for record in self.store.list_runs(states=("pending", "running")):
@@ -149,7 +153,7 @@ class Engine:
             self.notify()
         log.info("site %s: registered, serves %s", site_id, ", ".join(tasks))
 
-    def _seen(self, site_id: str) -> None:
+    def seen(self, site_id: str) -> None:
         if site_id not in self._site_tasks:
             raise NotFound(f"site {site_id!r} is not registered; call Register first")
         self._last_seen[site_id] = self.clock()
@@ -181,17 +185,17 @@ class Engine:
     def heartbeat(self, site_id: str, task_id: str) -> bool:
         """Record liveness; returns whether ``task_id`` (if any) still counts."""
         with self.lock:
-            self._seen(site_id)
+            self.seen(site_id)
             if not task_id:
                 return True
-            found = self._find_task(task_id)
+            found = self.find_task(task_id)
             return found is not None and found[1].site_id == site_id and not found[1].final
 
     def poll(self, site_id: str, timeout_s: float) -> TaskView | None:
         """Long poll: the site's current task, waiting up to ``timeout_s`` for one."""
         deadline = time.monotonic() + max(0.0, min(timeout_s, self.settings.poll_timeout_s))
         with self.lock:
-            self._seen(site_id)
+            self.seen(site_id)
             self._polling[site_id] += 1
             self.notify()  # a site coming online may complete a round's sample
             try:
@@ -227,10 +231,11 @@ class Engine:
             model_sha256="" if init else run.model_sha256,
             model_bytes=0 if init else run.model_bytes,
             deadline_in_s=max(0.0, run.deadline_at - self.clock()),
-            codec=CodecSpec() if init else run.spec.codec,
+            codec=run.upload_codec,
+            secagg=run.secure.task() if run.secure is not None else None,
         )
 
-    def _find_task(self, task_id: str) -> tuple[ActiveRun, Assignment] | None:
+    def find_task(self, task_id: str) -> tuple[ActiveRun, Assignment] | None:
         for run in self.runs.values():
             a = run.by_task(task_id)
             if a is not None:
@@ -239,8 +244,8 @@ class Engine:
 
     def current_task(self, site_id: str, task_id: str) -> tuple[ActiveRun, Assignment]:
         """The run and assignment for a task the site may act on now (lock held)."""
-        self._seen(site_id)
-        found = self._find_task(task_id)
+        self.seen(site_id)
+        found = self.find_task(task_id)
         if found is None:
             past = self.store.get_participation(task_id)
             if past is None:
@@ -271,7 +276,7 @@ class Engine:
     def record_download(self, task_id: str, nbytes: int, seconds: float) -> None:
         self.store.mark_downloaded(task_id, nbytes, seconds)
         with self.lock:
-            found = self._find_task(task_id)
+            found = self.find_task(task_id)
             if found is not None and found[1].state == "assigned":
                 found[1].state = "downloaded"
             self.notify()

@@ -11,9 +11,11 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from fedra.coordinator.aggregation import ServerOptimizer, WeightedSum
+from fedra.coordinator.aggregation import ServerOptimizer
+from fedra.coordinator.rounds import ACCOUNTANT_KEY, start_aggregate
 from fedra.coordinator.state import INIT_ROUND, ActiveRun
 from fedra.coordinator.uploads import fold
+from fedra.privacy import RdpAccountant
 from fedra.protos.codec import decode_chunks, spec_of
 from fedra.runspec import RunSpec
 from fedra.storage.records import RunRecord
@@ -37,6 +39,9 @@ def restore_run(engine: Engine, record: RunRecord) -> ActiveRun:
         run.next_round = ckpt.round_number + 1
         if ckpt.optimizer_sha256:
             state = decode_chunks(engine.models.read_chunks(ckpt.optimizer_sha256, chunk))
+            rdp = state.pop(ACCOUNTANT_KEY, None)
+            if rdp is not None:
+                run.accountant = RdpAccountant.from_tensor(rdp)
             run.optimizer.load_state_dict(state)
     open_round = engine.store.get_open_round(record.id)
     if open_round is not None:
@@ -52,18 +57,27 @@ def _resume_open_round(engine: Engine, run: ActiveRun, number: int, attempt: int
         )
     parts = engine.store.list_participations(run.run_id, number, attempt)
     now = engine.clock()
+    if run.spec.secagg is not None and number != INIT_ROUND:
+        # The key exchange lived in memory: retry the round with fresh keys.
+        reason = "the coordinator restarted; secure aggregation starts the round again"
+        engine.store.expire_attempt(run.run_id, number, attempt, reason, now)
+        engine.store.add_event(run.run_id, "attempt_failed", reason, now, number)
+        run.next_attempt = attempt + 1
+        for p in parts:
+            engine.mark_seen_for_recovery(p.site_id, now)
+        log.info("run %s round %d: %s", run.run_id, number, reason)
+        return
     deadline = now + run.spec.round_deadline_s
     engine.store.extend_deadline(run.run_id, number, deadline)
     run.set_open(number, attempt, {p.site_id: p.task_id for p in parts}, now, deadline)
     run.next_attempt = attempt
     if number != INIT_ROUND:
-        assert run.model_specs is not None
-        run.accumulator = WeightedSum(run.model_specs)
+        start_aggregate(engine, run)
     for p in parts:
         a = run.assignments[p.site_id]
         engine.mark_seen_for_recovery(p.site_id, now)
         if p.state == "accepted" and p.update_sha256 and engine.updates.exists(p.update_sha256):
-            fold(engine, run, p.update_sha256, p.num_samples)
+            fold(engine, run, p.update_sha256, p.num_samples, p.site_id)
             a.state, a.update_sha256, a.num_samples = "accepted", p.update_sha256, p.num_samples
         elif p.state == "accepted":
             reason = "update lost from the spool across a restart"

@@ -18,9 +18,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from fedra.coordinator.aggregation import WeightedSum
+from fedra.coordinator.robust import RobustError, RobustRule, UpdateStore, aggregate
+from fedra.coordinator.secure import SecureRound
 from fedra.coordinator.state import INIT_ROUND, ActiveRun
 from fedra.faults import crash_point
+from fedra.privacy import RdpAccountant, add_secure_gaussian_
 from fedra.protos.codec import decode_chunks, encode_chunks, spec_of
+from fedra.protos.compression import floating_layout, unflatten_update
+from fedra.secagg import SecAggError
 from fedra.storage.records import CheckpointRecord, ParticipationRecord
 
 if TYPE_CHECKING:
@@ -28,6 +33,24 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fedra.coordinator")
 _RECHECK_S = 1.0  # liveness is re-evaluated at least this often while waiting
+# The key in the optimiser-state checkpoint blob that holds the privacy accountant.
+ACCOUNTANT_KEY = "privacy.rdp"
+
+
+def start_aggregate(engine: Engine, run: ActiveRun) -> None:
+    """Give a freshly opened (or resumed) attempt of a training round its aggregate."""
+    spec, specs = run.spec, run.model_specs
+    assert specs is not None and run.open_round is not None
+    run.drop_aggregate()
+    if spec.secagg is not None:
+        length = sum(s.numel for _, s in floating_layout(specs))
+        sites = sorted(run.assignments)
+        run.secure = SecureRound(spec, run.run_id, run.open_round, run.attempt, sites, length)
+    elif spec.aggregation.robust:
+        spill = engine.updates.root / "spill" / f"{run.run_id}-{run.open_round}-{run.attempt}"
+        run.robust = UpdateStore(specs, spill, spec.aggregation.spill_mb << 20)
+    else:
+        run.accumulator = WeightedSum(specs)
 
 
 class RoundDriver:
@@ -57,6 +80,8 @@ class RoundDriver:
             if run.cancelled:
                 self._finish("cancelled", "cancelled by an operator")
                 return False
+        if run.open_round is None and self._budget_spent():
+            return False
         if run.open_round is None and not self._open_next():
             return True  # stopping or cancelled: the next step handles it
         outcome = self._wait()
@@ -65,6 +90,24 @@ class RoundDriver:
         return True
 
     # -- opening -----------------------------------------------------------------
+
+    def _budget_spent(self) -> bool:
+        """With [privacy]: end the run rather than open a round past its budget."""
+        run, privacy = self.run_state, self.run_state.spec.privacy
+        if privacy is None or run.next_round == INIT_ROUND:
+            return False
+        spent = run.accountant or RdpAccountant()
+        after = spent.after(privacy.noise_multiplier).epsilon(privacy.delta)
+        if after <= privacy.epsilon:
+            return False
+        done = run.next_round - 1
+        self._finish(
+            "completed",
+            f"privacy budget reached: round {run.next_round} would take epsilon to {after:.4g} "
+            f"> {privacy.epsilon:g} (delta {privacy.delta:g}); stopped after round {done} of "
+            f"{run.spec.rounds} with epsilon {spent.epsilon(privacy.delta):.4g}",
+        )
+        return True
 
     def _open_next(self) -> bool:
         run, engine, spec = self.run_state, self.engine, self.run_state.spec
@@ -102,8 +145,7 @@ class RoundDriver:
             )
             run.set_open(number, attempt, assignments, now, deadline)
             if not init:
-                assert run.model_specs is not None
-                run.accumulator = WeightedSum(run.model_specs)
+                start_aggregate(engine, run)
             engine.notify()
         log.info(
             "%s round %d: opened (attempt %d) with %s",
@@ -126,6 +168,8 @@ class RoundDriver:
                     return "cancelled"
                 now = engine.clock()
                 self._fail_silent_sites(now)
+                if run.secure is not None and not run.broken:
+                    self._advance_secure(now)
                 states = [a.state for a in run.assignments.values()]
                 done = all(s in ("accepted", "failed") for s in states)
                 if done or now >= run.deadline_at or run.broken:
@@ -133,8 +177,38 @@ class RoundDriver:
                     engine.notify()
                     while run.folding and not engine.stopping:  # let accepted updates land
                         engine.changed.wait(_RECHECK_S)
+                    if run.secure is not None and not run.broken and not engine.stopping:
+                        self._unmask()
                     return "stopping" if engine.stopping else "closed"
                 engine.changed.wait(min(run.deadline_at - now, _RECHECK_S))
+
+    def _advance_secure(self, now: float) -> None:
+        """Close a key-exchange stage that is complete or overdue (lock held)."""
+        run = self.run_state
+        assert run.secure is not None
+        out, why = run.secure.advance(run.assignments, run.required_updates)
+        for site in out:
+            a = run.assignments[site]
+            reason = "did not take part in the secure-aggregation key exchange in time"
+            self.engine.store.fail_participation(a.task_id, reason, now)
+            a.state = "failed"
+            log.warning("%s round %s: %s: %s", self.tag, run.open_round, site, reason)
+        if why:
+            run.broken = why
+        if out or why:
+            self.engine.notify()
+
+    def _unmask(self) -> None:
+        """Uploads are closed: collect the survivors' shares (lock held)."""
+        run, engine = self.run_state, self.engine
+        assert run.secure is not None
+        accepted = sum(a.state == "accepted" for a in run.assignments.values())
+        if accepted < run.required_updates:
+            return  # the attempt fails anyway: ask nobody to reveal anything
+        run.broken = run.secure.begin_unmask()
+        engine.notify()
+        while not run.broken and not run.secure.unmasked_ready() and not engine.stopping:
+            engine.changed.wait(_RECHECK_S)
 
     def _fail_silent_sites(self, now: float) -> None:
         """A sampled site that went silent will not answer: stop waiting for it."""
@@ -168,14 +242,15 @@ class RoundDriver:
                 engine.updates.read_chunks(run.init_sha256, engine.settings.chunk_bytes)
             )
         else:
-            assert run.model is not None and run.accumulator is not None
+            assert run.model is not None
             model = run.model
-            mean = run.accumulator.mean()
+            try:
+                mean, count = self._mean_update()
+            except (SecAggError, RobustError) as exc:
+                return self._retry_or_fail(0, str(exc))
             bad = _first_non_finite(mean)
             if bad:  # finite updates can still overflow in the sum: never commit that
-                return self._retry_or_fail(
-                    run.accumulator.count, f"the mean update's {bad} is not finite"
-                )
+                return self._retry_or_fail(count, f"the mean update's {bad} is not finite")
             run.optimizer.step(model, mean)
             bad = _first_non_finite(model)
             if bad:  # the outer step diverged: the run cannot go on from here
@@ -185,10 +260,17 @@ class RoundDriver:
                 return False
         model_sha = engine.models.put_chunks(encode_chunks(model, engine.settings.chunk_bytes))
         opt_state = run.optimizer.state_dict()
+        accountant = None
+        if spec.privacy is not None and number != INIT_ROUND:
+            # Spent by this round, and committed with it: the checkpoint holds the budget.
+            accountant = (run.accountant or RdpAccountant()).after(spec.privacy.noise_multiplier)
+            opt_state[ACCOUNTANT_KEY] = accountant.to_tensor()
         opt_sha = engine.models.put_chunks(encode_chunks(opt_state)) if opt_state else None
         now = engine.clock()
         parts = engine.store.list_participations(run.run_id, number, run.attempt)
         metrics = weighted_metrics([p for p in parts if p.state == "accepted"])
+        if accountant is not None and spec.privacy is not None:
+            metrics["privacy_epsilon"] = accountant.epsilon(spec.privacy.delta)
         ckpt = CheckpointRecord(
             run.run_id, number, model_sha, engine.models.size(model_sha), opt_sha, now
         )
@@ -202,6 +284,7 @@ class RoundDriver:
         with engine.lock:
             run.model, run.model_specs = model, spec_of(model)
             run.model_sha256, run.model_bytes = model_sha, ckpt.model_bytes
+            run.accountant = accountant or run.accountant
             run.set_closed(next_round=number + 1)
             engine.notify()
         self._drop_round_updates(number)
@@ -211,6 +294,36 @@ class RoundDriver:
             self._forget()
             return False
         return True
+
+    def _mean_update(self) -> tuple[dict[str, torch.Tensor], int]:
+        """The attempt's aggregate update, shaped like the model, and how many it combines."""
+        run, spec = self.run_state, self.run_state.spec
+        assert run.model_specs is not None
+        privacy = spec.privacy
+        if run.secure is not None:
+            total, count = run.secure.server.finish()
+            # With [privacy] the sites added the noise; the denominator is fixed, as in
+            # DP-FedAvg, so that it reveals nothing about who dropped out.
+            total.div_(spec.sites_per_round if privacy is not None else count)
+            return unflatten_update(total, run.model_specs), count
+        if run.robust is not None:
+            rule = spec.aggregation
+            result = aggregate(
+                run.robust,
+                RobustRule(rule.rule, rule.trim, rule.byzantine, rule.select),
+                norm_bound=rule.norm_bound,
+            )
+            if rule.rule in ("krum", "multikrum"):
+                log.info("%s: %s kept updates %s", self.tag, rule.rule, result.selected)
+            return result.mean, len(result.selected)
+        assert run.accumulator is not None
+        acc = run.accumulator
+        if privacy is None:
+            return acc.mean(), acc.count
+        std = privacy.noise_multiplier * privacy.clip
+        for total in acc.sums.values():  # the Gaussian mechanism, on the sum of clipped updates
+            add_secure_gaussian_(total, std)
+        return acc.mean(denominator=spec.sites_per_round), acc.count
 
     def _retry_or_fail(self, accepted: int, why: str = "") -> bool:
         run, engine, spec = self.run_state, self.engine, self.run_state.spec

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 import grpc
 
 from fedra import pki
-from fedra.coordinator import uploads
+from fedra.coordinator import secure, uploads
 from fedra.coordinator.auth import Guard
 from fedra.coordinator.engine import Engine, TaskView
 from fedra.coordinator.errors import (
@@ -26,7 +26,12 @@ from fedra.coordinator.errors import (
     Unavailable,
 )
 from fedra.coordinator.status import run_status
-from fedra.protos.serde import codec_to_proto, runspec_from_proto, train_to_proto
+from fedra.protos.serde import (
+    codec_to_proto,
+    runspec_from_proto,
+    secagg_round_to_proto,
+    train_to_proto,
+)
 from fedra.protos.v1 import admin_pb2, admin_pb2_grpc, common_pb2, site_pb2, site_pb2_grpc
 
 log = logging.getLogger("fedra.coordinator")
@@ -99,7 +104,17 @@ def _task_to_proto(t: TaskView) -> site_pb2.Task:
         deadline_in_s=t.deadline_in_s,
         codec=t.codec.name,
         compression=codec_to_proto(t.codec),
+        secagg=secagg_round_to_proto(t.secagg) if t.secagg is not None else None,
     )
+
+
+def _long_poll_s(requested: float, context: Any) -> float:
+    """How long a long poll may wait: what was asked, within the caller's own deadline."""
+    remaining = context.time_remaining()
+    wait = requested if requested > 0 else 0.0
+    if remaining is not None:
+        wait = min(wait, max(0.0, remaining - 1.0))
+    return wait
 
 
 def _header_from_proto(m: site_pb2.UpdateHeader) -> uploads.UpdateHeader:
@@ -202,6 +217,52 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
         self.guard.site(context, request.site_id)
         self.engine.report_failure(request.site_id, request.task_id, request.reason)
         return site_pb2.ReportFailureResponse()
+
+    @mapped
+    def SecAggKeys(
+        self, request: site_pb2.SecAggKeysRequest, context: Any
+    ) -> site_pb2.SecAggKeysResponse:
+        self.guard.site(context, request.site_id)
+        ready, keys = secure.keys(
+            self.engine,
+            request.site_id,
+            request.task_id,
+            request.public_keys,
+            _long_poll_s(request.wait_s, context),
+        )
+        return site_pb2.SecAggKeysResponse(ready=ready, neighbour_keys=keys)
+
+    @mapped
+    def SecAggShares(
+        self, request: site_pb2.SecAggSharesRequest, context: Any
+    ) -> site_pb2.SecAggSharesResponse:
+        self.guard.site(context, request.site_id)
+        ready, inbox = secure.shares(
+            self.engine,
+            request.site_id,
+            request.task_id,
+            dict(request.ciphertexts),
+            _long_poll_s(request.wait_s, context),
+        )
+        return site_pb2.SecAggSharesResponse(ready=ready, inbox=inbox)
+
+    @mapped
+    def SecAggUnmask(
+        self, request: site_pb2.SecAggUnmaskRequest, context: Any
+    ) -> site_pb2.SecAggUnmaskResponse:
+        self.guard.site(context, request.site_id)
+        ready, survivors, dropped = secure.unmask(
+            self.engine, request.site_id, request.task_id, _long_poll_s(request.wait_s, context)
+        )
+        return site_pb2.SecAggUnmaskResponse(ready=ready, survivors=survivors, dropped=dropped)
+
+    @mapped
+    def SecAggReveal(
+        self, request: site_pb2.SecAggRevealRequest, context: Any
+    ) -> site_pb2.SecAggRevealResponse:
+        self.guard.site(context, request.site_id)
+        secure.reveal(self.engine, request.site_id, request.task_id, dict(request.shares))
+        return site_pb2.SecAggRevealResponse()
 
 
 def _data_chunks(messages: Iterator[site_pb2.UpdateChunk]) -> Iterator[bytes]:

@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from fedra.coordinator.aggregation import ServerOptimizer, WeightedSum
+from fedra.coordinator.robust import UpdateStore
+from fedra.privacy import RdpAccountant
 from fedra.protos.codec import TensorSpec
-from fedra.runspec import RunSpec
+from fedra.runspec import CodecSpec, RunSpec
+
+if TYPE_CHECKING:
+    from fedra.coordinator.secure import SecureRound
 
 INIT_ROUND = 0
 
@@ -57,7 +63,11 @@ class ActiveRun:
     opened_at: float = 0.0
     deadline_at: float = 0.0
     assignments: dict[str, Assignment] = field(default_factory=dict)  # by site id
-    accumulator: WeightedSum | None = None
+    # How this attempt's updates are combined: exactly one of these is set (round > 0).
+    accumulator: WeightedSum | None = None  # rule "mean": the streaming (clipped) sum
+    robust: UpdateStore | None = None  # robust rules: every update, spilled past a limit
+    secure: SecureRound | None = None  # [secagg]: the masked sum and its key exchange
+    accountant: RdpAccountant | None = None  # [privacy]: the budget spent by committed rounds
     init_sha256: str | None = None  # round 0: the accepted initial model
     cancelled: bool = False
     waiting_reason: str = ""
@@ -67,6 +77,13 @@ class ActiveRun:
     # driver closes a round only once no fold is in flight.
     folding: int = 0
     fold_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def upload_codec(self) -> CodecSpec:
+        """How this round's updates travel: the run's codec, or masked integers."""
+        if self.open_round == INIT_ROUND:
+            return CodecSpec()
+        return CodecSpec("secagg") if self.spec.secagg is not None else self.spec.codec
 
     @property
     def required_updates(self) -> int:
@@ -94,3 +111,10 @@ class ActiveRun:
         self.open_round, self.closing, self.broken = None, False, ""
         self.next_round, self.next_attempt = next_round, next_attempt
         self.assignments, self.accumulator, self.init_sha256 = {}, None, None
+        self.drop_aggregate()
+
+    def drop_aggregate(self) -> None:
+        """Forget this attempt's partial aggregate (spill files included)."""
+        if self.robust is not None:
+            self.robust.close()
+        self.accumulator, self.robust, self.secure = None, None, None

@@ -9,8 +9,9 @@ any point either loses nothing or loses an update the site will be asked for aga
 from __future__ import annotations
 
 import logging
+import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -23,9 +24,15 @@ from fedra.coordinator.errors import (
     ResourceExhausted,
 )
 from fedra.coordinator.state import INIT_ROUND, ActiveRun, Assignment
+from fedra.privacy import clip_factor
 from fedra.protos.codec import MAX_HEADER_BYTES, CodecError, StreamDecoder, TensorSpec
-from fedra.protos.compression import Piece, StreamingDecompressor, compressed_specs
-from fedra.runspec import CODECS, CodecSpec
+from fedra.protos.compression import (
+    Piece,
+    StreamingDecompressor,
+    compressed_specs,
+    from_wire_u32,
+)
+from fedra.runspec import WIRE_CODECS, CodecSpec
 from fedra.storage.blobs import BlobDigestError
 from fedra.storage.store import DuplicateError
 
@@ -98,7 +105,13 @@ def begin_upload(engine: Engine, h: UpdateHeader) -> UploadTicket:
                 f"task {h.task_id} is already {a.state}: one update per site per round"
             )
         init = run.open_round == INIT_ROUND
-        codec = CodecSpec() if init else run.spec.codec
+        codec = run.upload_codec
+        sec = run.secure
+        if sec is not None and (sec.stage != "masked" or h.site_id not in sec.shares_from):
+            raise FailedPrecondition(
+                f"site {h.site_id!r} is not in this round's masked sum: it must complete the "
+                f"key exchange first, and uploads are open only after it (stage {sec.stage})"
+            )
         if h.codec != codec.name:
             raise InvalidArgument(
                 f"codec {h.codec!r} does not match the run's codec {codec.name!r}"
@@ -116,8 +129,10 @@ def begin_upload(engine: Engine, h: UpdateHeader) -> UploadTicket:
 
 
 def _check_header_fields(h: UpdateHeader) -> None:
-    if h.codec not in CODECS:
-        raise InvalidArgument(f"codec {h.codec!r} is not supported (expected one of {CODECS})")
+    if h.codec not in WIRE_CODECS:
+        raise InvalidArgument(
+            f"codec {h.codec!r} is not supported (expected one of {', '.join(WIRE_CODECS)})"
+        )
     if len(h.nonce) != NONCE_BYTES:
         raise InvalidArgument(f"nonce must be {NONCE_BYTES} bytes, got {len(h.nonce)}")
     if len(h.sha256) != 64 or not all(c in "0123456789abcdef" for c in h.sha256):
@@ -140,7 +155,9 @@ def receive(engine: Engine, ticket: UploadTicket, chunks: Iterable[bytes]) -> st
     h = ticket.header
     decoder = StreamDecoder(ticket.expected)
     # Decompressed as it arrives, so a crafted scale or index is caught before acceptance.
-    dense = None if ticket.model is None else StreamingDecompressor(ticket.model, ticket.codec)
+    dense = None  # masked integers (secagg) have nothing to decompress or check for finiteness
+    if ticket.model is not None and ticket.codec.name != "secagg":
+        dense = StreamingDecompressor(ticket.model, ticket.codec)
     with engine.updates.writer() as writer:
         try:
             for chunk in chunks:
@@ -226,7 +243,7 @@ def accept(engine: Engine, ticket: UploadTicket, digest: str, nbytes: int) -> No
     broken = ""
     try:
         with run.fold_lock:
-            fold(engine, run, digest, h.num_samples)
+            fold(engine, run, digest, h.num_samples, h.site_id)
     except Exception as exc:
         # Accepted durably but only partly summed: this attempt's sum cannot be trusted.
         log.exception(
@@ -243,28 +260,73 @@ def accept(engine: Engine, ticket: UploadTicket, digest: str, nbytes: int) -> No
     )  # fmt: skip
 
 
-def fold(engine: Engine, run: ActiveRun, digest: str, num_samples: int) -> None:
-    """Stream a spooled update into the round's running sum (``run.fold_lock`` held)."""
+def fold(engine: Engine, run: ActiveRun, digest: str, num_samples: int, site_id: str) -> None:
+    """Stream a spooled update into the round's aggregate (``run.fold_lock`` held)."""
     started = time.perf_counter()
     try:
-        _fold(engine, run, digest, num_samples)
+        _fold(engine, run, digest, num_samples, site_id)
     finally:
         run.aggregate_s += time.perf_counter() - started
 
 
-def _fold(engine: Engine, run: ActiveRun, digest: str, num_samples: int) -> None:
+def _fold(engine: Engine, run: ActiveRun, digest: str, num_samples: int, site_id: str) -> None:
     if run.open_round == INIT_ROUND:
         run.init_sha256 = digest
         return
-    assert run.accumulator is not None and run.model_specs is not None
+    if run.secure is not None:
+        run.secure.server.add_masked(site_id, _masked_pieces(engine, run, digest))
+        return
+    if run.robust is not None:
+        writer = run.robust.begin()
+        try:
+            writer.add_pieces(_dense_pieces(engine, run, digest))
+            writer.finish()
+        except BaseException:
+            writer.abort()
+            raise
+        return
+    assert run.accumulator is not None
+    spec = run.spec
+    bound = spec.privacy.clip if spec.privacy is not None else spec.aggregation.norm_bound
+    # DP-FedAvg gives every site one vote: the sensitivity of the sum is then the clip.
+    weight = 1.0 if spec.privacy is not None else float(num_samples)
+    scale = 1.0
+    if bound > 0:  # a first pass for the norm: the spool is local and fast
+        norm = math.sqrt(sum(_sum_of_squares(p) for p in _dense_pieces(engine, run, digest)))
+        scale = clip_factor(norm, bound)
+    run.accumulator.add_pieces(_dense_pieces(engine, run, digest), weight * scale)
+    run.accumulator.finish_update(weight)
+
+
+def _dense_pieces(engine: Engine, run: ActiveRun, digest: str) -> Iterator[Piece]:
+    """The decompressed pieces of a spooled update, chunk by chunk."""
+    assert run.model_specs is not None
     codec = run.spec.codec
     decoder = StreamDecoder(compressed_specs(run.model_specs, codec))
     dense = StreamingDecompressor(run.model_specs, codec)
     for chunk in engine.updates.read_chunks(digest, engine.settings.chunk_bytes):
-        run.accumulator.add_pieces(dense.feed(decoder.feed(chunk)), float(num_samples))
+        yield from dense.feed(decoder.feed(chunk))
     decoder.finish()
     dense.finish()
-    run.accumulator.finish_update(float(num_samples))
+
+
+def _masked_pieces(
+    engine: Engine, run: ActiveRun, digest: str
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """(offset, values in [0, 2**32)) runs of a spooled masked update."""
+    assert run.model_specs is not None
+    decoder = StreamDecoder(compressed_specs(run.model_specs, CodecSpec("secagg")))
+    for chunk in engine.updates.read_chunks(digest, engine.settings.chunk_bytes):
+        for piece in decoder.feed(chunk):
+            yield piece.offset, from_wire_u32(piece.values)
+    decoder.finish()
+
+
+def _sum_of_squares(piece: Piece) -> float:
+    values = piece.values
+    if not values.is_floating_point():
+        return 0.0
+    return float(values.double().square().sum())
 
 
 def _drop_spooled(engine: Engine, run: ActiveRun, digest: str) -> None:

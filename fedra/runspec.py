@@ -9,6 +9,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from fedra.config import ConfigError, check_keys, get, require
+from fedra.privacy import RdpAccountant, max_rounds
+from fedra.secagg import plan_round
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,8 @@ STRATEGY_PARAMS: dict[str, dict[str, Param]] = {
     "diloco": {"server_lr": Param(0.7, 0.0, math.inf), "momentum": _UNIT},
 }
 CODECS = ("none", "fp16", "bf16", "int8", "topk")
+# What the wire may carry: the user's codecs, and the masked integers of [secagg] runs.
+WIRE_CODECS = (*CODECS, "secagg")
 
 
 @dataclass(frozen=True)
@@ -60,7 +64,7 @@ class CodecSpec:
 
     def validate(self) -> CodecSpec:
         """Return self, or raise ConfigError naming the offending field."""
-        if self.name not in CODECS:
+        if self.name not in WIRE_CODECS:
             raise ConfigError(f"codec.name: must be one of {', '.join(CODECS)}, got {self.name!r}")
         if not isinstance(self.block, int) or isinstance(self.block, bool) or self.block < 1:
             raise ConfigError(f"codec.block: must be a positive int, got {self.block!r}")
@@ -68,6 +72,129 @@ class CodecSpec:
         if not ok or not 0 < self.fraction <= 1:  # also refuses NaN
             raise ConfigError(f"codec.fraction: must be a number in (0, 1], got {self.fraction!r}")
         return self
+
+
+AGGREGATION_RULES = ("mean", "median", "trimmed_mean", "krum", "multikrum")
+
+
+@dataclass(frozen=True)
+class AggregationSpec:
+    """How the round's updates are combined (``[aggregation]`` in run.toml).
+
+    ``mean`` is the streaming, sample-weighted mean. The robust rules give every site one
+    vote and need every update of the round (spilled to disk past ``spill_mb``).
+    """
+
+    rule: str = "mean"
+    trim: float = 0.1  # trimmed_mean: share of updates cut at each end, in [0, 0.5)
+    byzantine: int = 1  # krum, multikrum: bad updates tolerated (needs 2f + 3 updates)
+    select: int = 0  # multikrum: how many best-scored updates are averaged (0: n - f)
+    norm_bound: float = 0.0  # > 0: each update is scaled to at most this L2 norm first
+    spill_mb: int = 256  # robust rules: updates past this much memory go to disk
+
+    @property
+    def robust(self) -> bool:
+        return self.rule != "mean"
+
+    def validate(self, sites_per_round: int, quorum: int) -> None:
+        if self.rule not in AGGREGATION_RULES:
+            raise ConfigError(
+                f"aggregation.rule: must be one of {', '.join(AGGREGATION_RULES)}, "
+                f"got {self.rule!r}"
+            )
+        require(
+            math.isfinite(self.trim) and 0 <= self.trim < 0.5,
+            "aggregation.trim",
+            "must be in [0, 0.5)",
+            self.trim,
+        )
+        require(self.byzantine >= 0, "aggregation.byzantine", "must be >= 0", self.byzantine)
+        require(self.select >= 0, "aggregation.select", "must be >= 0", self.select)
+        require(
+            math.isfinite(self.norm_bound) and self.norm_bound >= 0,
+            "aggregation.norm_bound",
+            "must be a finite number >= 0 (0: no bound)",
+            self.norm_bound,
+        )
+        require(self.spill_mb >= 0, "aggregation.spill_mb", "must be >= 0", self.spill_mb)
+        if self.rule in ("krum", "multikrum"):
+            need = 2 * self.byzantine + 3
+            require(
+                quorum >= need,
+                "aggregation.byzantine",
+                f"{self.rule} with byzantine={self.byzantine} needs at least {need} updates "
+                f"per round, but min_sites is {quorum}",
+                self.byzantine,
+            )
+        if self.rule == "multikrum":
+            require(
+                self.select <= sites_per_round,
+                "aggregation.select",
+                f"must be <= sites_per_round ({sites_per_round})",
+                self.select,
+            )
+
+
+@dataclass(frozen=True)
+class PrivacySpec:
+    """Central differential privacy, DP-FedAvg (``[privacy]`` in run.toml).
+
+    Every update is clipped to L2 norm ``clip``; the sum gets Gaussian noise of standard
+    deviation ``noise_multiplier * clip`` and is divided by ``sites_per_round``. A round
+    that would take the run past (``epsilon``, ``delta``) is not started.
+    """
+
+    clip: float = 1.0
+    noise_multiplier: float = 1.0
+    epsilon: float = 8.0
+    delta: float = 1e-5
+
+    def validate(self) -> None:
+        for key in ("clip", "noise_multiplier", "epsilon"):
+            value = getattr(self, key)
+            require(
+                math.isfinite(value) and value > 0,
+                f"privacy.{key}",
+                "must be a finite number > 0",
+                value,
+            )
+        require(0 < self.delta < 1, "privacy.delta", "must be in (0, 1)", self.delta)
+        if max_rounds(self.noise_multiplier, self.epsilon, self.delta) == 0:
+            one = RdpAccountant().after(self.noise_multiplier).epsilon(self.delta)
+            raise ConfigError(
+                f"privacy.epsilon: one round with noise_multiplier {self.noise_multiplier:g} "
+                f"already spends epsilon {one:.4g} > {self.epsilon:g} (delta {self.delta:g}); "
+                "raise noise_multiplier or epsilon"
+            )
+
+
+@dataclass(frozen=True)
+class SecAggSpec:
+    """Secure aggregation, SecAgg+ (``[secagg]`` in run.toml): the coordinator sees only
+    the sum of the round's updates, each clipped per coordinate and quantised."""
+
+    threshold: float = 0.5  # share of a site's neighbours needed to rebuild its secrets
+    degree: int = 0  # neighbours per site (0: every other site, classic SecAgg)
+    clip: float = 1.0  # each coordinate of an update is clipped to [-clip, clip]
+    setup_timeout_s: float = 60.0  # for the key exchange, before training starts
+    unmask_timeout_s: float = 60.0  # for the survivors' shares, after the uploads close
+
+    def validate(self) -> None:
+        require(
+            math.isfinite(self.threshold) and 0 < self.threshold <= 1,
+            "secagg.threshold",
+            "must be in (0, 1]",
+            self.threshold,
+        )
+        require(self.degree >= 0, "secagg.degree", "must be >= 0 (0: all sites)", self.degree)
+        for key in ("clip", "setup_timeout_s", "unmask_timeout_s"):
+            value = getattr(self, key)
+            require(
+                math.isfinite(value) and value > 0,
+                f"secagg.{key}",
+                "must be a finite number > 0",
+                value,
+            )
 
 
 @dataclass(frozen=True)
@@ -111,6 +238,9 @@ class RunSpec:
     strategy: str = "fedavg"
     strategy_params: dict[str, float] = field(default_factory=dict)
     codec: CodecSpec = field(default_factory=CodecSpec)
+    aggregation: AggregationSpec = field(default_factory=AggregationSpec)
+    privacy: PrivacySpec | None = None
+    secagg: SecAggSpec | None = None
 
     @property
     def quorum(self) -> int:
@@ -142,7 +272,63 @@ class RunSpec:
         require(0 <= self.seed < 2**63, "seed", "must be in [0, 2**63)", self.seed)
         self.train.validate()
         self._validate_strategy()
+        self._validate_aggregation()
         return self
+
+    def _validate_aggregation(self) -> None:
+        if self.codec.name not in CODECS:
+            raise ConfigError(
+                f"codec.name: must be one of {', '.join(CODECS)}, got {self.codec.name!r} "
+                "(secure aggregation is asked for with a [secagg] table)"
+            )
+        self.aggregation.validate(self.sites_per_round, self.quorum)
+        if self.privacy is not None:
+            self.privacy.validate()
+            if self.aggregation.robust:
+                raise ConfigError(
+                    f"aggregation.rule: {self.aggregation.rule!r} cannot run with [privacy]: "
+                    "differential privacy needs the clipped mean (rule 'mean')"
+                )
+            if self.aggregation.norm_bound:
+                raise ConfigError(
+                    "aggregation.norm_bound: [privacy] clip already bounds every update; "
+                    "leave norm_bound at 0"
+                )
+        if self.secagg is not None:
+            self.secagg.validate()
+            if self.aggregation.robust:
+                raise ConfigError(
+                    f"aggregation.rule: {self.aggregation.rule!r} needs every update in the "
+                    "clear; it cannot run with [secagg] (use rule 'mean')"
+                )
+            if self.aggregation.norm_bound:
+                raise ConfigError(
+                    "aggregation.norm_bound: the coordinator cannot see masked updates; "
+                    "bound them with secagg.clip instead"
+                )
+            if self.codec.name != "none":
+                raise ConfigError(
+                    f"codec.name: secure aggregation sends masked fixed-point integers; "
+                    f"it cannot be combined with codec {self.codec.name!r} (use 'none')"
+                )
+            require(
+                self.quorum >= 2,
+                "min_sites",
+                "secure aggregation needs a quorum of at least 2 (a sum of one update is "
+                "that update)",
+                self.quorum,
+            )
+            names = [f"site-{i}" for i in range(self.sites_per_round)]
+            t = plan_round(
+                names, degree=self.secagg.degree, threshold=self.secagg.threshold, seed=b"-"
+            ).threshold
+            require(
+                self.quorum >= t + 1,
+                "min_sites",
+                f"with secagg.threshold {self.secagg.threshold:g} a site's secrets need {t} "
+                f"shares, so a round needs at least {t + 1} surviving sites",
+                self.quorum,
+            )
 
     def _validate_strategy(self) -> None:
         known = STRATEGY_PARAMS.get(self.strategy)
@@ -170,12 +356,18 @@ class RunSpec:
         raw = json.loads(text)
         raw["train"] = TrainSpec(**raw["train"])
         raw["codec"] = CodecSpec(**raw.get("codec", {}))
+        raw["aggregation"] = AggregationSpec(**raw.get("aggregation", {}))
+        if raw.get("privacy") is not None:
+            raw["privacy"] = PrivacySpec(**raw["privacy"])
+        if raw.get("secagg") is not None:
+            raw["secagg"] = SecAggSpec(**raw["secagg"])
         return RunSpec(**raw)
 
 
 _TOP_KEYS = {
     "name", "task", "rounds", "sites_per_round", "min_sites", "round_deadline_s",
     "max_round_attempts", "join_timeout_s", "seed", "train", "strategy", "codec",
+    "aggregation", "privacy", "secagg",
 }  # fmt: skip
 _TRAIN_KEYS = {"local_steps", "local_epochs", "batch_size", "learning_rate", "params"}
 
@@ -206,6 +398,9 @@ def runspec_from_toml(doc: Mapping[str, Any]) -> RunSpec:
     )
     spec = RunSpec(
         codec=codec,
+        aggregation=_aggregation_from_toml(get(doc, "aggregation", dict, "", {})),
+        privacy=_privacy_from_toml(doc["privacy"]) if "privacy" in doc else None,
+        secagg=_secagg_from_toml(doc["secagg"]) if "secagg" in doc else None,
         task=get(doc, "task", str, ""),
         rounds=get(doc, "rounds", int, ""),
         name=get(doc, "name", str, "", ""),
@@ -220,3 +415,45 @@ def runspec_from_toml(doc: Mapping[str, Any]) -> RunSpec:
         strategy_params=strategy_params,
     )
     return spec.validate()
+
+
+def _aggregation_from_toml(t: Mapping[str, Any]) -> AggregationSpec:
+    keys = {"rule", "trim", "byzantine", "select", "norm_bound", "spill_mb"}
+    check_keys(t, keys, "aggregation")
+    d = AggregationSpec()
+    return AggregationSpec(
+        rule=get(t, "rule", str, "aggregation", d.rule),
+        trim=get(t, "trim", float, "aggregation", d.trim),
+        byzantine=get(t, "byzantine", int, "aggregation", d.byzantine),
+        select=get(t, "select", int, "aggregation", d.select),
+        norm_bound=get(t, "norm_bound", float, "aggregation", d.norm_bound),
+        spill_mb=get(t, "spill_mb", int, "aggregation", d.spill_mb),
+    )
+
+
+def _privacy_from_toml(raw: Any) -> PrivacySpec:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"privacy: expected a table, got {type(raw).__name__}")
+    check_keys(raw, {"clip", "noise_multiplier", "epsilon", "delta"}, "privacy")
+    d = PrivacySpec()
+    return PrivacySpec(
+        clip=get(raw, "clip", float, "privacy", d.clip),
+        noise_multiplier=get(raw, "noise_multiplier", float, "privacy", d.noise_multiplier),
+        epsilon=get(raw, "epsilon", float, "privacy"),
+        delta=get(raw, "delta", float, "privacy", d.delta),
+    )
+
+
+def _secagg_from_toml(raw: Any) -> SecAggSpec:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"secagg: expected a table, got {type(raw).__name__}")
+    keys = {"threshold", "degree", "clip", "setup_timeout_s", "unmask_timeout_s"}
+    check_keys(raw, keys, "secagg")
+    d = SecAggSpec()
+    return SecAggSpec(
+        threshold=get(raw, "threshold", float, "secagg", d.threshold),
+        degree=get(raw, "degree", int, "secagg", d.degree),
+        clip=get(raw, "clip", float, "secagg", d.clip),
+        setup_timeout_s=get(raw, "setup_timeout_s", float, "secagg", d.setup_timeout_s),
+        unmask_timeout_s=get(raw, "unmask_timeout_s", float, "secagg", d.unmask_timeout_s),
+    )

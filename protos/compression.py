@@ -73,10 +73,55 @@ def index_dtype(numel: int) -> torch.dtype:
     return torch.int32 if numel <= torch.iinfo(torch.int32).max else torch.int64
 
 
+# secagg: the payload is one int32 tensor, the masked update modulo 2**32 (bit pattern).
+MASKED = "secagg.masked"
+_U32 = 0xFFFFFFFF
+
+
+def floating_layout(model: Mapping[str, TensorSpec]) -> list[tuple[str, TensorSpec]]:
+    """The floating-point tensors in the order a flat update vector concatenates them."""
+    return [(name, model[name]) for name in sorted(model) if model[name].dtype.is_floating_point]
+
+
+def flatten_update(delta: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The floating-point tensors of ``delta`` as one flat float32 vector (sorted by name)."""
+    parts = [
+        delta[name].detach().reshape(-1).float() for name, _ in floating_layout(spec_of(delta))
+    ]
+    return torch.cat(parts) if parts else torch.zeros(0)
+
+
+def unflatten_update(
+    vector: torch.Tensor, model: Mapping[str, TensorSpec]
+) -> dict[str, torch.Tensor]:
+    """The inverse of ``flatten_update``: views of ``vector`` shaped like the model's tensors."""
+    out: dict[str, torch.Tensor] = {}
+    offset = 0
+    for name, spec in floating_layout(model):
+        out[name] = vector[offset : offset + spec.numel].view(spec.shape)
+        offset += spec.numel
+    if offset != vector.numel():
+        raise ValueError(f"a vector of {vector.numel()} elements does not fit {offset}")
+    return out
+
+
+def to_wire_u32(values: torch.Tensor) -> torch.Tensor:
+    """int64 values in [0, 2**32) as the int32 tensor with the same bits."""
+    values = values & _U32
+    return torch.where(values >= 2**31, values - 2**32, values).to(torch.int32)
+
+
+def from_wire_u32(values: torch.Tensor) -> torch.Tensor:
+    """The int32 bit patterns of ``to_wire_u32`` back as int64 values in [0, 2**32)."""
+    return values.to(torch.int64) & _U32
+
+
 def compressed_specs(model: Mapping[str, TensorSpec], codec: CodecSpec) -> dict[str, TensorSpec]:
     """The exact tensors of a payload compressed with ``codec``, for the coordinator to expect."""
     if codec.name == "none":
         return dict(model)
+    if codec.name == "secagg":
+        return {MASKED: TensorSpec(torch.int32, (sum(s.numel for _, s in floating_layout(model)),))}
     specs: dict[str, TensorSpec] = {}
     for name, spec in model.items():
         if not spec.dtype.is_floating_point:

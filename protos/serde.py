@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
-from fedra.protos.v1 import admin_pb2, common_pb2
-from fedra.runspec import CodecSpec, RunSpec, TrainSpec
+from dataclasses import dataclass
+
+from fedra.protos.v1 import admin_pb2, common_pb2, site_pb2
+from fedra.runspec import (
+    AggregationSpec,
+    CodecSpec,
+    PrivacySpec,
+    RunSpec,
+    SecAggSpec,
+    TrainSpec,
+)
 
 
 def train_to_proto(t: TrainSpec) -> common_pb2.TrainSettings:
@@ -37,8 +46,53 @@ def codec_from_proto(m: common_pb2.Codec) -> CodecSpec:
     return CodecSpec(m.name, m.block or 256, m.fraction or 0.01)
 
 
+def aggregation_to_proto(a: AggregationSpec) -> common_pb2.Aggregation:
+    return common_pb2.Aggregation(
+        rule=a.rule,
+        trim=a.trim,
+        byzantine=a.byzantine,
+        select=a.select,
+        norm_bound=a.norm_bound,
+        spill_mb=a.spill_mb,
+    )
+
+
+def aggregation_from_proto(m: common_pb2.Aggregation) -> AggregationSpec:
+    """An unset message is the streaming mean."""
+    if not m.rule:
+        return AggregationSpec(norm_bound=m.norm_bound)
+    return AggregationSpec(m.rule, m.trim, m.byzantine, m.select, m.norm_bound, m.spill_mb)
+
+
+def privacy_to_proto(p: PrivacySpec) -> common_pb2.Privacy:
+    return common_pb2.Privacy(
+        clip=p.clip, noise_multiplier=p.noise_multiplier, epsilon=p.epsilon, delta=p.delta
+    )
+
+
+def privacy_from_proto(m: common_pb2.Privacy) -> PrivacySpec:
+    return PrivacySpec(m.clip, m.noise_multiplier, m.epsilon, m.delta)
+
+
+def secagg_to_proto(s: SecAggSpec) -> common_pb2.SecAgg:
+    return common_pb2.SecAgg(
+        threshold=s.threshold,
+        degree=s.degree,
+        clip=s.clip,
+        setup_timeout_s=s.setup_timeout_s,
+        unmask_timeout_s=s.unmask_timeout_s,
+    )
+
+
+def secagg_from_proto(m: common_pb2.SecAgg) -> SecAggSpec:
+    return SecAggSpec(m.threshold, m.degree, m.clip, m.setup_timeout_s, m.unmask_timeout_s)
+
+
 def runspec_to_proto(s: RunSpec) -> admin_pb2.RunSpec:
     return admin_pb2.RunSpec(
+        aggregation=aggregation_to_proto(s.aggregation),
+        privacy=privacy_to_proto(s.privacy) if s.privacy is not None else None,
+        secagg=secagg_to_proto(s.secagg) if s.secagg is not None else None,
         name=s.name,
         task=s.task,
         rounds=s.rounds,
@@ -58,6 +112,9 @@ def runspec_to_proto(s: RunSpec) -> admin_pb2.RunSpec:
 def runspec_from_proto(m: admin_pb2.RunSpec) -> RunSpec:
     """The RunSpec a message carries; not validated (call ``validate``)."""
     return RunSpec(
+        aggregation=aggregation_from_proto(m.aggregation),
+        privacy=privacy_from_proto(m.privacy) if m.HasField("privacy") else None,
+        secagg=secagg_from_proto(m.secagg) if m.HasField("secagg") else None,
         name=m.name,
         task=m.task,
         rounds=m.rounds,
@@ -72,3 +129,30 @@ def runspec_from_proto(m: admin_pb2.RunSpec) -> RunSpec:
         seed=m.seed,
         codec=codec_from_proto(m.codec),
     )
+
+
+@dataclass(frozen=True)
+class SecAggRound:
+    """What a site is told about its round's secure aggregation (a Task's SecAggRound)."""
+
+    context: bytes  # binds keys and shares to one run, round and attempt
+    threshold: int  # shares that rebuild one site's secrets
+    clip: float  # each coordinate is clipped to [-clip, clip] before quantising
+    bits: int  # quantisation bits per coordinate
+    l2_clip: float = 0.0  # > 0 with [privacy]: the site clips its whole update first
+    noise_std: float = 0.0  # > 0 with [privacy]: its share of the Gaussian noise
+
+
+def secagg_round_to_proto(s: SecAggRound) -> site_pb2.SecAggRound:
+    return site_pb2.SecAggRound(
+        context=s.context,
+        threshold=s.threshold,
+        clip=s.clip,
+        bits=s.bits,
+        l2_clip=s.l2_clip,
+        noise_std=s.noise_std,
+    )
+
+
+def secagg_round_from_proto(m: site_pb2.SecAggRound) -> SecAggRound:
+    return SecAggRound(m.context, m.threshold, m.clip, m.bits, m.l2_clip, m.noise_std)

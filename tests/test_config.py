@@ -18,7 +18,15 @@ import pytest
 from fedra.client.config import SiteConfig
 from fedra.config import ConfigError, load_toml
 from fedra.retry import Backoff
-from fedra.runspec import STRATEGY_PARAMS, RunSpec, TrainSpec, runspec_from_toml
+from fedra.runspec import (
+    STRATEGY_PARAMS,
+    AggregationSpec,
+    PrivacySpec,
+    RunSpec,
+    SecAggSpec,
+    TrainSpec,
+    runspec_from_toml,
+)
 
 MINIMAL_RUN = 'task = "m:t"\nrounds = 3\n'
 
@@ -183,7 +191,88 @@ BAD_RUNS = [
     ),
     (MINIMAL_RUN + '[strategy]\nserver_lr = "1"', "strategy.server_lr", "expected float"),
     (MINIMAL_RUN + "[strategy]\nname = 3", "strategy.name", "expected str"),
+    # [aggregation], [privacy], [secagg]
+    (MINIMAL_RUN + '[aggregation]\nrule = "mode"', "aggregation.rule", "one of mean, median"),
+    (
+        MINIMAL_RUN + '[aggregation]\nrule = "trimmed_mean"\ntrim = 0.5',
+        "aggregation.trim",
+        "[0, 0.5)",
+    ),
+    (MINIMAL_RUN + "[aggregation]\nnorm_bound = -1.0", "aggregation.norm_bound", ">= 0"),
+    (MINIMAL_RUN + "[aggregation]\nmedian = 1", "aggregation.median", "unknown key"),
+    (
+        MINIMAL_RUN + 'sites_per_round = 4\n[aggregation]\nrule = "krum"\nbyzantine = 1',
+        "aggregation.byzantine",
+        "needs at least 5 updates per round, but min_sites is 4",
+    ),
+    (MINIMAL_RUN + "[privacy]\nclip = 1.0", "privacy.epsilon", "required"),
+    (MINIMAL_RUN + "[privacy]\nepsilon = 8\nclip = 0", "privacy.clip", "finite number > 0"),
+    (MINIMAL_RUN + "[privacy]\nepsilon = 8\ndelta = 1.0", "privacy.delta", "(0, 1)"),
+    (
+        MINIMAL_RUN + "[privacy]\nepsilon = 1\nnoise_multiplier = 0.1",
+        "privacy.epsilon",
+        "one round with noise_multiplier 0.1 already spends epsilon",
+    ),
+    (
+        MINIMAL_RUN + '[privacy]\nepsilon = 8\n[aggregation]\nrule = "median"',
+        "aggregation.rule",
+        "needs the clipped mean",
+    ),
+    (
+        MINIMAL_RUN + "[privacy]\nepsilon = 8\n[aggregation]\nnorm_bound = 1.0",
+        "aggregation.norm_bound",
+        "[privacy] clip already bounds",
+    ),
+    (MINIMAL_RUN + "[secagg]\nthreshold = 0", "secagg.threshold", "(0, 1]"),
+    (MINIMAL_RUN + "[secagg]\ndegree = -1", "secagg.degree", ">= 0"),
+    (MINIMAL_RUN + "[secagg]\nclip = inf", "secagg.clip", "finite number > 0"),
+    (MINIMAL_RUN + "[secagg]\nkeys = 2", "secagg.keys", "unknown key"),
+    (MINIMAL_RUN + "secagg = 1", "secagg", "expected a table"),
+    (
+        MINIMAL_RUN + '[secagg]\n[codec]\nname = "int8"',
+        "codec.name",
+        "cannot be combined with codec 'int8'",
+    ),
+    (
+        MINIMAL_RUN + '[secagg]\n[aggregation]\nrule = "median"',
+        "aggregation.rule",
+        "cannot run with [secagg]",
+    ),
+    (
+        MINIMAL_RUN + "sites_per_round = 1\n[secagg]",
+        "min_sites",
+        "needs a quorum of at least 2",
+    ),
+    (
+        MINIMAL_RUN + "sites_per_round = 5\nmin_sites = 2\n[secagg]\nthreshold = 0.5",
+        "min_sites",
+        "a site's secrets need 2 shares, so a round needs at least 3 surviving sites",
+    ),
+    (MINIMAL_RUN + '[codec]\nname = "secagg"', "codec.name", "asked for with a [secagg] table"),
 ]
+
+
+def test_privacy_and_secure_aggregation_tables(tmp_path: Path) -> None:
+    spec = _run_from_text(
+        tmp_path,
+        MINIMAL_RUN
+        + "sites_per_round = 5\n"
+        + '[aggregation]\nrule = "mean"\n'
+        + "[privacy]\nclip = 0.5\nnoise_multiplier = 2\nepsilon = 10\n"
+        + "[secagg]\nthreshold = 0.6\ndegree = 2\nclip = 3\n",
+    )
+    assert spec.privacy == PrivacySpec(clip=0.5, noise_multiplier=2.0, epsilon=10.0)
+    assert spec.secagg == SecAggSpec(threshold=0.6, degree=2, clip=3.0)
+    assert RunSpec.from_json(spec.to_json()) == spec
+    robust = _run_from_text(
+        tmp_path,
+        MINIMAL_RUN
+        + "sites_per_round = 7\n"
+        + '[aggregation]\nrule = "multikrum"\nbyzantine = 2\nselect = 3\nspill_mb = 0\n',
+    )
+    assert robust.aggregation == AggregationSpec("multikrum", byzantine=2, select=3, spill_mb=0)
+    assert robust.privacy is None and robust.secagg is None
+    assert RunSpec.from_json(robust.to_json()) == robust
 
 
 @pytest.mark.parametrize(("text", "key", "reason"), BAD_RUNS)

@@ -56,6 +56,9 @@ class RunSpec(_message.Message):
     STRATEGY_PARAMS_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
     CODEC_FIELD_NUMBER: _builtins.int
+    AGGREGATION_FIELD_NUMBER: _builtins.int
+    PRIVACY_FIELD_NUMBER: _builtins.int
+    SECAGG_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     task: _builtins.str
     """entry point sites must have installed and allowed"""
@@ -78,6 +81,18 @@ class RunSpec(_message.Message):
     def codec(self) -> _common_pb2.Codec:
         """update compression; unset means none"""
 
+    @_builtins.property
+    def aggregation(self) -> _common_pb2.Aggregation:
+        """unset means the streaming mean"""
+
+    @_builtins.property
+    def privacy(self) -> _common_pb2.Privacy:
+        """unset: no differential privacy"""
+
+    @_builtins.property
+    def secagg(self) -> _common_pb2.SecAgg:
+        """unset: no secure aggregation"""
+
     def __init__(
         self,
         *,
@@ -94,10 +109,13 @@ class RunSpec(_message.Message):
         strategy_params: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
         seed: _builtins.int = ...,
         codec: _common_pb2.Codec | None = ...,
+        aggregation: _common_pb2.Aggregation | None = ...,
+        privacy: _common_pb2.Privacy | None = ...,
+        secagg: _common_pb2.SecAgg | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["codec", b"codec", "train", b"train"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["aggregation", b"aggregation", "codec", b"codec", "privacy", b"privacy", "secagg", b"secagg", "train", b"train"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["codec", b"codec", "join_timeout_s", b"join_timeout_s", "max_round_attempts", b"max_round_attempts", "min_sites", b"min_sites", "name", b"name", "round_deadline_s", b"round_deadline_s", "rounds", b"rounds", "seed", b"seed", "sites_per_round", b"sites_per_round", "strategy", b"strategy", "strategy_params", b"strategy_params", "task", b"task", "train", b"train"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aggregation", b"aggregation", "codec", b"codec", "join_timeout_s", b"join_timeout_s", "max_round_attempts", b"max_round_attempts", "min_sites", b"min_sites", "name", b"name", "privacy", b"privacy", "round_deadline_s", b"round_deadline_s", "rounds", b"rounds", "secagg", b"secagg", "seed", b"seed", "sites_per_round", b"sites_per_round", "strategy", b"strategy", "strategy_params", b"strategy_params", "task", b"task", "train", b"train"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -128,3 +128,115 @@ class ModelChunk(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ModelChunk: _TypeAlias = ModelChunk  # noqa: Y015
+
+@_typing.final
+class Aggregation(_message.Message):
+    """How a round's updates are combined. mean: the streaming sample-weighted mean;
+    median | trimmed_mean | krum | multikrum: robust rules, one vote per site.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RULE_FIELD_NUMBER: _builtins.int
+    TRIM_FIELD_NUMBER: _builtins.int
+    BYZANTINE_FIELD_NUMBER: _builtins.int
+    SELECT_FIELD_NUMBER: _builtins.int
+    NORM_BOUND_FIELD_NUMBER: _builtins.int
+    SPILL_MB_FIELD_NUMBER: _builtins.int
+    rule: _builtins.str
+    trim: _builtins.float
+    """trimmed_mean: share of updates cut at each end"""
+    byzantine: _builtins.int
+    """krum, multikrum: bad updates tolerated"""
+    select: _builtins.int
+    """multikrum: updates averaged (0: n - byzantine)"""
+    norm_bound: _builtins.float
+    """> 0: each update scaled to at most this L2 norm first"""
+    spill_mb: _builtins.int
+    """robust rules: updates past this much memory go to disk"""
+    def __init__(
+        self,
+        *,
+        rule: _builtins.str = ...,
+        trim: _builtins.float = ...,
+        byzantine: _builtins.int = ...,
+        select: _builtins.int = ...,
+        norm_bound: _builtins.float = ...,
+        spill_mb: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["byzantine", b"byzantine", "norm_bound", b"norm_bound", "rule", b"rule", "select", b"select", "spill_mb", b"spill_mb", "trim", b"trim"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Aggregation: _TypeAlias = Aggregation  # noqa: Y015
+
+@_typing.final
+class Privacy(_message.Message):
+    """Central differential privacy (DP-FedAvg): clip, add Gaussian noise, stop at the budget."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLIP_FIELD_NUMBER: _builtins.int
+    NOISE_MULTIPLIER_FIELD_NUMBER: _builtins.int
+    EPSILON_FIELD_NUMBER: _builtins.int
+    DELTA_FIELD_NUMBER: _builtins.int
+    clip: _builtins.float
+    """L2 norm every update is clipped to"""
+    noise_multiplier: _builtins.float
+    """noise std = noise_multiplier * clip on the sum"""
+    epsilon: _builtins.float
+    """the run's budget, with delta"""
+    delta: _builtins.float
+    def __init__(
+        self,
+        *,
+        clip: _builtins.float = ...,
+        noise_multiplier: _builtins.float = ...,
+        epsilon: _builtins.float = ...,
+        delta: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["clip", b"clip", "delta", b"delta", "epsilon", b"epsilon", "noise_multiplier", b"noise_multiplier"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Privacy: _TypeAlias = Privacy  # noqa: Y015
+
+@_typing.final
+class SecAgg(_message.Message):
+    """Secure aggregation (SecAgg+): the coordinator sees only the sum of the updates."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    THRESHOLD_FIELD_NUMBER: _builtins.int
+    DEGREE_FIELD_NUMBER: _builtins.int
+    CLIP_FIELD_NUMBER: _builtins.int
+    SETUP_TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    UNMASK_TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    threshold: _builtins.float
+    """share of a site's neighbours that rebuild its secrets"""
+    degree: _builtins.int
+    """neighbours per site; 0: all"""
+    clip: _builtins.float
+    """each coordinate is clipped to [-clip, clip], then quantised"""
+    setup_timeout_s: _builtins.float
+    unmask_timeout_s: _builtins.float
+    def __init__(
+        self,
+        *,
+        threshold: _builtins.float = ...,
+        degree: _builtins.int = ...,
+        clip: _builtins.float = ...,
+        setup_timeout_s: _builtins.float = ...,
+        unmask_timeout_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["clip", b"clip", "degree", b"degree", "setup_timeout_s", b"setup_timeout_s", "threshold", b"threshold", "unmask_timeout_s", b"unmask_timeout_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SecAgg: _TypeAlias = SecAgg  # noqa: Y015

@@ -173,6 +173,7 @@ class Task(_message.Message):
     DEADLINE_IN_S_FIELD_NUMBER: _builtins.int
     CODEC_FIELD_NUMBER: _builtins.int
     COMPRESSION_FIELD_NUMBER: _builtins.int
+    SECAGG_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     run_id: _builtins.str
     round: _builtins.int
@@ -192,6 +193,10 @@ class Task(_message.Message):
     def compression(self) -> _common_pb2.Codec:
         """how to compress the update (TASK_KIND_TRAIN)"""
 
+    @_builtins.property
+    def secagg(self) -> Global___SecAggRound:
+        """set: this round's update is securely aggregated"""
+
     def __init__(
         self,
         *,
@@ -207,14 +212,57 @@ class Task(_message.Message):
         deadline_in_s: _builtins.float = ...,
         codec: _builtins.str = ...,
         compression: _common_pb2.Codec | None = ...,
+        secagg: Global___SecAggRound | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["compression", b"compression", "settings", b"settings"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["compression", b"compression", "secagg", b"secagg", "settings", b"settings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["codec", b"codec", "compression", b"compression", "deadline_in_s", b"deadline_in_s", "entry_point", b"entry_point", "kind", b"kind", "model_bytes", b"model_bytes", "model_sha256", b"model_sha256", "round", b"round", "run_id", b"run_id", "seed", b"seed", "settings", b"settings", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["codec", b"codec", "compression", b"compression", "deadline_in_s", b"deadline_in_s", "entry_point", b"entry_point", "kind", b"kind", "model_bytes", b"model_bytes", "model_sha256", b"model_sha256", "round", b"round", "run_id", b"run_id", "secagg", b"secagg", "seed", b"seed", "settings", b"settings", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Task: _TypeAlias = Task  # noqa: Y015
+
+@_typing.final
+class SecAggRound(_message.Message):
+    """What a site needs to take part in one round of secure aggregation."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CONTEXT_FIELD_NUMBER: _builtins.int
+    THRESHOLD_FIELD_NUMBER: _builtins.int
+    CLIP_FIELD_NUMBER: _builtins.int
+    BITS_FIELD_NUMBER: _builtins.int
+    L2_CLIP_FIELD_NUMBER: _builtins.int
+    NOISE_STD_FIELD_NUMBER: _builtins.int
+    context: _builtins.bytes
+    """binds keys and shares to this run, round and attempt"""
+    threshold: _builtins.int
+    """shares that rebuild one site's secret"""
+    clip: _builtins.float
+    """each coordinate is clipped to [-clip, clip] before quantising"""
+    bits: _builtins.int
+    """quantisation bits per coordinate"""
+    l2_clip: _builtins.float
+    """> 0 ([privacy]): clip the whole update to this L2 norm first"""
+    noise_std: _builtins.float
+    """> 0 ([privacy]): this site's share of the Gaussian noise"""
+    def __init__(
+        self,
+        *,
+        context: _builtins.bytes = ...,
+        threshold: _builtins.int = ...,
+        clip: _builtins.float = ...,
+        bits: _builtins.int = ...,
+        l2_clip: _builtins.float = ...,
+        noise_std: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bits", b"bits", "clip", b"clip", "context", b"context", "l2_clip", b"l2_clip", "noise_std", b"noise_std", "threshold", b"threshold"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SecAggRound: _TypeAlias = SecAggRound  # noqa: Y015
 
 @_typing.final
 class PollTaskResponse(_message.Message):
@@ -420,3 +468,292 @@ class ReportFailureResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReportFailureResponse: _TypeAlias = ReportFailureResponse  # noqa: Y015
+
+@_typing.final
+class SecAggKeysRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SITE_ID_FIELD_NUMBER: _builtins.int
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    PUBLIC_KEYS_FIELD_NUMBER: _builtins.int
+    WAIT_S_FIELD_NUMBER: _builtins.int
+    site_id: _builtins.str
+    task_id: _builtins.str
+    public_keys: _builtins.bytes
+    """64 bytes, on the first call; empty when polling again"""
+    wait_s: _builtins.float
+    def __init__(
+        self,
+        *,
+        site_id: _builtins.str = ...,
+        task_id: _builtins.str = ...,
+        public_keys: _builtins.bytes = ...,
+        wait_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["public_keys", b"public_keys", "site_id", b"site_id", "task_id", b"task_id", "wait_s", b"wait_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SecAggKeysRequest: _TypeAlias = SecAggKeysRequest  # noqa: Y015
+
+@_typing.final
+class SecAggKeysResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class NeighbourKeysEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.bytes
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.bytes = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    READY_FIELD_NUMBER: _builtins.int
+    NEIGHBOUR_KEYS_FIELD_NUMBER: _builtins.int
+    ready: _builtins.bool
+    @_builtins.property
+    def neighbour_keys(self) -> _containers.ScalarMap[_builtins.str, _builtins.bytes]:
+        """of the neighbours that sent theirs"""
+
+    def __init__(
+        self,
+        *,
+        ready: _builtins.bool = ...,
+        neighbour_keys: _abc.Mapping[_builtins.str, _builtins.bytes] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["neighbour_keys", b"neighbour_keys", "ready", b"ready"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SecAggKeysResponse: _TypeAlias = SecAggKeysResponse  # noqa: Y015
+
+@_typing.final
+class SecAggSharesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class CiphertextsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.bytes
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.bytes = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    SITE_ID_FIELD_NUMBER: _builtins.int
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    CIPHERTEXTS_FIELD_NUMBER: _builtins.int
+    WAIT_S_FIELD_NUMBER: _builtins.int
+    site_id: _builtins.str
+    task_id: _builtins.str
+    wait_s: _builtins.float
+    @_builtins.property
+    def ciphertexts(self) -> _containers.ScalarMap[_builtins.str, _builtins.bytes]:
+        """to each neighbour, on the first call; empty after"""
+
+    def __init__(
+        self,
+        *,
+        site_id: _builtins.str = ...,
+        task_id: _builtins.str = ...,
+        ciphertexts: _abc.Mapping[_builtins.str, _builtins.bytes] | None = ...,
+        wait_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ciphertexts", b"ciphertexts", "site_id", b"site_id", "task_id", b"task_id", "wait_s", b"wait_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SecAggSharesRequest: _TypeAlias = SecAggSharesRequest  # noqa: Y015
+
+@_typing.final
+class SecAggSharesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class InboxEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.bytes
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.bytes = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    READY_FIELD_NUMBER: _builtins.int
+    INBOX_FIELD_NUMBER: _builtins.int
+    ready: _builtins.bool
+    @_builtins.property
+    def inbox(self) -> _containers.ScalarMap[_builtins.str, _builtins.bytes]:
+        """the neighbours' encrypted shares for this site, by sender"""
+
+    def __init__(
+        self,
+        *,
+        ready: _builtins.bool = ...,
+        inbox: _abc.Mapping[_builtins.str, _builtins.bytes] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["inbox", b"inbox", "ready", b"ready"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SecAggSharesResponse: _TypeAlias = SecAggSharesResponse  # noqa: Y015
+
+@_typing.final
+class SecAggUnmaskRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SITE_ID_FIELD_NUMBER: _builtins.int
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    WAIT_S_FIELD_NUMBER: _builtins.int
+    site_id: _builtins.str
+    task_id: _builtins.str
+    wait_s: _builtins.float
+    def __init__(
+        self,
+        *,
+        site_id: _builtins.str = ...,
+        task_id: _builtins.str = ...,
+        wait_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["site_id", b"site_id", "task_id", b"task_id", "wait_s", b"wait_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SecAggUnmaskRequest: _TypeAlias = SecAggUnmaskRequest  # noqa: Y015
+
+@_typing.final
+class SecAggUnmaskResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    READY_FIELD_NUMBER: _builtins.int
+    SURVIVORS_FIELD_NUMBER: _builtins.int
+    DROPPED_FIELD_NUMBER: _builtins.int
+    ready: _builtins.bool
+    @_builtins.property
+    def survivors(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """neighbours whose masked update arrived"""
+
+    @_builtins.property
+    def dropped(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """neighbours that shared keys but sent no update"""
+
+    def __init__(
+        self,
+        *,
+        ready: _builtins.bool = ...,
+        survivors: _abc.Iterable[_builtins.str] | None = ...,
+        dropped: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dropped", b"dropped", "ready", b"ready", "survivors", b"survivors"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SecAggUnmaskResponse: _TypeAlias = SecAggUnmaskResponse  # noqa: Y015
+
+@_typing.final
+class SecAggRevealRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class SharesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.bytes
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.bytes = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    SITE_ID_FIELD_NUMBER: _builtins.int
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    SHARES_FIELD_NUMBER: _builtins.int
+    site_id: _builtins.str
+    task_id: _builtins.str
+    @_builtins.property
+    def shares(self) -> _containers.ScalarMap[_builtins.str, _builtins.bytes]:
+        """by the neighbour each share belongs to"""
+
+    def __init__(
+        self,
+        *,
+        site_id: _builtins.str = ...,
+        task_id: _builtins.str = ...,
+        shares: _abc.Mapping[_builtins.str, _builtins.bytes] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["shares", b"shares", "site_id", b"site_id", "task_id", b"task_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SecAggRevealRequest: _TypeAlias = SecAggRevealRequest  # noqa: Y015
+
+@_typing.final
+class SecAggRevealResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SecAggRevealResponse: _TypeAlias = SecAggRevealResponse  # noqa: Y015

@@ -65,6 +65,26 @@ class SiteServiceStub:
                 request_serializer=fedra_dot_protos_dot_v1_dot_site__pb2.ReportFailureRequest.SerializeToString,
                 response_deserializer=fedra_dot_protos_dot_v1_dot_site__pb2.ReportFailureResponse.FromString,
                 _registered_method=True)
+        self.SecAggKeys = channel.unary_unary(
+                '/fedra.v1.SiteService/SecAggKeys',
+                request_serializer=fedra_dot_protos_dot_v1_dot_site__pb2.SecAggKeysRequest.SerializeToString,
+                response_deserializer=fedra_dot_protos_dot_v1_dot_site__pb2.SecAggKeysResponse.FromString,
+                _registered_method=True)
+        self.SecAggShares = channel.unary_unary(
+                '/fedra.v1.SiteService/SecAggShares',
+                request_serializer=fedra_dot_protos_dot_v1_dot_site__pb2.SecAggSharesRequest.SerializeToString,
+                response_deserializer=fedra_dot_protos_dot_v1_dot_site__pb2.SecAggSharesResponse.FromString,
+                _registered_method=True)
+        self.SecAggUnmask = channel.unary_unary(
+                '/fedra.v1.SiteService/SecAggUnmask',
+                request_serializer=fedra_dot_protos_dot_v1_dot_site__pb2.SecAggUnmaskRequest.SerializeToString,
+                response_deserializer=fedra_dot_protos_dot_v1_dot_site__pb2.SecAggUnmaskResponse.FromString,
+                _registered_method=True)
+        self.SecAggReveal = channel.unary_unary(
+                '/fedra.v1.SiteService/SecAggReveal',
+                request_serializer=fedra_dot_protos_dot_v1_dot_site__pb2.SecAggRevealRequest.SerializeToString,
+                response_deserializer=fedra_dot_protos_dot_v1_dot_site__pb2.SecAggRevealResponse.FromString,
+                _registered_method=True)
 
 
 class SiteServiceServicer:
@@ -112,6 +132,33 @@ class SiteServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SecAggKeys(self, request, context):
+        """Secure aggregation, for tasks that carry SecAggRound. Each call is a long poll that
+        answers ready=false when its stage has not closed yet: call again (with nothing
+        new to post). Keys and shares before training, the reveal after the upload.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SecAggShares(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SecAggUnmask(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SecAggReveal(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SiteServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -144,6 +191,26 @@ def add_SiteServiceServicer_to_server(servicer, server):
                     servicer.ReportFailure,
                     request_deserializer=fedra_dot_protos_dot_v1_dot_site__pb2.ReportFailureRequest.FromString,
                     response_serializer=fedra_dot_protos_dot_v1_dot_site__pb2.ReportFailureResponse.SerializeToString,
+            ),
+            'SecAggKeys': grpc.unary_unary_rpc_method_handler(
+                    servicer.SecAggKeys,
+                    request_deserializer=fedra_dot_protos_dot_v1_dot_site__pb2.SecAggKeysRequest.FromString,
+                    response_serializer=fedra_dot_protos_dot_v1_dot_site__pb2.SecAggKeysResponse.SerializeToString,
+            ),
+            'SecAggShares': grpc.unary_unary_rpc_method_handler(
+                    servicer.SecAggShares,
+                    request_deserializer=fedra_dot_protos_dot_v1_dot_site__pb2.SecAggSharesRequest.FromString,
+                    response_serializer=fedra_dot_protos_dot_v1_dot_site__pb2.SecAggSharesResponse.SerializeToString,
+            ),
+            'SecAggUnmask': grpc.unary_unary_rpc_method_handler(
+                    servicer.SecAggUnmask,
+                    request_deserializer=fedra_dot_protos_dot_v1_dot_site__pb2.SecAggUnmaskRequest.FromString,
+                    response_serializer=fedra_dot_protos_dot_v1_dot_site__pb2.SecAggUnmaskResponse.SerializeToString,
+            ),
+            'SecAggReveal': grpc.unary_unary_rpc_method_handler(
+                    servicer.SecAggReveal,
+                    request_deserializer=fedra_dot_protos_dot_v1_dot_site__pb2.SecAggRevealRequest.FromString,
+                    response_serializer=fedra_dot_protos_dot_v1_dot_site__pb2.SecAggRevealResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -308,6 +375,114 @@ class SiteService:
             '/fedra.v1.SiteService/ReportFailure',
             fedra_dot_protos_dot_v1_dot_site__pb2.ReportFailureRequest.SerializeToString,
             fedra_dot_protos_dot_v1_dot_site__pb2.ReportFailureResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SecAggKeys(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedra.v1.SiteService/SecAggKeys',
+            fedra_dot_protos_dot_v1_dot_site__pb2.SecAggKeysRequest.SerializeToString,
+            fedra_dot_protos_dot_v1_dot_site__pb2.SecAggKeysResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SecAggShares(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedra.v1.SiteService/SecAggShares',
+            fedra_dot_protos_dot_v1_dot_site__pb2.SecAggSharesRequest.SerializeToString,
+            fedra_dot_protos_dot_v1_dot_site__pb2.SecAggSharesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SecAggUnmask(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedra.v1.SiteService/SecAggUnmask',
+            fedra_dot_protos_dot_v1_dot_site__pb2.SecAggUnmaskRequest.SerializeToString,
+            fedra_dot_protos_dot_v1_dot_site__pb2.SecAggUnmaskResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SecAggReveal(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedra.v1.SiteService/SecAggReveal',
+            fedra_dot_protos_dot_v1_dot_site__pb2.SecAggRevealRequest.SerializeToString,
+            fedra_dot_protos_dot_v1_dot_site__pb2.SecAggRevealResponse.FromString,
             options,
             channel_credentials,
             insecure,

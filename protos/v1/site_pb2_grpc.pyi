@@ -44,6 +44,14 @@ class SiteServiceStub:
     """Client-streamed update: one header, then the payload in chunks."""
     ReportFailure: _grpc.UnaryUnaryMultiCallable[_site_pb2.ReportFailureRequest, _site_pb2.ReportFailureResponse]
     """The site could not do its task (bad data, a crash in training code)."""
+    SecAggKeys: _grpc.UnaryUnaryMultiCallable[_site_pb2.SecAggKeysRequest, _site_pb2.SecAggKeysResponse]
+    """Secure aggregation, for tasks that carry SecAggRound. Each call is a long poll that
+    answers ready=false when its stage has not closed yet: call again (with nothing
+    new to post). Keys and shares before training, the reveal after the upload.
+    """
+    SecAggShares: _grpc.UnaryUnaryMultiCallable[_site_pb2.SecAggSharesRequest, _site_pb2.SecAggSharesResponse]
+    SecAggUnmask: _grpc.UnaryUnaryMultiCallable[_site_pb2.SecAggUnmaskRequest, _site_pb2.SecAggUnmaskResponse]
+    SecAggReveal: _grpc.UnaryUnaryMultiCallable[_site_pb2.SecAggRevealRequest, _site_pb2.SecAggRevealResponse]
 
 @_typing.type_check_only
 class SiteServiceAsyncStub(SiteServiceStub):
@@ -60,6 +68,14 @@ class SiteServiceAsyncStub(SiteServiceStub):
     """Client-streamed update: one header, then the payload in chunks."""
     ReportFailure: _aio.UnaryUnaryMultiCallable[_site_pb2.ReportFailureRequest, _site_pb2.ReportFailureResponse]  # type: ignore[assignment]
     """The site could not do its task (bad data, a crash in training code)."""
+    SecAggKeys: _aio.UnaryUnaryMultiCallable[_site_pb2.SecAggKeysRequest, _site_pb2.SecAggKeysResponse]  # type: ignore[assignment]
+    """Secure aggregation, for tasks that carry SecAggRound. Each call is a long poll that
+    answers ready=false when its stage has not closed yet: call again (with nothing
+    new to post). Keys and shares before training, the reveal after the upload.
+    """
+    SecAggShares: _aio.UnaryUnaryMultiCallable[_site_pb2.SecAggSharesRequest, _site_pb2.SecAggSharesResponse]  # type: ignore[assignment]
+    SecAggUnmask: _aio.UnaryUnaryMultiCallable[_site_pb2.SecAggUnmaskRequest, _site_pb2.SecAggUnmaskResponse]  # type: ignore[assignment]
+    SecAggReveal: _aio.UnaryUnaryMultiCallable[_site_pb2.SecAggRevealRequest, _site_pb2.SecAggRevealResponse]  # type: ignore[assignment]
 
 class SiteServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -109,5 +125,37 @@ class SiteServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_site_pb2.ReportFailureResponse, _abc.Awaitable[_site_pb2.ReportFailureResponse]]:
         """The site could not do its task (bad data, a crash in training code)."""
+
+    @_abc_1.abstractmethod
+    def SecAggKeys(
+        self,
+        request: _site_pb2.SecAggKeysRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_site_pb2.SecAggKeysResponse, _abc.Awaitable[_site_pb2.SecAggKeysResponse]]:
+        """Secure aggregation, for tasks that carry SecAggRound. Each call is a long poll that
+        answers ready=false when its stage has not closed yet: call again (with nothing
+        new to post). Keys and shares before training, the reveal after the upload.
+        """
+
+    @_abc_1.abstractmethod
+    def SecAggShares(
+        self,
+        request: _site_pb2.SecAggSharesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_site_pb2.SecAggSharesResponse, _abc.Awaitable[_site_pb2.SecAggSharesResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def SecAggUnmask(
+        self,
+        request: _site_pb2.SecAggUnmaskRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_site_pb2.SecAggUnmaskResponse, _abc.Awaitable[_site_pb2.SecAggUnmaskResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def SecAggReveal(
+        self,
+        request: _site_pb2.SecAggRevealRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_site_pb2.SecAggRevealResponse, _abc.Awaitable[_site_pb2.SecAggRevealResponse]]: ...
 
 def add_SiteServiceServicer_to_server(servicer: SiteServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,183 @@
+"""Multi-process runs of the privacy features: secure aggregation (with dropouts),
+differential privacy with its budget across a coordinator kill, and robust aggregation
+against Byzantine sites. Real coordinator and site processes, over mTLS, on port 0.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+import torch
+
+from fedra.coordinator.rounds import ACCOUNTANT_KEY
+from fedra.local import LocalCluster
+from fedra.privacy import RdpAccountant
+from fedra.protos.codec import decode_chunks
+from fedra.protos.v1 import admin_pb2
+from fedra.runspec import AggregationSpec, PrivacySpec, SecAggSpec, TrainSpec
+from fedra.storage import BlobStore, Store
+from tests.test_cluster import (
+    FAST,
+    SYNTHETIC,
+    finished,
+    start_synthetic_sites,
+    synthetic_spec,
+    wait_until,
+)
+
+pytestmark = pytest.mark.multiprocess
+
+TRAIN = TrainSpec(local_steps=5, batch_size=16, learning_rate=0.02)
+
+
+def start_sites(cluster: LocalCluster, n: int, env: dict[str, dict[str, str]]) -> list[str]:
+    """Synthetic sites with mild shifts (stable training), some with fault injection."""
+    ids = [f"site-{i}" for i in range(n)]
+    for i, site_id in enumerate(ids):
+        data = {"shift": 0.25 * i, "seed": i, "samples": 128}
+        cluster.start_site(site_id, [SYNTHETIC], data, extra_env=env.get(site_id))
+    cluster.wait_for_sites(ids)
+    return ids
+
+
+def mean_eval_loss(r: admin_pb2.RoundStatus, sites: set[str]) -> float:
+    """The global model of the round before, as evaluated by ``sites`` on their own data."""
+    values = [p.metrics["eval_loss"] for p in r.participations if p.site_id in sites]
+    assert len(values) == len(sites)
+    return sum(values) / len(values)
+
+
+def test_secure_aggregation_gives_the_plain_mean(cluster: LocalCluster) -> None:
+    """Masked, quantised and unmasked, the sum is the plain one: with equal sample counts,
+    a [secagg] run ends on the model of the same run without it (up to quantisation)."""
+    cluster.start_coordinator(flags=FAST)
+    start_synthetic_sites(cluster, 3)
+    plain = synthetic_spec(rounds=2, strategy="fedavg", train=TRAIN)
+    masked = synthetic_spec(
+        rounds=2, strategy="fedavg", train=TRAIN, secagg=SecAggSpec(clip=64.0, setup_timeout_s=30)
+    )
+    with cluster.admin() as admin:
+        plain_id = admin.submit(plain)
+        assert wait_until(admin, plain_id, finished).state == "completed"
+        masked_id = admin.submit(masked)
+        status = wait_until(admin, masked_id, finished)
+        assert status.state == "completed", status.reason
+        expected = admin.export_model(plain_id)
+        got = admin.export_model(masked_id)
+    for name, tensor in expected.items():
+        # 3 sites, 30 bits per coordinate over [-64, 64]: steps of 1.2e-7, far below atol.
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-5)
+    numel = sum(t.numel() for t in expected.values())
+    for r in (r for r in status.rounds if r.number > 0):
+        assert [p.status for p in r.participations] == ["accepted"] * 3
+        for p in r.participations:  # one int32 per parameter, plus the safetensors header
+            assert 4 * numel <= p.bytes_up < 4 * numel + 256
+
+
+def test_secure_aggregation_survives_dropouts_at_each_stage(cluster: LocalCluster) -> None:
+    """Five sites; one dies after the key exchange (its masks are cancelled with its
+    rebuilt key), one dies after uploading (its self-mask is rebuilt from its neighbours'
+    shares, its update counts). The round commits with the four updates that arrived."""
+    cluster.start_coordinator(flags=FAST)
+    env = {
+        "site-2": {"FEDRA_FAULT_CRASH": "after_secagg_setup:1"},
+        "site-3": {"FEDRA_FAULT_CRASH": "after_upload:1"},
+    }
+    start_sites(cluster, 5, env)
+    spec = synthetic_spec(
+        rounds=2,
+        sites_per_round=5,
+        min_sites=3,
+        join_timeout_s=5.0,
+        strategy="fedavg",
+        train=TRAIN,
+        secagg=SecAggSpec(threshold=0.5, clip=4.0, setup_timeout_s=30, unmask_timeout_s=20),
+    )
+    with cluster.admin() as admin:
+        run_id = admin.submit(spec)
+        status = wait_until(admin, run_id, finished)
+    assert status.state == "completed", status.reason
+    for site_id in ("site-2", "site-3"):
+        assert cluster.sites[site_id].popen.wait(30) == -signal.SIGKILL
+    r1 = next(r for r in status.rounds if r.number == 1)
+    by_site = {p.site_id: p.status for p in r1.participations}
+    assert r1.attempt == 1, "the dropouts must not cost a retry"
+    assert by_site == {
+        "site-0": "accepted",
+        "site-1": "accepted",
+        "site-2": "failed",
+        "site-3": "accepted",
+        "site-4": "accepted",
+    }
+    r2 = next(r for r in status.rounds if r.number == 2)
+    assert sorted(p.site_id for p in r2.participations) == ["site-0", "site-1", "site-4"]
+    honest = {"site-0", "site-1", "site-4"}
+    assert mean_eval_loss(r2, honest) < mean_eval_loss(r1, honest)
+
+
+def test_differential_privacy_stops_at_the_budget_across_a_coordinator_kill(
+    cluster: LocalCluster,
+) -> None:
+    """noise 1.0, epsilon 8 allows two rounds. The coordinator dies between round 2's
+    checkpoint and its commit; restarted, it must still know round 1 was spent, run round
+    2 again, and then refuse round 3."""
+    privacy = PrivacySpec(clip=0.5, noise_multiplier=1.0, epsilon=8.0, delta=1e-5)
+    spec = synthetic_spec(rounds=4, strategy="fedavg", train=TRAIN, privacy=privacy)
+    address = cluster.start_coordinator(
+        flags=FAST, extra_env={"FEDRA_FAULT_CRASH": "before_commit:2"}
+    )
+    port = int(address.rsplit(":", 1)[1])
+    start_synthetic_sites(cluster, 3)
+    with cluster.admin() as admin:
+        run_id = admin.submit(spec)
+    assert cluster.coordinator is not None
+    assert cluster.coordinator.popen.wait(120) == -signal.SIGKILL
+    cluster.start_coordinator(port=port, flags=FAST)
+    with cluster.admin() as admin:
+        status = wait_until(admin, run_id, finished)
+    assert status.state == "completed", status.reason
+    assert status.rounds_completed == 2
+    assert "privacy budget reached" in status.reason and "round 3" in status.reason
+    two = RdpAccountant().after(1.0, 2).epsilon(1e-5)
+    r2 = next(r for r in status.rounds if r.number == 2)
+    assert r2.metrics["privacy_epsilon"] == pytest.approx(two)
+    assert two <= 8.0 < RdpAccountant().after(1.0, 3).epsilon(1e-5)
+    # The accountant is part of the checkpoint, committed with the round it accounts for.
+    store = Store(f"sqlite:///{cluster.state_dir / 'fedra.db'}")
+    try:
+        ckpt = store.latest_checkpoint(run_id)
+    finally:
+        store.close()
+    assert ckpt is not None and ckpt.round_number == 2 and ckpt.optimizer_sha256
+    blobs = BlobStore(cluster.state_dir / "blobs")
+    state = decode_chunks(blobs.read_chunks(ckpt.optimizer_sha256, 1 << 20))
+    assert RdpAccountant.from_tensor(state[ACCOUNTANT_KEY]).rounds == 2
+
+
+@pytest.mark.parametrize("rule", ["mean", "median"])
+def test_robust_aggregation_against_byzantine_sites(cluster: LocalCluster, rule: str) -> None:
+    """Two of five sites send their update times -10. The mean is dragged away and the
+    global model gets worse; the coordinate-wise median keeps improving it."""
+    cluster.start_coordinator(flags=FAST)
+    attack = {"FEDRA_FAULT_ATTACK": "scale:-10"}
+    start_sites(cluster, 5, {"site-3": attack, "site-4": attack})
+    spec = synthetic_spec(
+        rounds=3,
+        sites_per_round=5,
+        min_sites=5,
+        strategy="fedavg",
+        train=TRAIN,
+        aggregation=AggregationSpec(rule=rule),
+    )
+    with cluster.admin() as admin:
+        run_id = admin.submit(spec)
+        status = wait_until(admin, run_id, finished)
+    rounds = [r for r in status.rounds if r.number > 0 and r.status == "committed"]
+    honest = {"site-0", "site-1", "site-2"}
+    first, last = mean_eval_loss(rounds[0], honest), mean_eval_loss(rounds[-1], honest)
+    if rule == "mean":
+        assert status.state == "failed" or last > first, (status.state, first, last)
+    else:
+        assert status.state == "completed", status.reason
+        assert last < 0.75 * first, (first, last)
