@@ -241,14 +241,26 @@ class SiteAgent:
         return masker
 
     def _secagg_reveal(self, task: Assignment, masker: SiteSecAgg) -> None:
-        """Stage 4: the shares that unmask the sum; never both kinds for one peer."""
-        while True:
-            ready, survivors, dropped = self.conn.secagg_unmask(task.task_id, _SECAGG_WAIT_S)
-            if ready:
-                break
-            if self.stop.is_set():
-                return
-        self.conn.secagg_reveal(task.task_id, masker.reveal(survivors, dropped))
+        """Stage 4: the shares that unmask the sum; never both kinds for one peer.
+
+        The update already counts: if the round is unmasked or closed before this site
+        is asked, its shares were not needed.
+        """
+        try:
+            while True:
+                ready, survivors, dropped = self.conn.secagg_unmask(task.task_id, _SECAGG_WAIT_S)
+                if ready:
+                    break
+                if self.stop.is_set():
+                    return
+            if not survivors and not dropped:
+                return  # unmasked with the other sites' shares
+            self.conn.secagg_reveal(task.task_id, masker.reveal(survivors, dropped))
+        except grpc.RpcError as exc:
+            if exc.code() not in _TASK_GONE:
+                raise
+            log.info("%s: round closed before this site's shares were needed", self.tag)
+            return
         if dropped:
             log.info("%s: revealed shares; dropped neighbours: %s", self.tag, ", ".join(dropped))
 

@@ -71,7 +71,11 @@ def privacy_to_proto(p: PrivacySpec) -> common_pb2.Privacy:
 
 
 def privacy_from_proto(m: common_pb2.Privacy) -> PrivacySpec:
-    return PrivacySpec(m.clip, m.noise_multiplier, m.epsilon, m.delta)
+    """Unset (zero) fields take their defaults; epsilon has none (0 is refused)."""
+    d = PrivacySpec()
+    return PrivacySpec(
+        m.clip or d.clip, m.noise_multiplier or d.noise_multiplier, m.epsilon, m.delta or d.delta
+    )
 
 
 def secagg_to_proto(s: SecAggSpec) -> common_pb2.SecAgg:
@@ -85,7 +89,15 @@ def secagg_to_proto(s: SecAggSpec) -> common_pb2.SecAgg:
 
 
 def secagg_from_proto(m: common_pb2.SecAgg) -> SecAggSpec:
-    return SecAggSpec(m.threshold, m.degree, m.clip, m.setup_timeout_s, m.unmask_timeout_s)
+    """Unset (zero) fields take their defaults: zero is never a valid value for them."""
+    d = SecAggSpec()
+    return SecAggSpec(
+        m.threshold or d.threshold,
+        m.degree,
+        m.clip or d.clip,
+        m.setup_timeout_s or d.setup_timeout_s,
+        m.unmask_timeout_s or d.unmask_timeout_s,
+    )
 
 
 def runspec_to_proto(s: RunSpec) -> admin_pb2.RunSpec:

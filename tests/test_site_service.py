@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 import torch
+from google.protobuf.message import Message
 
 from fedra.examples import synthetic
 from fedra.protos.codec import encode
@@ -42,7 +43,10 @@ def submit(c: InProcessCoordinator, **overrides: object) -> str:
         train=common_pb2.TrainSettings(local_steps=1, batch_size=8, learning_rate=0.1),
     )
     for k, v in overrides.items():
-        setattr(spec, k, v)
+        if isinstance(v, Message):
+            getattr(spec, k).CopyFrom(v)
+        else:
+            setattr(spec, k, v)
     return c.admin.SubmitRun(admin_pb2.SubmitRunRequest(spec=spec)).run_id
 
 
