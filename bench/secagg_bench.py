@@ -59,6 +59,7 @@ from fedra.secagg import ServerSecAgg, SiteSecAgg, plan_round, quant_bits
 SYNTHETIC = "fedra.examples.synthetic:task"
 LINEAR_PARAMS = 9  # the synthetic task's nn.Linear(8, 1): weight and bias
 KB = 1e3
+STALL_X = 5.0  # a round this many times the run's median (plus 1 s) is reported as a stall
 STAGES = ("distribute_s", "compute_s", "transfer_s", "aggregate_s", "checkpoint_s")
 
 
@@ -84,12 +85,16 @@ class RunResult:
     coordinator_cpu_s: float  # over the whole run, round 0 included
     sites_cpu_s: float
     median_round_s: float = field(init=False)
+    mean_round_s: float = field(init=False)
+    max_round_s: float = field(init=False)
     bytes_up_per_site: float = field(init=False)
     bytes_down_per_site: float = field(init=False)
     stage_medians: dict[str, float] = field(init=False)
 
     def __post_init__(self) -> None:
         self.median_round_s = statistics.median(r.duration_s for r in self.rounds)
+        self.mean_round_s = statistics.mean(r.duration_s for r in self.rounds)
+        self.max_round_s = max(r.duration_s for r in self.rounds)
         self.bytes_up_per_site = statistics.median(b for r in self.rounds for b in r.site_bytes_up)
         self.bytes_down_per_site = statistics.median(
             b for r in self.rounds for b in r.site_bytes_down
@@ -121,6 +126,7 @@ class ConfigResult:
         p, s = self.plain, self.secagg
         self.ratios = {
             "round_time": s.median_round_s / p.median_round_s,
+            "round_time_mean": s.mean_round_s / p.mean_round_s,
             "bytes_up": s.bytes_up_per_site / p.bytes_up_per_site,
             "bytes_down": s.bytes_down_per_site / p.bytes_down_per_site,
             "coordinator_cpu": s.coordinator_cpu_s / p.coordinator_cpu_s,
@@ -260,8 +266,9 @@ def run_config(args: argparse.Namespace, sites: int, state_dir: Path) -> ConfigR
             spec = make_spec(args, sites, secure=mode == "secagg")
             runs[mode] = r = measure_run(c, spec, mode, args.run_timeout_s, sites)
             print(
-                f"N={sites} {mode}: median round {r.median_round_s:.3f} s, "
-                f"run {r.run_wall_s:.1f} s (load average {os.getloadavg()[0]:.1f})",
+                f"N={sites} {mode}: median round {r.median_round_s:.3f} s, rounds "
+                f"{' '.join(f'{x.duration_s:.3f}' for x in r.rounds)} s, run "
+                f"{r.run_wall_s:.1f} s (load average {os.getloadavg()[0]:.1f})",
                 flush=True,
             )
     return ConfigResult(
@@ -391,8 +398,9 @@ def print_tables(
         f"{args.rounds} rounds, {transport}, {os.cpu_count()} CPUs. Medians over rounds 1.."
         f"{args.rounds}; x = secagg / plain.\n"
     )
-    head = ["N", "round s plain", "round s secagg", "x", "up kB/site plain", "up kB/site secagg"]
-    head += ["x", "down kB/site plain", "down kB/site secagg", "x"]
+    head = ["N", "round s plain", "round s secagg", "x", "mean s plain", "mean s secagg", "x"]
+    head += ["up kB/site plain", "up kB/site secagg", "x", "down kB/site plain"]
+    head += ["down kB/site secagg", "x"]
     _print_table(
         head,
         (
@@ -401,6 +409,9 @@ def print_tables(
                 f"{r.plain.median_round_s:.3f}",
                 f"{r.secagg.median_round_s:.3f}",
                 f"{r.ratios['round_time']:.2f}",
+                f"{r.plain.mean_round_s:.3f}",
+                f"{r.secagg.mean_round_s:.3f}",
+                f"{r.ratios['round_time_mean']:.2f}",
                 f"{r.plain.bytes_up_per_site / KB:.1f}",
                 f"{r.secagg.bytes_up_per_site / KB:.1f}",
                 f"{r.ratios['bytes_up']:.3f}",
@@ -411,6 +422,14 @@ def print_tables(
             for r in results
         ),
     )
+    for r in results:
+        for run in (r.plain, r.secagg):
+            slow = [x for x in run.rounds if x.duration_s > STALL_X * run.median_round_s + 1.0]
+            for x in slow:
+                print(
+                    f"  N={r.sites} {run.mode} round {x.number}: {x.duration_s:.2f} s, over "
+                    f"{STALL_X:g}x the median (distribute {x.stages.get('distribute_s', 0):.2f} s)"
+                )
     print("\nWhere the round goes (stage medians, seconds; rest = round_s - the others):")
     head = ["N", "run", *(k.removesuffix("_s") for k in STAGES), "rest", "round"]
     head += ["coord CPU s/rnd", "sites CPU s/rnd"]
@@ -426,7 +445,8 @@ def print_tables(
     _print_table(head, rows)
     print(
         "  secagg: distribute includes the key exchange; rest holds the masking (after compute)"
-        "\n  and the wait for the reveals; checkpoint holds the coordinator's unmasking."
+        "\n  and the wait for the reveals; checkpoint holds the coordinator's unmasking. rest is"
+        "\n  negative where the stages (each the slowest site's) overlap."
     )
     if not micro:
         return

@@ -227,7 +227,7 @@ class SiteAgent:
         masker = SiteSecAgg(self.config.site_id, sa.threshold, sa.context)
         keys = self._long_poll(
             lambda first: self.conn.secagg_keys(
-                task.task_id, masker.public_keys() if first else b"", _SECAGG_WAIT_S
+                task.task_id, sa.context, masker.public_keys() if first else b"", _SECAGG_WAIT_S
             )
         )
         ciphertexts = masker.share_keys(keys)

@@ -26,6 +26,7 @@ from fedra.protos.serde import (
 )
 from fedra.protos.v1 import site_pb2, site_pb2_grpc
 from fedra.runspec import CodecSpec, TrainSpec
+from fedra.secagg import SecAggError
 
 # Transient: the coordinator is restarting or the network blinked. Retry with backoff.
 TRANSIENT = frozenset(
@@ -167,13 +168,28 @@ class Connection:
     # -- secure aggregation: long polls that answer ready=False until their stage closes
 
     def secagg_keys(
-        self, task_id: str, public_keys: bytes, wait_s: float
+        self, task_id: str, context: bytes, public_keys: bytes, wait_s: float
     ) -> tuple[bool, dict[str, bytes]]:
+        """Send our keys (signed over mTLS), wait for the neighbours' and check each one
+        is signed by that neighbour's certificate from our CA; SecAggError if not."""
+        signature = b""
+        if public_keys and self.tls is not None:
+            message = pki.secagg_keys_message(context, self.site_id, public_keys)
+            signature = pki.sign(self.tls.key, message)
         request = site_pb2.SecAggKeysRequest(
-            site_id=self.site_id, task_id=task_id, public_keys=public_keys, wait_s=wait_s
+            site_id=self.site_id,
+            task_id=task_id,
+            public_keys=public_keys,
+            wait_s=wait_s,
+            signature=signature,
         )
         r = self.stub.SecAggKeys(request, timeout=wait_s + 10.0)
-        return r.ready, dict(r.neighbour_keys)
+        keys = dict(r.neighbour_keys)
+        if r.ready and self.tls is not None:
+            check_neighbour_keys(
+                self.tls.ca, context, keys, dict(r.signatures), dict(r.certificates)
+            )
+        return r.ready, keys
 
     def secagg_shares(
         self, task_id: str, ciphertexts: Mapping[str, bytes], wait_s: float
@@ -196,6 +212,28 @@ class Connection:
             site_id=self.site_id, task_id=task_id, shares=dict(shares)
         )
         self.stub.SecAggReveal(request, timeout=timeout_s)
+
+
+def check_neighbour_keys(
+    ca_pem: bytes,
+    context: bytes,
+    keys: Mapping[str, bytes],
+    signatures: Mapping[str, bytes],
+    certificates: Mapping[str, bytes],
+) -> None:
+    """SecAggError unless every neighbour's keys are signed by that neighbour's certificate
+    from our CA: a coordinator that swapped in keys of its own is caught here."""
+    for peer, peer_keys in keys.items():
+        cert = certificates.get(peer, b"")
+        why = pki.check_peer_certificate(ca_pem, cert, "site", peer)
+        message = pki.secagg_keys_message(context, peer, peer_keys)
+        if not why and not pki.verify(cert, signatures.get(peer, b""), message):
+            why = "its signature does not match"
+        if why:
+            raise SecAggError(
+                f"the keys the coordinator relayed for neighbour {peer!r} are not its own "
+                f"({why}); refusing to take part in this round"
+            )
 
 
 def new_nonce() -> bytes:

@@ -60,6 +60,16 @@ class Guard:
                 f"admin calls need an admin certificate; {who.role} {who.name!r} has none"
             )
 
+    def signed(self, context: Any, message: bytes, signature: bytes, what: str) -> bytes:
+        """The caller's certificate (PEM), once ``signature`` over ``message`` checks out
+        against it; b'' in insecure mode."""
+        if self.insecure:
+            return b""
+        certs = context.auth_context().get("x509_pem_cert") or []
+        if not certs or not signature or not pki.verify(certs[0], signature, message):
+            raise Unauthenticated(f"the {what} signature does not match the site's certificate")
+        return bytes(certs[0])
+
     def upload(self, context: Any, message: bytes, signature: bytes) -> None:
         """The update header must be signed by the calling site's certificate key."""
         if self.insecure:

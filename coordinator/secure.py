@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
+from fedra import pki
 from fedra.coordinator.errors import FailedPrecondition, InvalidArgument
 from fedra.coordinator.state import ActiveRun, Assignment
 from fedra.protos.serde import SecAggRound
@@ -61,6 +62,7 @@ class SecureRound:
         self.keys_from: set[str] = set()
         self.shares_from: set[str] = set()
         self.revealed: set[str] = set()
+        self.credentials: dict[str, tuple[bytes, bytes]] = {}  # (signature, certificate)
 
     def task(self) -> SecAggRound:
         privacy = self.spec.privacy
@@ -166,8 +168,17 @@ def _wait_for(
 
 
 def keys(
-    engine: Engine, site_id: str, task_id: str, public_keys: bytes, wait_s: float
-) -> tuple[bool, dict[str, bytes]]:
+    engine: Engine,
+    site_id: str,
+    task_id: str,
+    public_keys: bytes,
+    signature: bytes,
+    wait_s: float,
+    verify: Callable[[bytes, bytes], bytes],
+) -> tuple[bool, dict[str, tuple[bytes, bytes, bytes]]]:
+    """Take a site's public keys (``verify(message, signature)`` returns its certificate,
+    b'' in insecure mode), wait for the stage to close, and answer with each neighbour's
+    (keys, signature, certificate)."""
     with engine.lock:
         run, sec = _secure_task(engine, site_id, task_id)
         if public_keys:
@@ -175,16 +186,23 @@ def keys(
                 raise FailedPrecondition(
                     f"the key exchange of run {run.run_id} round {run.open_round} has closed"
                 )
+            cert = verify(pki.secagg_keys_message(sec.context, site_id, public_keys), signature)
             try:
                 sec.server.advertise(site_id, public_keys)
             except SecAggError as exc:
                 raise InvalidArgument(f"public_keys: {exc}") from exc
             sec.keys_from.add(site_id)
+            sec.credentials[site_id] = (signature, cert)
             engine.notify()
         elif site_id not in sec.keys_from:
             raise FailedPrecondition("send public_keys first")
         _, sec, ready = _wait_for(engine, site_id, task_id, lambda s: s.stage != "keys", wait_s)
-        return ready, sec.server.neighbour_keys(site_id) if ready else {}
+        if not ready:
+            return False, {}
+        return True, {
+            peer: (peer_keys, *sec.credentials[peer])
+            for peer, peer_keys in sec.server.neighbour_keys(site_id).items()
+        }
 
 
 def shares(

@@ -223,14 +223,21 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
         self, request: site_pb2.SecAggKeysRequest, context: Any
     ) -> site_pb2.SecAggKeysResponse:
         self.guard.site(context, request.site_id)
-        ready, keys = secure.keys(
+        ready, peers = secure.keys(
             self.engine,
             request.site_id,
             request.task_id,
             request.public_keys,
+            request.signature,
             _long_poll_s(request.wait_s, context),
+            lambda message, signature: self.guard.signed(context, message, signature, "key"),
         )
-        return site_pb2.SecAggKeysResponse(ready=ready, neighbour_keys=keys)
+        return site_pb2.SecAggKeysResponse(
+            ready=ready,
+            neighbour_keys={peer: keys for peer, (keys, _, _) in peers.items()},
+            signatures={peer: sig for peer, (_, sig, _) in peers.items()},
+            certificates={peer: cert for peer, (_, _, cert) in peers.items()},
+        )
 
     @mapped
     def SecAggShares(

@@ -44,6 +44,7 @@ CA_DAYS = 3650
 _CLOCK_SKEW = dt.timedelta(minutes=5)
 _HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?")
 _UPLOAD_DOMAIN = b"fedra.v1.update\0"
+_SECAGG_KEYS_DOMAIN = b"fedra.v1.secagg-keys\0"
 _KEY_MODE, _CERT_MODE, _DIR_MODE = 0o600, 0o644, 0o700
 
 
@@ -510,3 +511,34 @@ def upload_message(
         struct.pack(">Q", payload_bytes),
     ]
     return _UPLOAD_DOMAIN + b"".join(struct.pack(">I", len(f)) + f for f in fields)
+
+
+def secagg_keys_message(context: bytes, site_id: str, public_keys: bytes) -> bytes:
+    """The bytes a site signs for its secure-aggregation public keys of one round."""
+    fields = [bytes(context), site_id.encode(), bytes(public_keys)]
+    return _SECAGG_KEYS_DOMAIN + b"".join(struct.pack(">I", len(f)) + f for f in fields)
+
+
+def check_peer_certificate(ca_pem: bytes, cert_pem: bytes, role: str, name: str) -> str:
+    """Why ``cert_pem`` is not a valid certificate of ``role`` ``name`` under our CA ('' if it is).
+
+    What a site checks before it trusts a neighbour's keys relayed by the coordinator:
+    issued by the project CA, within its validity period, and naming that participant.
+    (Revocation is the coordinator's deny list; a site cannot see it.)
+    """
+    try:
+        ca = x509.load_pem_x509_certificate(ca_pem)
+        cert = x509.load_pem_x509_certificate(cert_pem)
+    except ValueError as exc:
+        return f"unreadable certificate: {exc}"
+    try:
+        cert.verify_directly_issued_by(ca)
+    except (ValueError, TypeError, InvalidSignature):
+        return "not issued by this project's CA"
+    now = dt.datetime.now(dt.timezone.utc)
+    if not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
+        return "expired or not yet valid"
+    who = _identity_from_pem(cert_pem)
+    if who is None or who.role != role or who.name != name:
+        return f"it names {who.role} {who.name!r}" if who else "it names no fedra participant"
+    return ""

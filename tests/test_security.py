@@ -14,10 +14,12 @@ import grpc
 import pytest
 
 from fedra import pki
+from fedra.client.connection import Connection, check_neighbour_keys
 from fedra.coordinator.server import CoordinatorConfig, build_engine, create_server, shutdown
 from fedra.examples import synthetic
 from fedra.protos.codec import encode
 from fedra.protos.v1 import admin_pb2, admin_pb2_grpc, common_pb2, site_pb2, site_pb2_grpc
+from fedra.secagg import SecAggError, SiteSecAgg
 
 TASK = "fedra.examples.synthetic:task"
 
@@ -267,3 +269,113 @@ def test_uploads_must_be_signed_by_the_site_and_cannot_be_replayed(
     (r0,) = [r for r in runs[0].rounds if r.number == 0]
     assert r0.updates == 1
     assert not runs[0].coordinator_insecure
+
+
+def test_secure_aggregation_keys_are_signed_and_checked_by_the_neighbours(
+    secure: SecureCoordinator, tmp_path: Path
+) -> None:
+    """A site's SecAgg public keys are signed with its certificate key: the coordinator
+    refuses keys signed by anyone else, and a site refuses neighbour keys that are not
+    signed by that neighbour's certificate from the project's CA."""
+    sites = ("site-a", "site-b")
+    stubs = {s: secure.site(s) for s in sites}
+    for s in sites:
+        register(stubs[s], s)
+    spec = one_site_spec(rounds=1)
+    spec.sites_per_round, spec.min_sites = 2, 2
+    spec.secagg.CopyFrom(common_pb2.SecAgg(clip=4.0))
+    run_id = secure.admin().SubmitRun(admin_pb2.SubmitRunRequest(spec=spec), timeout=10).run_id
+    tasks = {
+        s: stubs[s].PollTask(site_pb2.PollTaskRequest(site_id=s), timeout=10).task for s in sites
+    }
+    (init_site,) = [s for s in sites if tasks[s].task_id]
+    model = {
+        k: v.detach().clone() for k, v in synthetic.task.create_model(0, {}).state_dict().items()
+    }
+    key = (secure.pki / "sites" / init_site / "key.pem").read_bytes()
+    _upload_as(stubs[init_site], init_site, tasks[init_site], encode(model), key)
+    tasks = {}
+    for s in sites:
+        for _ in range(20):  # round 1 opens right after round 0 commits
+            task = stubs[s].PollTask(site_pb2.PollTaskRequest(site_id=s), timeout=10).task
+            if task.round == 1:
+                tasks[s] = task
+                break
+    assert sorted(tasks) == list(sites) and all(t.run_id == run_id for t in tasks.values())
+    context = tasks["site-a"].secagg.context
+    conns = {
+        s: Connection(secure.address, s, pki.load_folder(secure.pki / "sites" / s)) for s in sites
+    }
+    maskers = {s: SiteSecAgg(s, tasks[s].secagg.threshold, context) for s in sites}
+    try:
+        # Keys signed with another site's key: refused, and nothing recorded.
+        key_b = (secure.pki / "sites" / "site-b" / "key.pem").read_bytes()
+        forged = site_pb2.SecAggKeysRequest(
+            site_id="site-a",
+            task_id=tasks["site-a"].task_id,
+            public_keys=maskers["site-a"].public_keys(),
+            signature=pki.sign(
+                key_b, pki.secagg_keys_message(context, "site-a", maskers["site-a"].public_keys())
+            ),
+        )
+        refused(
+            stubs["site-a"].SecAggKeys, forged, grpc.StatusCode.UNAUTHENTICATED, "key signature"
+        )
+        unsigned = site_pb2.SecAggKeysRequest(
+            site_id="site-a",
+            task_id=tasks["site-a"].task_id,
+            public_keys=maskers["site-a"].public_keys(),
+        )
+        refused(
+            stubs["site-a"].SecAggKeys, unsigned, grpc.StatusCode.UNAUTHENTICATED, "key signature"
+        )
+        # Through the site's own connection: signed, relayed, and checked on arrival.
+        ready, _ = conns["site-a"].secagg_keys(
+            tasks["site-a"].task_id, context, maskers["site-a"].public_keys(), 0.0
+        )
+        assert not ready
+        conns["site-b"].secagg_keys(
+            tasks["site-b"].task_id, context, maskers["site-b"].public_keys(), 0.0
+        )
+        ready, keys = conns["site-a"].secagg_keys(tasks["site-a"].task_id, context, b"", 10.0)
+        assert ready and keys == {"site-b": maskers["site-b"].public_keys()}
+        reply = stubs["site-a"].SecAggKeys(
+            site_pb2.SecAggKeysRequest(site_id="site-a", task_id=tasks["site-a"].task_id, wait_s=1),
+            timeout=10,
+        )
+        ca = pki.load_folder(secure.pki / "sites" / "site-a").ca
+        relayed = (dict(reply.neighbour_keys), dict(reply.signatures), dict(reply.certificates))
+        check_neighbour_keys(ca, context, *relayed)  # what the coordinator relayed checks out
+        # What a lying coordinator could relay instead is refused by the site.
+        pki.provision(tmp_path / "other", coordinator_hosts=["x"], sites=["site-b"], admins=[])
+        foreign = (tmp_path / "other" / "sites" / "site-b" / "cert.pem").read_bytes()
+        own_a = (secure.pki / "sites" / "site-a" / "cert.pem").read_bytes()
+        swapped = {"site-b": SiteSecAgg("site-b", 1, context).public_keys()}
+        for bad, why in [
+            ((swapped, relayed[1], relayed[2]), "signature does not match"),
+            ((relayed[0], relayed[1], {"site-b": foreign}), "not issued by this project's CA"),
+            ((relayed[0], relayed[1], {"site-b": own_a}), "it names site 'site-a'"),
+            ((relayed[0], relayed[1], {}), "unreadable certificate"),
+        ]:
+            with pytest.raises(SecAggError, match=why):
+                check_neighbour_keys(ca, context, *bad)
+        with pytest.raises(SecAggError, match="signature does not match"):
+            check_neighbour_keys(ca, b"another round", *relayed)
+    finally:
+        for conn in conns.values():
+            conn.close()
+
+
+def _upload_as(stub, site: str, task, payload: bytes, key: bytes):  # type: ignore[no-untyped-def]
+    nonce, sha = os.urandom(16), hashlib.sha256(payload).hexdigest()
+    signed = pki.upload_message(
+        task.run_id, task.round, site, task.task_id, nonce, sha,
+        num_samples=1, codec="none", payload_bytes=len(payload),
+    )  # fmt: skip
+    header = site_pb2.UpdateHeader(
+        site_id=site, run_id=task.run_id, round=task.round, task_id=task.task_id,
+        num_samples=1, codec="none", sha256=sha, nonce=nonce, payload_bytes=len(payload),
+        signature=pki.sign(key, signed),
+    )  # fmt: skip
+    msgs = [site_pb2.UpdateChunk(header=header), site_pb2.UpdateChunk(data=payload)]
+    return stub.UploadUpdate(iter(msgs), timeout=30)

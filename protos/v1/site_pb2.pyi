@@ -477,11 +477,16 @@ class SecAggKeysRequest(_message.Message):
     TASK_ID_FIELD_NUMBER: _builtins.int
     PUBLIC_KEYS_FIELD_NUMBER: _builtins.int
     WAIT_S_FIELD_NUMBER: _builtins.int
+    SIGNATURE_FIELD_NUMBER: _builtins.int
     site_id: _builtins.str
     task_id: _builtins.str
     public_keys: _builtins.bytes
     """64 bytes, on the first call; empty when polling again"""
     wait_s: _builtins.float
+    signature: _builtins.bytes
+    """ECDSA-SHA256 by the site's certificate key over (context, site, public_keys), so
+    that its neighbours know the keys are its own. Required over mTLS.
+    """
     def __init__(
         self,
         *,
@@ -489,10 +494,11 @@ class SecAggKeysRequest(_message.Message):
         task_id: _builtins.str = ...,
         public_keys: _builtins.bytes = ...,
         wait_s: _builtins.float = ...,
+        signature: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["public_keys", b"public_keys", "site_id", b"site_id", "task_id", b"task_id", "wait_s", b"wait_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["public_keys", b"public_keys", "signature", b"signature", "site_id", b"site_id", "task_id", b"task_id", "wait_s", b"wait_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -522,22 +528,74 @@ class SecAggKeysResponse(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class SignaturesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.bytes
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.bytes = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class CertificatesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.bytes
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.bytes = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     READY_FIELD_NUMBER: _builtins.int
     NEIGHBOUR_KEYS_FIELD_NUMBER: _builtins.int
+    SIGNATURES_FIELD_NUMBER: _builtins.int
+    CERTIFICATES_FIELD_NUMBER: _builtins.int
     ready: _builtins.bool
     @_builtins.property
     def neighbour_keys(self) -> _containers.ScalarMap[_builtins.str, _builtins.bytes]:
         """of the neighbours that sent theirs"""
+
+    @_builtins.property
+    def signatures(self) -> _containers.ScalarMap[_builtins.str, _builtins.bytes]:
+        """each neighbour's signature of its keys"""
+
+    @_builtins.property
+    def certificates(self) -> _containers.ScalarMap[_builtins.str, _builtins.bytes]:
+        """each neighbour's certificate (PEM), to check them"""
 
     def __init__(
         self,
         *,
         ready: _builtins.bool = ...,
         neighbour_keys: _abc.Mapping[_builtins.str, _builtins.bytes] | None = ...,
+        signatures: _abc.Mapping[_builtins.str, _builtins.bytes] | None = ...,
+        certificates: _abc.Mapping[_builtins.str, _builtins.bytes] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["neighbour_keys", b"neighbour_keys", "ready", b"ready"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["certificates", b"certificates", "neighbour_keys", b"neighbour_keys", "ready", b"ready", "signatures", b"signatures"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
