@@ -16,6 +16,7 @@ stored update is never rewritten. Integer tensors are not aggregated, as in ``We
 from __future__ import annotations
 
 import bisect
+import contextlib
 import math
 import os
 import tempfile
@@ -196,6 +197,8 @@ class UpdateStore:
             if path is not None:
                 path.unlink(missing_ok=True)
         self._paths.clear()
+        with contextlib.suppress(OSError):  # the round's folder, once it is empty
+            self.spill_dir.rmdir()
         self._memory_bytes = 0
         self._closed = True
 

@@ -363,6 +363,8 @@ class RoundDriver:
         engine.store.add_event(run.run_id, state, reason, now, run.open_round)
         log.info("%s: %s: %s", self.tag, state, reason)
         self._forget()
+        with engine.lock:
+            run.drop_aggregate()  # spill files of a robust round, if any
         if run.open_round is not None:  # forgotten: nothing of ours refers to them now
             self._drop_round_updates(run.open_round)
 

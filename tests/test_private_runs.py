@@ -168,11 +168,14 @@ def test_robust_aggregation_against_byzantine_sites(cluster: LocalCluster, rule:
         min_sites=5,
         strategy="fedavg",
         train=TRAIN,
-        aggregation=AggregationSpec(rule=rule),
+        aggregation=AggregationSpec(rule=rule, spill_mb=0),  # robust: every update on disk
     )
     with cluster.admin() as admin:
         run_id = admin.submit(spec)
         status = wait_until(admin, run_id, finished)
+    assert not (cluster.state_dir / "updates" / "spill").exists() or not any(
+        (cluster.state_dir / "updates" / "spill").iterdir()
+    ), "spill files outlived their round"
     rounds = [r for r in status.rounds if r.number > 0 and r.status == "committed"]
     honest = {"site-0", "site-1", "site-2"}
     first, last = mean_eval_loss(rounds[0], honest), mean_eval_loss(rounds[-1], honest)
