@@ -26,7 +26,14 @@ from fedra.client.task import FitSettings, ParallelTask, Task, load_task
 from fedra.config import ConfigError
 from fedra.faults import attack, crash_point
 from fedra.privacy import add_secure_gaussian_, clip_factor
-from fedra.protos.compression import MASKED, Compressor, flatten_update, to_wire_u32
+from fedra.protos.codec import digest_and_size
+from fedra.protos.compression import (
+    MASKED,
+    Compressor,
+    apply_step,
+    flatten_update,
+    to_wire_u32,
+)
 from fedra.protos.serde import SecAggRound
 from fedra.retry import Backoff
 from fedra.secagg import SiteSecAgg
@@ -61,6 +68,9 @@ class SiteAgent:
         self.executor: Executor = executor or LocalExecutor()
         self.current: Assignment | None = None
         self._compressors: dict[str, Compressor] = {}  # by run: top-k error feedback
+        # The last global model of each run (its SHA-256, its tensors): with compressed
+        # downloads, the next round's model is this plus a compressed step.
+        self._globals: dict[str, tuple[str, dict[str, torch.Tensor]]] = {}
         tls = pki.load_folder(config.tls_dir) if config.tls_dir is not None else None
         self.conn = Connection(config.coordinator, config.site_id, tls)
         self.backoff = Backoff(cap_s=config.reconnect_max_s)
@@ -159,8 +169,7 @@ class SiteAgent:
             if task.secagg is not None:  # the key exchange comes before the training
                 masker = self._secagg_setup(task, task.secagg)
                 crash_point("after_secagg_setup", task.round)
-            budget = max(task.deadline_in_s, 1.0)
-            global_state = self.conn.download(task, timeout_s=budget)
+            global_state = self._global_model(task, max(task.deadline_in_s, 1.0))
             # As the site sees it: the coordinator's download_s ends when the last byte
             # leaves it, which buffers on a slow link hide.
             downloaded = time.monotonic()
@@ -221,6 +230,22 @@ class SiteAgent:
         )
         metrics.update(fit_metrics)
         return delta(trained, global_state), num_samples, metrics
+
+    def _global_model(self, task: Assignment, timeout_s: float) -> dict[str, torch.Tensor]:
+        """The task's global model: the held previous model plus the compressed step when
+        the coordinator offers one for it, else the whole model."""
+        held = self._globals.get(task.run_id)
+        model = None
+        if task.delta_sha256 and held is not None and held[0] == task.base_sha256:
+            step = self.conn.download(task, timeout_s=timeout_s, delta=True)
+            model = apply_step(held[1], step, task.codec)
+            if digest_and_size(model)[0] != task.model_sha256:  # never train on a near miss
+                log.warning("%s: the rebuilt model does not match; downloading it whole", self.tag)
+                model = None
+        if model is None:
+            model = self.conn.download(task, timeout_s=timeout_s)
+        self._globals = {task.run_id: (task.model_sha256, model)}  # one run's model at a time
+        return model
 
     def _secagg_setup(self, task: Assignment, sa: SecAggRound) -> SiteSecAgg:
         """Stages 1 and 2 of secure aggregation: keys out, shares out, our shares in."""

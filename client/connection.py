@@ -50,6 +50,9 @@ class Assignment:
     deadline_in_s: float
     codec: CodecSpec
     secagg: SecAggRound | None = None  # set: the update is masked for secure aggregation
+    base_sha256: str = ""  # compressed downloads: the model the step applies to
+    delta_sha256: str = ""
+    delta_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -103,9 +106,15 @@ class Connection:
         r = self.stub.PollTask(request, timeout=poll_timeout_s + 10.0)
         return _assignment(r.task) if r.HasField("task") else None
 
-    def download(self, task: Assignment, timeout_s: float) -> dict[str, torch.Tensor]:
-        """Stream the task's global model in, checking its SHA-256 and structure."""
-        request = site_pb2.DownloadModelRequest(site_id=self.site_id, task_id=task.task_id)
+    def download(
+        self, task: Assignment, timeout_s: float, delta: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """Stream the task's global model (or, with ``delta``, its compressed step from the
+        previous model) in, checking its SHA-256 and structure."""
+        request = site_pb2.DownloadModelRequest(
+            site_id=self.site_id, task_id=task.task_id, delta=delta
+        )
+        expected = task.delta_sha256 if delta else task.model_sha256
         digest = hashlib.sha256()
 
         def chunks() -> Iterator[bytes]:
@@ -114,8 +123,8 @@ class Connection:
                 yield message.data
 
         tensors = decode_chunks(chunks())
-        if digest.hexdigest() != task.model_sha256:
-            raise CodecError(f"model SHA-256 {digest.hexdigest()} != announced {task.model_sha256}")
+        if digest.hexdigest() != expected:
+            raise CodecError(f"model SHA-256 {digest.hexdigest()} != announced {expected}")
         return tensors
 
     def upload(
@@ -254,4 +263,7 @@ def _assignment(t: site_pb2.Task) -> Assignment:
         deadline_in_s=t.deadline_in_s,
         codec=codec_from_proto(t.compression),
         secagg=secagg_round_from_proto(t.secagg) if t.HasField("secagg") else None,
+        base_sha256=t.base_sha256,
+        delta_sha256=t.delta_sha256,
+        delta_bytes=t.delta_bytes,
     )

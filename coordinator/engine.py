@@ -57,6 +57,10 @@ class TaskView:
     deadline_in_s: float
     codec: CodecSpec  # how the site compresses its update (none for the initial model)
     secagg: SecAggRound | None = None  # set: the update is masked for secure aggregation
+    # Compressed downloads: the model base_sha256 plus the step delta_sha256 is the model.
+    base_sha256: str = ""
+    delta_sha256: str = ""
+    delta_bytes: int = 0
 
 
 class Engine:
@@ -233,6 +237,9 @@ class Engine:
             deadline_in_s=max(0.0, run.deadline_at - self.clock()),
             codec=run.upload_codec,
             secagg=run.secure.task() if run.secure is not None else None,
+            base_sha256="" if init else run.base_sha256,
+            delta_sha256="" if init else run.delta_sha256,
+            delta_bytes=0 if init else run.delta_bytes,
         )
 
     def find_task(self, task_id: str) -> tuple[ActiveRun, Assignment] | None:
@@ -263,14 +270,22 @@ class Engine:
             raise FailedPrecondition(f"round {run.open_round} of run {run.run_id} has closed")
         return run, a
 
-    def open_download(self, site_id: str, task_id: str) -> tuple[str, int]:
-        """Check a site may download its task's model; returns (sha256, size)."""
+    def open_download(self, site_id: str, task_id: str, delta: bool = False) -> tuple[str, int]:
+        """Check a site may download its task's model (or the compressed step to it from
+        the previous model); returns (sha256, size)."""
         with self.lock:
             run, _ = self.current_task(site_id, task_id)
             if run.open_round == INIT_ROUND:
                 raise FailedPrecondition(
                     f"task {task_id!r} builds the initial model: nothing to download"
                 )
+            if delta:
+                if not run.delta_sha256:
+                    raise FailedPrecondition(
+                        f"round {run.open_round} of run {run.run_id} has no compressed step; "
+                        "download the whole model"
+                    )
+                return run.delta_sha256, run.delta_bytes
             return run.model_sha256, run.model_bytes
 
     def record_download(self, task_id: str, nbytes: int, seconds: float) -> None:

@@ -12,7 +12,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from fedra.coordinator.aggregation import ServerOptimizer
-from fedra.coordinator.rounds import ACCOUNTANT_KEY, start_aggregate
+from fedra.coordinator.rounds import ACCOUNTANT_KEY, RESIDUAL_PREFIX, start_aggregate
 from fedra.coordinator.state import INIT_ROUND, ActiveRun
 from fedra.coordinator.uploads import fold
 from fedra.privacy import RdpAccountant
@@ -42,7 +42,17 @@ def restore_run(engine: Engine, record: RunRecord) -> ActiveRun:
             rdp = state.pop(ACCOUNTANT_KEY, None)
             if rdp is not None:
                 run.accountant = RdpAccountant.from_tensor(rdp)
+            run.download_residual = {
+                k[len(RESIDUAL_PREFIX) :]: state.pop(k)
+                for k in list(state)
+                if k.startswith(RESIDUAL_PREFIX)
+            }
             run.optimizer.load_state_dict(state)
+        if ckpt.delta_sha256:
+            previous = engine.store.get_checkpoint(record.id, ckpt.round_number - 1)
+            if previous is not None:
+                run.base_sha256, run.delta_sha256 = previous.model_sha256, ckpt.delta_sha256
+                run.delta_bytes = engine.models.size(ckpt.delta_sha256)
     open_round = engine.store.get_open_round(record.id)
     if open_round is not None:
         _resume_open_round(engine, run, open_round.number, open_round.attempt)

@@ -24,7 +24,7 @@ from fedra.coordinator.state import INIT_ROUND, ActiveRun
 from fedra.faults import crash_point
 from fedra.privacy import RdpAccountant, add_secure_gaussian_
 from fedra.protos.codec import decode_chunks, encode_chunks, spec_of
-from fedra.protos.compression import floating_layout, unflatten_update
+from fedra.protos.compression import Compressor, apply_step, floating_layout, unflatten_update
 from fedra.secagg import SecAggError
 from fedra.storage.records import CheckpointRecord, ParticipationRecord
 
@@ -35,6 +35,8 @@ log = logging.getLogger("fedra.coordinator")
 _RECHECK_S = 1.0  # liveness is re-evaluated at least this often while waiting
 # The key in the optimiser-state checkpoint blob that holds the privacy accountant.
 ACCOUNTANT_KEY = "privacy.rdp"
+# ... and the prefix of the server's error-feedback residual for compressed downloads.
+RESIDUAL_PREFIX = "download/"
 
 
 def start_aggregate(engine: Engine, run: ActiveRun) -> None:
@@ -236,6 +238,7 @@ class RoundDriver:
         number = run.open_round
         assert number is not None
         started = time.perf_counter()
+        delta_sha, residual = "", dict[str, torch.Tensor]()
         if number == INIT_ROUND:
             assert run.init_sha256 is not None
             model = decode_chunks(
@@ -251,6 +254,7 @@ class RoundDriver:
             bad = _first_non_finite(mean)
             if bad:  # finite updates can still overflow in the sum: never commit that
                 return self._retry_or_fail(count, f"the mean update's {bad} is not finite")
+            before = {k: v.clone() for k, v in model.items()} if spec.codec.download else None
             run.optimizer.step(model, mean)
             bad = _first_non_finite(model)
             if bad:  # the outer step diverged: the run cannot go on from here
@@ -258,8 +262,13 @@ class RoundDriver:
                     "failed", f"round {number}: the new global model's {bad} is not finite"
                 )
                 return False
+            if before is not None:
+                step, residual = self._compress_step(before, model)
+                delta_sha = engine.models.put_chunks(encode_chunks(step))
         model_sha = engine.models.put_chunks(encode_chunks(model, engine.settings.chunk_bytes))
         opt_state = run.optimizer.state_dict()
+        if delta_sha:  # the server's error feedback is part of the checkpoint too
+            opt_state.update({RESIDUAL_PREFIX + k: v for k, v in residual.items()})
         accountant = None
         if spec.privacy is not None and number != INIT_ROUND:
             # Spent by this round, and committed with it: the checkpoint holds the budget.
@@ -272,8 +281,9 @@ class RoundDriver:
         if accountant is not None and spec.privacy is not None:
             metrics["privacy_epsilon"] = accountant.epsilon(spec.privacy.delta)
         ckpt = CheckpointRecord(
-            run.run_id, number, model_sha, engine.models.size(model_sha), opt_sha, now
-        )
+            run.run_id, number, model_sha, engine.models.size(model_sha), opt_sha, now,
+            delta_sha or None,
+        )  # fmt: skip
         stages = ledger([p for p in parts if p.state == "accepted"], run.aggregate_s)
         stages["checkpoint_s"] = time.perf_counter() - started
         stages["round_s"] = now - run.opened_at
@@ -283,6 +293,10 @@ class RoundDriver:
         engine.store.add_event(run.run_id, "round_committed", _summary(parts, metrics), now, number)
         with engine.lock:
             run.model, run.model_specs = model, spec_of(model)
+            run.base_sha256 = run.model_sha256 if delta_sha else ""
+            run.delta_sha256 = delta_sha
+            run.delta_bytes = engine.models.size(delta_sha) if delta_sha else 0
+            run.download_residual = residual
             run.model_sha256, run.model_bytes = model_sha, ckpt.model_bytes
             run.accountant = accountant or run.accountant
             run.set_closed(next_round=number + 1)
@@ -294,6 +308,21 @@ class RoundDriver:
             self._forget()
             return False
         return True
+
+    def _compress_step(
+        self, before: dict[str, torch.Tensor], model: dict[str, torch.Tensor]
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """[codec] download: compress the outer step and move ``model`` by exactly the
+        compressed step (in place), so a site holding ``before`` can rebuild it bit for bit.
+        Returns the compressed step and the new error-feedback residual (topk)."""
+        run = self.run_state
+        codec = run.spec.codec
+        compressor = Compressor(codec, run.download_residual or None)
+        step = compressor.compress(
+            {k: model[k] - before[k] for k in model if model[k].is_floating_point()}
+        )
+        model.update(apply_step(before, step, codec))
+        return step, compressor.residual
 
     def _mean_update(self) -> tuple[dict[str, torch.Tensor], int]:
         """The attempt's aggregate update, shaped like the model, and how many it combines."""

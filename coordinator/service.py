@@ -105,6 +105,9 @@ def _task_to_proto(t: TaskView) -> site_pb2.Task:
         codec=t.codec.name,
         compression=codec_to_proto(t.codec),
         secagg=secagg_round_to_proto(t.secagg) if t.secagg is not None else None,
+        base_sha256=t.base_sha256,
+        delta_sha256=t.delta_sha256,
+        delta_bytes=t.delta_bytes,
     )
 
 
@@ -177,7 +180,7 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
         self, request: site_pb2.DownloadModelRequest, context: Any
     ) -> Iterator[common_pb2.ModelChunk]:
         self.guard.site(context, request.site_id)
-        digest, _ = self.engine.open_download(request.site_id, request.task_id)
+        digest, _ = self.engine.open_download(request.site_id, request.task_id, request.delta)
         started, sent = time.monotonic(), 0
         for chunk in self.engine.models.read_chunks(digest, self.engine.settings.chunk_bytes):
             sent += len(chunk)

@@ -54,6 +54,12 @@ class ActiveRun:
     model_specs: dict[str, TensorSpec] | None = None
     model_sha256: str = ""
     model_bytes: int = 0
+    # Compressed downloads: the model before the last step, the step, and the server's
+    # error-feedback residual (topk), so a site holding the old model fetches the step.
+    base_sha256: str = ""
+    delta_sha256: str = ""
+    delta_bytes: int = 0
+    download_residual: dict[str, torch.Tensor] = field(default_factory=dict)
     next_round: int = INIT_ROUND
     next_attempt: int = 1
     # The round in progress (open_round is None between rounds):

@@ -58,6 +58,9 @@ class CodecSpec:
     name: str = "none"
     block: int = 256  # int8: elements per block, each with its own fp32 absmax scale
     fraction: float = 0.01  # topk: share of each float tensor's elements sent (at least 1)
+    # Also compress downloads: the coordinator moves the global model by the compressed
+    # step only, and a site holding the previous model downloads just that step.
+    download: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -71,6 +74,13 @@ class CodecSpec:
         ok = isinstance(self.fraction, int | float) and not isinstance(self.fraction, bool)
         if not ok or not 0 < self.fraction <= 1:  # also refuses NaN
             raise ConfigError(f"codec.fraction: must be a number in (0, 1], got {self.fraction!r}")
+        if not isinstance(self.download, bool):
+            raise ConfigError(f"codec.download: must be true or false, got {self.download!r}")
+        if self.download and self.name not in ("fp16", "bf16", "int8", "topk"):
+            raise ConfigError(
+                f"codec.download: needs a compressing codec (fp16, bf16, int8 or topk), "
+                f"not {self.name!r}"
+            )
         return self
 
 
@@ -390,11 +400,12 @@ def runspec_from_toml(doc: Mapping[str, Any]) -> RunSpec:
     strategy_t.pop("name", None)
     strategy_params = {k: get(strategy_t, k, float, "strategy") for k in strategy_t}
     codec_t = get(doc, "codec", dict, "", {})
-    check_keys(codec_t, {"name", "block", "fraction"}, "codec")
+    check_keys(codec_t, {"name", "block", "fraction", "download"}, "codec")
     codec = CodecSpec(
         name=get(codec_t, "name", str, "codec", "none"),
         block=get(codec_t, "block", int, "codec", 256),
         fraction=get(codec_t, "fraction", float, "codec", 0.01),
+        download=get(codec_t, "download", bool, "codec", False),
     )
     spec = RunSpec(
         codec=codec,

@@ -308,6 +308,22 @@ def decompress(
     return out
 
 
+def apply_step(
+    base: Mapping[str, torch.Tensor], step: Mapping[str, torch.Tensor], codec: CodecSpec
+) -> dict[str, torch.Tensor]:
+    """``base`` moved by a compressed step: what the coordinator commits and what a site
+    holding ``base`` rebuilds from a compressed download, bit for bit (the same operations
+    on the same inputs; the site checks the result's SHA-256 against the model's)."""
+    dense = decompress(step, spec_of(base), codec)
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in base.items():
+        if name in dense:
+            out[name] = tensor + dense[name].to(tensor.dtype)
+        else:  # integer buffers do not move
+            out[name] = tensor.clone()
+    return out
+
+
 def _dequantize_run(
     q: torch.Tensor, offset: int, scales: torch.Tensor, block: int, dense: torch.dtype
 ) -> torch.Tensor:

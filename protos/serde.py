@@ -36,14 +36,14 @@ def train_from_proto(m: common_pb2.TrainSettings) -> TrainSpec:
 
 
 def codec_to_proto(c: CodecSpec) -> common_pb2.Codec:
-    return common_pb2.Codec(name=c.name, block=c.block, fraction=c.fraction)
+    return common_pb2.Codec(name=c.name, block=c.block, fraction=c.fraction, download=c.download)
 
 
 def codec_from_proto(m: common_pb2.Codec) -> CodecSpec:
     """An unset message is "none"; a bad one raises ConfigError naming the field."""
     if not m.name:
         return CodecSpec()
-    return CodecSpec(m.name, m.block or 256, m.fraction or 0.01)
+    return CodecSpec(m.name, m.block or 256, m.fraction or 0.01, m.download)
 
 
 def aggregation_to_proto(a: AggregationSpec) -> common_pb2.Aggregation:

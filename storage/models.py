@@ -104,6 +104,8 @@ class Checkpoint(Base):
     model_bytes: Mapped[int] = mapped_column(BigInteger)
     optimizer_sha256: Mapped[str | None] = mapped_column(String(64), nullable=True)
     created_at: Mapped[float] = mapped_column(Float)
+    # With compressed downloads: the compressed step from the previous round's model.
+    delta_sha256: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
 
 class Event(Base):

@@ -73,6 +73,7 @@ class CheckpointRecord:
     model_bytes: int
     optimizer_sha256: str | None
     created_at: float
+    delta_sha256: str | None = None  # compressed downloads: the step from the round before
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,7 @@ def checkpoint_record(r: m.Checkpoint) -> CheckpointRecord:
         model_bytes=r.model_bytes,
         optimizer_sha256=r.optimizer_sha256,
         created_at=r.created_at,
+        delta_sha256=r.delta_sha256,
     )
 
 

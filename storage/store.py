@@ -351,6 +351,7 @@ class Store:
                     model_bytes=checkpoint.model_bytes,
                     optimizer_sha256=checkpoint.optimizer_sha256,
                     created_at=checkpoint.created_at,
+                    delta_sha256=checkpoint.delta_sha256,
                 )
             )
             run = s.get(m.Run, run_id)

@@ -364,3 +364,41 @@ def test_demo_writes_a_summary(tmp_path: Path) -> None:
     assert 0.5 < final["accuracy"] <= 1.0 and 0.5 < final["baseline_accuracy"] <= 1.0
     assert summary["rounds"][3]["test_accuracy"] > summary["rounds"][0]["test_accuracy"]
     assert "final global model: test accuracy" in result.stdout
+
+
+@pytest.mark.parametrize("codec", ["int8", "topk"])
+def test_compressed_downloads_rebuild_the_model_across_a_coordinator_restart(
+    cluster: LocalCluster, codec: str
+) -> None:
+    """[codec] download: after their first round, sites fetch only the compressed outer
+    step and rebuild the global model bit for bit (a mismatch would make them fetch the
+    whole model, which the byte counts below would show), also after the coordinator is
+    killed and restarted (the step, its base and the top-k residual are in the checkpoint)."""
+    address = cluster.start_coordinator(flags=FAST)
+    port = int(address.rsplit(":", 1)[1])
+    ids = [f"site-{i}" for i in range(3)]
+    for i, site_id in enumerate(ids):
+        cluster.start_site(site_id, [SYNTHETIC], {"shift": 0.25 * i, "seed": i, "samples": 128})
+    cluster.wait_for_sites(ids)
+    params = {"extra_params": "20000"}
+    train = TrainSpec(local_steps=10, batch_size=16, learning_rate=0.02, params=params)
+    spec = synthetic_spec(
+        rounds=5,
+        strategy="diloco",
+        train=train,
+        codec=CodecSpec(codec, fraction=0.05, download=True),
+    )
+    with cluster.admin() as admin:
+        run_id = admin.submit(spec)
+        wait_until(admin, run_id, lambda s: s.rounds_completed >= 3)
+    kill_and_restart_coordinator(cluster, port)
+    with cluster.admin() as admin:
+        status = wait_until(admin, run_id, finished)
+    assert status.state == "completed", status.reason
+    model_bytes = 4 * (20000 + 8 + 1)
+    for r in (r for r in status.rounds if r.number >= 2 and r.status == "committed"):
+        for p in r.participations:
+            if p.status == "accepted":  # every site held the previous round's model
+                assert p.bytes_down < 0.35 * model_bytes, (r.number, p.site_id, p.bytes_down)
+    rounds = [r for r in status.rounds if r.number > 0]
+    assert rounds[-1].metrics["eval_loss"] < rounds[0].metrics["eval_loss"]

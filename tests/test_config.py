@@ -248,6 +248,8 @@ BAD_RUNS = [
         "min_sites",
         "a site's secrets need 2 shares, so a round needs at least 3 surviving sites",
     ),
+    (MINIMAL_RUN + "[codec]\ndownload = true", "codec.download", "needs a compressing codec"),
+    (MINIMAL_RUN + '[codec]\nname = "int8"\ndownload = 1', "codec.download", "expected bool"),
     (MINIMAL_RUN + '[codec]\nname = "secagg"', "codec.name", "asked for with a [secagg] table"),
 ]
 

@@ -86,21 +86,27 @@ class Codec(_message.Message):
     NAME_FIELD_NUMBER: _builtins.int
     BLOCK_FIELD_NUMBER: _builtins.int
     FRACTION_FIELD_NUMBER: _builtins.int
+    DOWNLOAD_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     block: _builtins.int
     """int8: elements per block"""
     fraction: _builtins.float
     """topk: share of each tensor's elements sent"""
+    download: _builtins.bool
+    """Downloads too: the global model moves by compressed steps only, and a site that
+    holds the previous model downloads just the step (DownloadModelRequest.delta).
+    """
     def __init__(
         self,
         *,
         name: _builtins.str = ...,
         block: _builtins.int = ...,
         fraction: _builtins.float = ...,
+        download: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block", b"block", "fraction", b"fraction", "name", b"name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block", b"block", "download", b"download", "fraction", b"fraction", "name", b"name"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

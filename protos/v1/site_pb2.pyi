@@ -174,6 +174,9 @@ class Task(_message.Message):
     CODEC_FIELD_NUMBER: _builtins.int
     COMPRESSION_FIELD_NUMBER: _builtins.int
     SECAGG_FIELD_NUMBER: _builtins.int
+    BASE_SHA256_FIELD_NUMBER: _builtins.int
+    DELTA_SHA256_FIELD_NUMBER: _builtins.int
+    DELTA_BYTES_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     run_id: _builtins.str
     round: _builtins.int
@@ -187,6 +190,12 @@ class Task(_message.Message):
     """relative, so clocks need not agree"""
     codec: _builtins.str
     """the name of compression.codec, for logs"""
+    base_sha256: _builtins.str
+    """With compressed downloads: the model whose digest is base_sha256 plus this
+    round's compressed step (delta_sha256, delta_bytes) is the model to train from.
+    """
+    delta_sha256: _builtins.str
+    delta_bytes: _builtins.int
     @_builtins.property
     def settings(self) -> _common_pb2.TrainSettings: ...
     @_builtins.property
@@ -213,10 +222,13 @@ class Task(_message.Message):
         codec: _builtins.str = ...,
         compression: _common_pb2.Codec | None = ...,
         secagg: Global___SecAggRound | None = ...,
+        base_sha256: _builtins.str = ...,
+        delta_sha256: _builtins.str = ...,
+        delta_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["compression", b"compression", "secagg", b"secagg", "settings", b"settings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["codec", b"codec", "compression", b"compression", "deadline_in_s", b"deadline_in_s", "entry_point", b"entry_point", "kind", b"kind", "model_bytes", b"model_bytes", "model_sha256", b"model_sha256", "round", b"round", "run_id", b"run_id", "secagg", b"secagg", "seed", b"seed", "settings", b"settings", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_sha256", b"base_sha256", "codec", b"codec", "compression", b"compression", "deadline_in_s", b"deadline_in_s", "delta_bytes", b"delta_bytes", "delta_sha256", b"delta_sha256", "entry_point", b"entry_point", "kind", b"kind", "model_bytes", b"model_bytes", "model_sha256", b"model_sha256", "round", b"round", "run_id", b"run_id", "secagg", b"secagg", "seed", b"seed", "settings", b"settings", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -292,17 +304,21 @@ class DownloadModelRequest(_message.Message):
 
     SITE_ID_FIELD_NUMBER: _builtins.int
     TASK_ID_FIELD_NUMBER: _builtins.int
+    DELTA_FIELD_NUMBER: _builtins.int
     site_id: _builtins.str
     task_id: _builtins.str
+    delta: _builtins.bool
+    """stream the round's compressed step instead of the whole model"""
     def __init__(
         self,
         *,
         site_id: _builtins.str = ...,
         task_id: _builtins.str = ...,
+        delta: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["site_id", b"site_id", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["delta", b"delta", "site_id", b"site_id", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
