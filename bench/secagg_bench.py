@@ -8,7 +8,10 @@ model is the synthetic task's linear layer plus a ``--params``-float block, trai
 step, so a round is the protocol and the transfers, not the training. From the coordinator's
 RoundStatus of rounds 1..R (round 0, the initial model, is left out) it reads:
 
-* the median round time (``duration_s``) of each run and the ratio secagg / plain;
+* the median and the mean round time (``duration_s``) of each run and the ratios secagg /
+  plain, each round's time on the progress lines, and any round over 5x its run's fastest
+  round plus 1 s as a stall. Read both: the median is the steady-state cost, the mean is what
+  a run pays once occasional stalls are counted;
 * bytes up and down per site per round (from the participations) and their ratios. These
   count the model transfers only: secagg's key, share and reveal messages are not in
   RoundStatus, so their payload sizes are taken from the in-process table below;
@@ -59,7 +62,9 @@ from fedra.secagg import ServerSecAgg, SiteSecAgg, plan_round, quant_bits
 SYNTHETIC = "fedra.examples.synthetic:task"
 LINEAR_PARAMS = 9  # the synthetic task's nn.Linear(8, 1): weight and bias
 KB = 1e3
-STALL_X = 5.0  # a round this many times the run's median (plus 1 s) is reported as a stall
+# A round over STALL_X times its run's fastest round plus STALL_PLUS_S is reported as a stall.
+STALL_X = 5.0
+STALL_PLUS_S = 1.0
 STAGES = ("distribute_s", "compute_s", "transfer_s", "aggregate_s", "checkpoint_s")
 
 
@@ -90,6 +95,7 @@ class RunResult:
     bytes_up_per_site: float = field(init=False)
     bytes_down_per_site: float = field(init=False)
     stage_medians: dict[str, float] = field(init=False)
+    stalled_rounds: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
         self.median_round_s = statistics.median(r.duration_s for r in self.rounds)
@@ -103,6 +109,11 @@ class RunResult:
             key: statistics.median(r.stages.get(key, 0.0) for r in self.rounds)
             for key in (*STAGES, "round_s", "rest_s")
         }
+        # Against the fastest round, not the median: a stall in most rounds moves the median.
+        fastest = min(r.duration_s for r in self.rounds)
+        self.stalled_rounds = [
+            r.number for r in self.rounds if r.duration_s > STALL_X * fastest + STALL_PLUS_S
+        ]
 
     def cpu_per_round(self) -> tuple[float, float]:
         n = len(self.rounds) + 1  # round 0 is in the CPU totals
@@ -424,12 +435,13 @@ def print_tables(
     )
     for r in results:
         for run in (r.plain, r.secagg):
-            slow = [x for x in run.rounds if x.duration_s > STALL_X * run.median_round_s + 1.0]
-            for x in slow:
-                print(
-                    f"  N={r.sites} {run.mode} round {x.number}: {x.duration_s:.2f} s, over "
-                    f"{STALL_X:g}x the median (distribute {x.stages.get('distribute_s', 0):.2f} s)"
-                )
+            for x in run.rounds:
+                if x.number in run.stalled_rounds:
+                    print(
+                        f"  stall: N={r.sites} {run.mode} round {x.number} took "
+                        f"{x.duration_s:.2f} s, distribute {x.stages.get('distribute_s', 0):.2f} s"
+                        f" (the run's fastest round: {min(y.duration_s for y in run.rounds):.3f} s)"
+                    )
     print("\nWhere the round goes (stage medians, seconds; rest = round_s - the others):")
     head = ["N", "run", *(k.removesuffix("_s") for k in STAGES), "rest", "round"]
     head += ["coord CPU s/rnd", "sites CPU s/rnd"]
