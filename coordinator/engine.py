@@ -180,6 +180,7 @@ class Engine:
             for a in other.assignments.values()
             if not a.final
         }
+        busy.update(run.carried)  # async: still training on an earlier round's task
         return sorted(
             s
             for s, tasks in self._site_tasks.items()
@@ -227,7 +228,7 @@ class Engine:
         return TaskView(
             task_id=a.task_id,
             run_id=run.run_id,
-            round=run.open_round,
+            round=a.issued_round,
             kind="init" if init else "train",
             entry_point=run.spec.task,
             train=run.spec.train,
@@ -270,9 +271,11 @@ class Engine:
             raise FailedPrecondition(f"round {run.open_round} of run {run.run_id} has closed")
         return run, a
 
-    def open_download(self, site_id: str, task_id: str, delta: bool = False) -> tuple[str, int]:
+    def open_download(
+        self, site_id: str, task_id: str, delta: bool = False
+    ) -> tuple[str, int, int]:
         """Check a site may download its task's model (or the compressed step to it from
-        the previous model); returns (sha256, size)."""
+        the previous model); returns (sha256, size, the round whose model it is)."""
         with self.lock:
             run, _ = self.current_task(site_id, task_id)
             if run.open_round == INIT_ROUND:
@@ -285,15 +288,19 @@ class Engine:
                         f"round {run.open_round} of run {run.run_id} has no compressed step; "
                         "download the whole model"
                     )
-                return run.delta_sha256, run.delta_bytes
-            return run.model_sha256, run.model_bytes
+                return run.delta_sha256, run.delta_bytes, run.open_round or 0
+            return run.model_sha256, run.model_bytes, run.open_round or 0
 
-    def record_download(self, task_id: str, nbytes: int, seconds: float) -> None:
-        self.store.mark_downloaded(task_id, nbytes, seconds)
+    def record_download(self, task_id: str, nbytes: int, seconds: float, base: int) -> None:
+        """Count a finished download of the model of round ``base`` (an async update's
+        staleness counts from it)."""
+        self.store.mark_downloaded(task_id, nbytes, seconds, base)
         with self.lock:
             found = self.find_task(task_id)
             if found is not None and found[1].state == "assigned":
                 found[1].state = "downloaded"
+            if found is not None:
+                found[1].base_round = base
             self.notify()
 
     def report_failure(self, site_id: str, task_id: str, reason: str) -> None:

@@ -53,6 +53,9 @@ def restore_run(engine: Engine, record: RunRecord) -> ActiveRun:
             if previous is not None:
                 run.base_sha256, run.delta_sha256 = previous.model_sha256, ckpt.delta_sha256
                 run.delta_bytes = engine.models.size(ckpt.delta_sha256)
+    # Async: tasks a crash left between a commit and the next round's opening are lost.
+    reason = "the coordinator restarted before this task joined the next round"
+    engine.store.expire_unfinished_before(record.id, run.next_round, reason, engine.clock())
     open_round = engine.store.get_open_round(record.id)
     if open_round is not None:
         _resume_open_round(engine, run, open_round.number, open_round.attempt)
@@ -85,6 +88,8 @@ def _resume_open_round(engine: Engine, run: ActiveRun, number: int, attempt: int
         start_aggregate(engine, run)
     for p in parts:
         a = run.assignments[p.site_id]
+        a.issued_round = number if p.issued_round is None else p.issued_round
+        a.base_round = p.base_round
         engine.mark_seen_for_recovery(p.site_id, now)
         if p.state == "accepted" and p.update_sha256 and engine.updates.exists(p.update_sha256):
             fold(engine, run, p.update_sha256, p.num_samples, p.site_id)

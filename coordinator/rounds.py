@@ -115,7 +115,8 @@ class RoundDriver:
         run, engine, spec = self.run_state, self.engine, self.run_state.spec
         number, attempt = run.next_round, run.next_attempt
         init = number == INIT_ROUND
-        wanted = 1 if init else spec.sites_per_round
+        carried = len(run.carried)  # async: sites still training on an earlier task
+        wanted = 1 if init else spec.sites_per_round - carried
         quorum = 1 if init else spec.quorum
         started = time.monotonic()
         with engine.lock:
@@ -125,7 +126,7 @@ class RoundDriver:
                 eligible = engine.eligible_sites(run, engine.clock())
                 waited = time.monotonic() - started
                 if len(eligible) >= wanted or (
-                    len(eligible) >= quorum and waited >= spec.join_timeout_s
+                    len(eligible) + carried >= quorum and waited >= spec.join_timeout_s
                 ):
                     break
                 run.waiting_reason = (
@@ -135,11 +136,14 @@ class RoundDriver:
                 engine.changed.wait(_RECHECK_S)
             # Keyed by the spec's seed alone, so the same spec samples the same sites.
             rng = random.Random(f"{spec.seed}:{number}:{attempt}")
-            sampled = sorted(rng.sample(eligible, min(wanted, len(eligible))))
+            sampled = sorted(rng.sample(eligible, max(0, min(wanted, len(eligible)))))
             assignments = {site: uuid.uuid4().hex for site in sampled}
             now = engine.clock()
             deadline = now + spec.round_deadline_s
-            engine.store.open_round(run.run_id, number, attempt, assignments, now, deadline)
+            carry = [a.task_id for a in run.carried.values()]
+            engine.store.open_round(
+                run.run_id, number, attempt, assignments, now, deadline, carry=carry
+            )
             if number == INIT_ROUND and attempt == 1:
                 engine.store.set_run_state(run.run_id, "running", "", now)
             engine.store.add_event(
@@ -150,11 +154,12 @@ class RoundDriver:
                 start_aggregate(engine, run)
             engine.notify()
         log.info(
-            "%s round %d: opened (attempt %d) with %s",
+            "%s round %d: opened (attempt %d) with %s%s",
             self.tag,
             number,
             attempt,
-            ", ".join(sampled),
+            ", ".join(sampled) or "no new site",
+            f" and {carried} still training" if carried else "",
         )
         return True
 
@@ -174,6 +179,8 @@ class RoundDriver:
                     self._advance_secure(now)
                 states = [a.state for a in run.assignments.values()]
                 done = all(s in ("accepted", "failed") for s in states)
+                if spec_async := run.spec.asynchronous:  # FedBuff: the buffer is full
+                    done = done or states.count("accepted") >= spec_async.buffer
                 if done or now >= run.deadline_at or run.broken:
                     run.closing = True  # from here on, uploads are late
                     engine.notify()
@@ -188,6 +195,7 @@ class RoundDriver:
         """Close a key-exchange stage that is complete or overdue (lock held)."""
         run = self.run_state
         assert run.secure is not None
+        stage = run.secure.stage
         out, why = run.secure.advance(run.assignments, run.required_updates)
         for site in out:
             a = run.assignments[site]
@@ -197,7 +205,7 @@ class RoundDriver:
             log.warning("%s round %s: %s: %s", self.tag, run.open_round, site, reason)
         if why:
             run.broken = why
-        if out or why:
+        if out or why or run.secure.stage != stage:  # wake the sites waiting on the stage
             self.engine.notify()
 
     def _unmask(self) -> None:
@@ -289,7 +297,10 @@ class RoundDriver:
         stages["round_s"] = now - run.opened_at
         crash_point("before_commit", number)
         final = "completed" if number == spec.rounds else None
-        engine.store.commit_round(run.run_id, number, ckpt, metrics, now, final, stages)
+        engine.store.commit_round(
+            run.run_id, number, ckpt, metrics, now, final, stages,
+            keep=[] if final else self._carry_on(),
+        )  # fmt: skip
         engine.store.add_event(run.run_id, "round_committed", _summary(parts, metrics), now, number)
         with engine.lock:
             run.model, run.model_specs = model, spec_of(model)
@@ -308,6 +319,13 @@ class RoundDriver:
             self._forget()
             return False
         return True
+
+    def _carry_on(self) -> list[str]:
+        """Async: the tasks still being trained, which move on to the next round."""
+        run = self.run_state
+        if run.spec.asynchronous is None or run.open_round == INIT_ROUND:
+            return []
+        return [a.task_id for a in run.assignments.values() if not a.final]
 
     def _compress_step(
         self, before: dict[str, torch.Tensor], model: dict[str, torch.Tensor]
@@ -364,7 +382,7 @@ class RoundDriver:
             f"the {spec.round_deadline_s:g} s deadline"
         )
         now = engine.clock()
-        engine.store.expire_attempt(run.run_id, number, attempt, reason, now)
+        engine.store.expire_attempt(run.run_id, number, attempt, reason, now, self._carry_on())
         engine.store.add_event(run.run_id, "attempt_failed", reason, now, number)
         log.warning("%s: %s", self.tag, reason)
         if attempt >= spec.max_round_attempts:

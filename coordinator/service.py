@@ -180,12 +180,12 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
         self, request: site_pb2.DownloadModelRequest, context: Any
     ) -> Iterator[common_pb2.ModelChunk]:
         self.guard.site(context, request.site_id)
-        digest, _ = self.engine.open_download(request.site_id, request.task_id, request.delta)
+        digest, _, base = self.engine.open_download(request.site_id, request.task_id, request.delta)
         started, sent = time.monotonic(), 0
         for chunk in self.engine.models.read_chunks(digest, self.engine.settings.chunk_bytes):
             sent += len(chunk)
             yield common_pb2.ModelChunk(data=chunk)
-        self.engine.record_download(request.task_id, sent, time.monotonic() - started)
+        self.engine.record_download(request.task_id, sent, time.monotonic() - started, base)
 
     @mapped
     def UploadUpdate(

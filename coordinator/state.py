@@ -32,6 +32,8 @@ class Assignment:
     num_samples: int = 0
     before_upload: str = "assigned"  # the state an aborted upload returns to
     nonce: bytes = b""  # of the accepted update: a retry with the same nonce is answered as done
+    issued_round: int = 0  # the round named in the site's task (async: may be an earlier one)
+    base_round: int | None = None  # the round whose global model the site downloaded
 
     @property
     def final(self) -> bool:
@@ -69,6 +71,9 @@ class ActiveRun:
     opened_at: float = 0.0
     deadline_at: float = 0.0
     assignments: dict[str, Assignment] = field(default_factory=dict)  # by site id
+    # Async runs: tasks still being trained when their round closed, by site id; they
+    # join the next attempt or round (and stay valid in between).
+    carried: dict[str, Assignment] = field(default_factory=dict)
     # How this attempt's updates are combined: exactly one of these is set (round > 0).
     accumulator: WeightedSum | None = None  # rule "mean": the streaming (clipped) sum
     robust: UpdateStore | None = None  # robust rules: every update, spilled past a limit
@@ -96,10 +101,16 @@ class ActiveRun:
         return 1 if self.open_round == INIT_ROUND else self.spec.quorum
 
     def by_task(self, task_id: str) -> Assignment | None:
-        for a in self.assignments.values():
+        for a in (*self.assignments.values(), *self.carried.values()):
             if a.task_id == task_id:
                 return a
         return None
+
+    def staleness(self, a: Assignment) -> int:
+        """How many global models behind the open round the assignment's model is."""
+        assert self.open_round is not None
+        base = a.base_round if a.base_round is not None else a.issued_round
+        return max(0, self.open_round - base)
 
     def accepting(self, round_number: int, attempt: int) -> bool:
         return self.open_round == round_number and self.attempt == attempt and not self.closing
@@ -110,10 +121,16 @@ class ActiveRun:
         self.open_round, self.attempt, self.closing = number, attempt, False
         self.opened_at, self.deadline_at = now, deadline
         self.aggregate_s = 0.0
-        self.assignments = {s: Assignment(t, s, "assigned") for s, t in assignments.items()}
+        self.assignments = {
+            s: Assignment(t, s, "assigned", issued_round=number) for s, t in assignments.items()
+        }
+        self.assignments.update(self.carried)
+        self.carried = {}
         self.waiting_reason = ""
 
     def set_closed(self, next_round: int, next_attempt: int = 1) -> None:
+        if self.spec.asynchronous is not None:  # still training: they count in what comes next
+            self.carried = {s: a for s, a in self.assignments.items() if not a.final}
         self.open_round, self.closing, self.broken = None, False, ""
         self.next_round, self.next_attempt = next_round, next_attempt
         self.assignments, self.accumulator, self.init_sha256 = {}, None, None

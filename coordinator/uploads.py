@@ -90,12 +90,25 @@ def begin_upload(engine: Engine, h: UpdateHeader) -> UploadTicket:
     """Check everything the header says before a payload byte is read."""
     _check_header_fields(h)
     with engine.lock:
+        _await_next_async_round(engine, h.task_id)
         run, a = engine.current_task(h.site_id, h.task_id)
-        if h.run_id != run.run_id or h.round != run.open_round:
+        assert run.open_round is not None  # current_task: the round is open and accepting
+        if h.run_id != run.run_id or h.round != a.issued_round:
             raise InvalidArgument(
                 f"header names run {h.run_id} round {h.round}, but task {h.task_id} is for "
-                f"run {run.run_id} round {run.open_round}"
+                f"run {run.run_id} round {a.issued_round}"
             )
+        if run.spec.asynchronous is not None and a.pending:
+            tau, limit = run.staleness(a), run.spec.asynchronous.max_staleness
+            if tau > limit:
+                reason = (
+                    f"the update was trained on the model of round {run.open_round - tau}, "
+                    f"{tau} models ago; async.max_staleness is {limit}"
+                )
+                engine.store.fail_participation(a.task_id, reason, engine.clock())
+                a.state = "failed"
+                engine.notify()
+                raise FailedPrecondition(f"{reason}; poll for a task on the newest model")
         if a.state == "accepted" and a.nonce == h.nonce and a.update_sha256 == h.sha256:
             raise AlreadyAccepted(h.payload_bytes)  # a retry after a lost reply: it counted
         if a.state == "uploading":
@@ -126,6 +139,25 @@ def begin_upload(engine: Engine, h: UpdateHeader) -> UploadTicket:
             )
         a.before_upload, a.state = a.state, "uploading"
         return ticket
+
+
+_ASYNC_GAP_WAIT_S = 30.0  # longest an upload waits for an async run's next round to open
+
+
+def _await_next_async_round(engine: Engine, task_id: str) -> None:
+    """An async task still training when its round committed joins the next round: an
+    upload that arrives while that round is being committed or opened waits for it
+    (engine lock held), instead of being refused as late."""
+    until = time.monotonic() + _ASYNC_GAP_WAIT_S
+    while not engine.stopping and time.monotonic() < until:
+        found = engine.find_task(task_id)
+        if found is None:
+            return
+        run, a = found
+        between = run.open_round is None or run.closing or a.site_id in run.carried
+        if run.spec.asynchronous is None or a.final or not between:
+            return
+        engine.changed.wait(min(1.0, until - time.monotonic()))
 
 
 def _check_header_fields(h: UpdateHeader) -> None:
@@ -210,6 +242,10 @@ def accept(engine: Engine, ticket: UploadTicket, digest: str, nbytes: int) -> No
     h, run, a = ticket.header, ticket.run, ticket.assignment
     upload_s = time.monotonic() - ticket.started
     with engine.lock:
+        if run.spec.asynchronous is not None:  # the round may have moved on meanwhile
+            _await_next_async_round(engine, h.task_id)
+            if run.assignments.get(h.site_id) is a and run.open_round is not None:
+                ticket.round, ticket.attempt = run.open_round, run.attempt
         if not run.accepting(ticket.round, ticket.attempt):
             _drop_spooled(engine, run, digest)
             a.state, a.update_sha256 = "failed", None
@@ -217,13 +253,16 @@ def accept(engine: Engine, ticket: UploadTicket, digest: str, nbytes: int) -> No
                 f"round {ticket.round} of run {run.run_id} closed before your update arrived; "
                 "poll for the next task"
             )
+        metrics = dict(h.metrics)
+        if run.spec.asynchronous is not None:
+            metrics["staleness"] = float(run.staleness(a))
         try:
             engine.store.accept_update(
                 h.task_id,
                 nonce=h.nonce,
                 sha256=digest,
                 num_samples=h.num_samples,
-                metrics=h.metrics,
+                metrics=metrics,
                 bytes_up=nbytes,
                 upload_s=upload_s,
                 now=engine.clock(),
@@ -291,9 +330,12 @@ def _fold(engine: Engine, run: ActiveRun, digest: str, num_samples: int, site_id
     # DP-FedAvg gives every site one vote: the sensitivity of the sum is then the clip.
     weight = 1.0 if spec.privacy is not None else float(num_samples)
     scale = 1.0
+    a = run.assignments.get(site_id)
+    if spec.asynchronous is not None and a is not None:  # FedBuff: stale updates count less
+        scale = spec.asynchronous.weight(run.staleness(a))
     if bound > 0:  # a first pass for the norm: the spool is local and fast
         norm = math.sqrt(sum(_sum_of_squares(p) for p in _dense_pieces(engine, run, digest)))
-        scale = clip_factor(norm, bound)
+        scale *= clip_factor(norm, bound)
     run.accumulator.add_pieces(_dense_pieces(engine, run, digest), weight * scale)
     run.accumulator.finish_update(weight)
 

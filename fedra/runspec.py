@@ -207,6 +207,41 @@ class SecAggSpec:
             )
 
 
+STALENESS = ("sqrt", "constant")
+
+
+@dataclass(frozen=True)
+class AsyncSpec:
+    """Buffered asynchronous rounds, FedBuff-style (``[async]`` in run.toml).
+
+    ``sites_per_round`` sites train at once; every ``buffer`` accepted updates make the
+    next global model, and a site that finishes gets a task on the newest model at once.
+    An update trained on a model ``tau`` versions old counts with weight
+    ``1 / sqrt(1 + tau)`` (``sqrt``) or 1 (``constant``); past ``max_staleness`` it is refused.
+    """
+
+    buffer: int = 2
+    max_staleness: int = 4
+    staleness: str = "sqrt"
+
+    def weight(self, tau: int) -> float:
+        """How much an update ``tau`` versions stale counts."""
+        return 1.0 if self.staleness == "constant" else 1.0 / math.sqrt(1.0 + tau)
+
+    def validate(self, sites_per_round: int) -> None:
+        require(
+            1 <= self.buffer <= sites_per_round,
+            "async.buffer",
+            f"must be in [1, sites_per_round={sites_per_round}]",
+            self.buffer,
+        )
+        require(self.max_staleness >= 0, "async.max_staleness", "must be >= 0", self.max_staleness)
+        if self.staleness not in STALENESS:
+            raise ConfigError(
+                f"async.staleness: must be one of {', '.join(STALENESS)}, got {self.staleness!r}"
+            )
+
+
 @dataclass(frozen=True)
 class TrainSpec:
     local_steps: int = 0
@@ -251,9 +286,13 @@ class RunSpec:
     aggregation: AggregationSpec = field(default_factory=AggregationSpec)
     privacy: PrivacySpec | None = None
     secagg: SecAggSpec | None = None
+    asynchronous: AsyncSpec | None = None  # [async]
 
     @property
     def quorum(self) -> int:
+        """Updates a round needs: min_sites, sites_per_round, or an async run's buffer."""
+        if self.asynchronous is not None:
+            return self.asynchronous.buffer
         return self.min_sites or self.sites_per_round
 
     def validate(self) -> RunSpec:
@@ -283,7 +322,27 @@ class RunSpec:
         self.train.validate()
         self._validate_strategy()
         self._validate_aggregation()
+        self._validate_async()
         return self
+
+    def _validate_async(self) -> None:
+        if self.asynchronous is None:
+            return
+        self.asynchronous.validate(self.sites_per_round)
+        require(
+            self.min_sites == 0,
+            "min_sites",
+            "an [async] run commits every async.buffer updates; leave min_sites unset",
+            self.min_sites,
+        )
+        for table, value in (("secagg", self.secagg), ("privacy", self.privacy)):
+            if value is not None:
+                raise ConfigError(f"async: cannot be combined with [{table}] yet")
+        if self.aggregation.robust:
+            raise ConfigError(
+                f"aggregation.rule: {self.aggregation.rule!r} cannot run with [async] "
+                "(robust rules compare one round's updates; use rule 'mean')"
+            )
 
     def _validate_aggregation(self) -> None:
         if self.codec.name not in CODECS:
@@ -371,13 +430,15 @@ class RunSpec:
             raw["privacy"] = PrivacySpec(**raw["privacy"])
         if raw.get("secagg") is not None:
             raw["secagg"] = SecAggSpec(**raw["secagg"])
+        if raw.get("asynchronous") is not None:
+            raw["asynchronous"] = AsyncSpec(**raw["asynchronous"])
         return RunSpec(**raw)
 
 
 _TOP_KEYS = {
     "name", "task", "rounds", "sites_per_round", "min_sites", "round_deadline_s",
     "max_round_attempts", "join_timeout_s", "seed", "train", "strategy", "codec",
-    "aggregation", "privacy", "secagg",
+    "aggregation", "privacy", "secagg", "async",
 }  # fmt: skip
 _TRAIN_KEYS = {"local_steps", "local_epochs", "batch_size", "learning_rate", "params"}
 
@@ -412,6 +473,7 @@ def runspec_from_toml(doc: Mapping[str, Any]) -> RunSpec:
         aggregation=_aggregation_from_toml(get(doc, "aggregation", dict, "", {})),
         privacy=_privacy_from_toml(doc["privacy"]) if "privacy" in doc else None,
         secagg=_secagg_from_toml(doc["secagg"]) if "secagg" in doc else None,
+        asynchronous=_async_from_toml(doc["async"]) if "async" in doc else None,
         task=get(doc, "task", str, ""),
         rounds=get(doc, "rounds", int, ""),
         name=get(doc, "name", str, "", ""),
@@ -467,4 +529,16 @@ def _secagg_from_toml(raw: Any) -> SecAggSpec:
         clip=get(raw, "clip", float, "secagg", d.clip),
         setup_timeout_s=get(raw, "setup_timeout_s", float, "secagg", d.setup_timeout_s),
         unmask_timeout_s=get(raw, "unmask_timeout_s", float, "secagg", d.unmask_timeout_s),
+    )
+
+
+def _async_from_toml(raw: Any) -> AsyncSpec:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"async: expected a table, got {type(raw).__name__}")
+    check_keys(raw, {"buffer", "max_staleness", "staleness"}, "async")
+    d = AsyncSpec()
+    return AsyncSpec(
+        buffer=get(raw, "buffer", int, "async", d.buffer),
+        max_staleness=get(raw, "max_staleness", int, "async", d.max_staleness),
+        staleness=get(raw, "staleness", str, "async", d.staleness),
     )

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from fedra.protos.v1 import admin_pb2, common_pb2, site_pb2
 from fedra.runspec import (
     AggregationSpec,
+    AsyncSpec,
     CodecSpec,
     PrivacySpec,
     RunSpec,
@@ -100,8 +101,19 @@ def secagg_from_proto(m: common_pb2.SecAgg) -> SecAggSpec:
     )
 
 
+def async_to_proto(a: AsyncSpec) -> common_pb2.Async:
+    return common_pb2.Async(buffer=a.buffer, max_staleness=a.max_staleness, staleness=a.staleness)
+
+
+def async_from_proto(m: common_pb2.Async) -> AsyncSpec:
+    """buffer 0 and an empty staleness take their defaults (neither is ever valid)."""
+    d = AsyncSpec()
+    return AsyncSpec(m.buffer or d.buffer, m.max_staleness, m.staleness or d.staleness)
+
+
 def runspec_to_proto(s: RunSpec) -> admin_pb2.RunSpec:
     return admin_pb2.RunSpec(
+        asynchronous=async_to_proto(s.asynchronous) if s.asynchronous is not None else None,
         aggregation=aggregation_to_proto(s.aggregation),
         privacy=privacy_to_proto(s.privacy) if s.privacy is not None else None,
         secagg=secagg_to_proto(s.secagg) if s.secagg is not None else None,
@@ -124,6 +136,7 @@ def runspec_to_proto(s: RunSpec) -> admin_pb2.RunSpec:
 def runspec_from_proto(m: admin_pb2.RunSpec) -> RunSpec:
     """The RunSpec a message carries; not validated (call ``validate``)."""
     return RunSpec(
+        asynchronous=async_from_proto(m.asynchronous) if m.HasField("asynchronous") else None,
         aggregation=aggregation_from_proto(m.aggregation),
         privacy=privacy_from_proto(m.privacy) if m.HasField("privacy") else None,
         secagg=secagg_from_proto(m.secagg) if m.HasField("secagg") else None,

@@ -91,6 +91,10 @@ class Participation(Base):
     metrics_json: Mapped[str] = mapped_column(Text, default="{}")
     error: Mapped[str] = mapped_column(Text, default="")
     finished_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # Async runs: the round named in the site's task (a task still training when its
+    # round commits moves on to the next one), and the round whose model it downloaded.
+    issued_round: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    base_round: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 class Checkpoint(Base):

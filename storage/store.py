@@ -171,8 +171,13 @@ class Store:
         assignments: dict[str, str],
         opened_at: float,
         deadline_at: float,
+        carry: Sequence[str] = (),
     ) -> None:
-        """Open (or re-open for a new attempt) a round and assign tasks: site_id -> task_id."""
+        """Open (or re-open for a new attempt) a round and assign tasks: site_id -> task_id.
+
+        ``carry``: unfinished tasks of the previous attempt or round that move into this
+        one (async runs: sites still training when a new global model was committed).
+        """
         sampled = json.dumps(sorted(assignments))
         with self._tx() as s:
             row = s.scalars(
@@ -205,7 +210,18 @@ class Store:
                         site_id=site_id,
                         state="assigned",
                         assigned_at=opened_at,
+                        issued_round=number,
                     )
+                )
+            if carry:
+                s.execute(
+                    update(m.Participation)
+                    .where(
+                        m.Participation.task_id.in_(list(carry)),
+                        m.Participation.run_id == run_id,
+                        m.Participation.state.in_(("assigned", "downloaded")),
+                    )
+                    .values(round_number=number, attempt=attempt)
                 )
 
     def extend_deadline(self, run_id: str, number: int, deadline_at: float) -> None:
@@ -247,7 +263,9 @@ class Store:
             row = s.get(m.Participation, task_id)
             return None if row is None else rows.participation_record(row)
 
-    def mark_downloaded(self, task_id: str, bytes_down: int, download_s: float) -> None:
+    def mark_downloaded(
+        self, task_id: str, bytes_down: int, download_s: float, base_round: int | None = None
+    ) -> None:
         # Add in the database, not in Python: two downloads of one task recorded at
         # once must both count, and a read-modify-write would lose one of them.
         p = m.Participation
@@ -259,6 +277,7 @@ class Store:
                     bytes_down=p.bytes_down + bytes_down,
                     download_s=p.download_s + download_s,
                     state=case((p.state == "assigned", "downloaded"), else_=p.state),
+                    base_round=p.base_round if base_round is None else base_round,
                 )
             )
             if result.rowcount == 0:
@@ -295,9 +314,16 @@ class Store:
                 row.state, row.error, row.finished_at = "failed", error, now
 
     def expire_attempt(
-        self, run_id: str, number: int, attempt: int, reason: str, now: float
+        self,
+        run_id: str,
+        number: int,
+        attempt: int,
+        reason: str,
+        now: float,
+        keep: Sequence[str] = (),
     ) -> None:
-        """Close a failed attempt: its unfinished participations become 'expired'."""
+        """Close a failed attempt: its unfinished participations become 'expired'
+        (except the tasks in ``keep``, which an async run carries on)."""
         with self._tx() as s:
             s.execute(
                 update(m.Participation)
@@ -306,6 +332,7 @@ class Store:
                     m.Participation.round_number == number,
                     m.Participation.attempt == attempt,
                     m.Participation.state.in_(("assigned", "downloaded")),
+                    m.Participation.task_id.not_in(list(keep)),
                 )
                 .values(state="expired", error=reason, finished_at=now)
             )
@@ -319,10 +346,12 @@ class Store:
         now: float,
         final_state: str | None = None,
         stages: dict[str, float] | None = None,
+        keep: Sequence[str] = (),
     ) -> None:
         """Atomically: record the checkpoint, close the round, advance the run.
 
-        Call only once the checkpoint's blobs are durable.
+        Call only once the checkpoint's blobs are durable. Unfinished tasks expire,
+        except those in ``keep`` (an async run carries them into the next round).
         """
         with self._tx() as s:
             rnd = s.scalars(
@@ -338,6 +367,7 @@ class Store:
                     m.Participation.run_id == run_id,
                     m.Participation.round_number == number,
                     m.Participation.state.in_(("assigned", "downloaded")),
+                    m.Participation.task_id.not_in(list(keep)),
                 )
                 .values(
                     state="expired", error="round closed before an update arrived", finished_at=now
@@ -361,6 +391,21 @@ class Store:
                 run.state = final_state
 
     # -- checkpoints -----------------------------------------------------------
+
+    def expire_unfinished_before(self, run_id: str, number: int, reason: str, now: float) -> int:
+        """Expire unfinished tasks of rounds before ``number`` (an async run's carried tasks
+        left behind by a crash between a commit and the next round's opening)."""
+        with self._tx() as s:
+            result = s.connection().execute(
+                update(m.Participation)
+                .where(
+                    m.Participation.run_id == run_id,
+                    m.Participation.round_number < number,
+                    m.Participation.state.in_(("assigned", "downloaded")),
+                )
+                .values(state="expired", error=reason, finished_at=now)
+            )
+            return result.rowcount
 
     def latest_checkpoint(self, run_id: str) -> CheckpointRecord | None:
         with self._tx() as s:

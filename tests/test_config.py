@@ -21,6 +21,7 @@ from fedra.retry import Backoff
 from fedra.runspec import (
     STRATEGY_PARAMS,
     AggregationSpec,
+    AsyncSpec,
     PrivacySpec,
     RunSpec,
     SecAggSpec,
@@ -250,8 +251,33 @@ BAD_RUNS = [
     ),
     (MINIMAL_RUN + "[codec]\ndownload = true", "codec.download", "needs a compressing codec"),
     (MINIMAL_RUN + '[codec]\nname = "int8"\ndownload = 1', "codec.download", "expected bool"),
+    (MINIMAL_RUN + "[async]\nbuffer = 3", "async.buffer", "sites_per_round=2"),
+    (MINIMAL_RUN + "[async]\nbuffer = 0", "async.buffer", "must be in [1"),
+    (MINIMAL_RUN + "[async]\nmax_staleness = -1", "async.max_staleness", ">= 0"),
+    (MINIMAL_RUN + '[async]\nstaleness = "poly"', "async.staleness", "sqrt, constant"),
+    (MINIMAL_RUN + "[async]\nbuffers = 1", "async.buffers", "unknown key"),
+    (MINIMAL_RUN + "min_sites = 1\n[async]", "min_sites", "leave min_sites unset"),
+    (MINIMAL_RUN + "[async]\n[secagg]", "async", "cannot be combined with [secagg]"),
+    (
+        MINIMAL_RUN + 'sites_per_round = 3\n[async]\n[aggregation]\nrule = "median"',
+        "aggregation.rule",
+        "cannot run with [async]",
+    ),
     (MINIMAL_RUN + '[codec]\nname = "secagg"', "codec.name", "asked for with a [secagg] table"),
 ]
+
+
+def test_async_table_and_staleness_weights(tmp_path: Path) -> None:
+    spec = _run_from_text(
+        tmp_path,
+        MINIMAL_RUN + "sites_per_round = 4\n[async]\nbuffer = 3\nmax_staleness = 2\n",
+    )
+    assert spec.asynchronous == AsyncSpec(buffer=3, max_staleness=2, staleness="sqrt")
+    assert spec.quorum == 3
+    assert RunSpec.from_json(spec.to_json()) == spec
+    assert spec.asynchronous.weight(0) == 1.0
+    assert spec.asynchronous.weight(3) == pytest.approx(0.5)
+    assert AsyncSpec(staleness="constant").weight(7) == 1.0
 
 
 def test_privacy_and_secure_aggregation_tables(tmp_path: Path) -> None:

@@ -5,6 +5,9 @@ nothing, and the round still completes with the exact (quantised) mean.
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import grpc
 import pytest
 import torch
@@ -92,7 +95,15 @@ def test_secure_round_over_grpc_and_its_refusals(coordinator: InProcessCoordinat
     first = c.site.SecAggKeys(keys_request(a, tasks[a], maskers[a].public_keys()))
     assert not first.ready
     c.site.SecAggKeys(keys_request(b, tasks[b], maskers[b].public_keys()))
-    c.site.SecAggKeys(keys_request(s3, tasks[s3], maskers[s3].public_keys()))
+    # Site a waits in a long poll while the last site sends its keys: the stage's close
+    # must wake it, not leave it to sit out its wait_s.
+    with ThreadPoolExecutor(1) as pool:
+        started = time.monotonic()
+        waiting = pool.submit(c.site.SecAggKeys, keys_request(a, tasks[a], b"", wait_s=10))
+        time.sleep(0.2)  # let the long poll start; correctness does not depend on it
+        c.site.SecAggKeys(keys_request(s3, tasks[s3], maskers[s3].public_keys()))
+        assert waiting.result(timeout=15).ready
+        assert time.monotonic() - started < 5.0
     neighbour_keys = {}
     for s, t in tasks.items():
         r = c.site.SecAggKeys(keys_request(s, t, b"", wait_s=10))

@@ -532,6 +532,32 @@ def test_commit_round_expires_earlier_attempts_and_sets_final_state(run_store: S
     assert run.finished
 
 
+def test_async_tasks_carry_over_into_the_next_round(run_store: Store) -> None:
+    """An async round commits with some tasks still training: they are kept, then move
+    into the next round with the round in their task and the model they downloaded."""
+    _open(run_store, 1, 1, ["a", "b", "c"])
+    _accept(run_store, _task(1, 1, "a"), b"\x07" * 32)
+    run_store.mark_downloaded(_task(1, 1, "b"), 10, 0.1, base_round=1)
+    carried = [_task(1, 1, "b"), _task(1, 1, "c")]
+    run_store.commit_round(RUN, 1, _checkpoint(1), {}, T0 + 30, keep=carried)
+    assert _states(run_store, 1) == {
+        _task(1, 1, "a"): "accepted", _task(1, 1, "b"): "downloaded", _task(1, 1, "c"): "assigned"
+    }  # fmt: skip
+    run_store.open_round(RUN, 2, 1, {"a": _task(2, 1, "a")}, T0 + 31, T0 + 90, carry=carried)
+    assert _states(run_store, 1) == {_task(1, 1, "a"): "accepted"}  # the others moved on
+    parts = {p.task_id: p for p in run_store.list_participations(RUN, 2, 1)}
+    assert sorted(parts) == sorted([*carried, _task(2, 1, "a")])
+    assert (parts[_task(1, 1, "b")].issued_round, parts[_task(1, 1, "b")].base_round) == (1, 1)
+    assert (parts[_task(1, 1, "c")].state, parts[_task(1, 1, "c")].base_round) == ("assigned", None)
+    assert parts[_task(2, 1, "a")].issued_round == 2
+    # A failed attempt keeps them too; a crash between commit and open loses them cleanly.
+    run_store.expire_attempt(RUN, 2, 1, "no quorum", T0 + 95, keep=[_task(1, 1, "c")])
+    assert _states(run_store, 2)[_task(1, 1, "c")] == "assigned"
+    assert _states(run_store, 2)[_task(1, 1, "b")] == "expired"
+    assert run_store.expire_unfinished_before(RUN, 3, "restarted", T0 + 99) == 1
+    assert _states(run_store, 2)[_task(1, 1, "c")] == "expired"
+
+
 def test_second_commit_of_a_round_raises_and_changes_nothing(run_store: Store) -> None:
     _open(run_store, 1, 1, ["a"])
     first = _checkpoint(1, sha="1" * 64)

@@ -59,6 +59,7 @@ class RunSpec(_message.Message):
     AGGREGATION_FIELD_NUMBER: _builtins.int
     PRIVACY_FIELD_NUMBER: _builtins.int
     SECAGG_FIELD_NUMBER: _builtins.int
+    ASYNCHRONOUS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     task: _builtins.str
     """entry point sites must have installed and allowed"""
@@ -93,6 +94,10 @@ class RunSpec(_message.Message):
     def secagg(self) -> _common_pb2.SecAgg:
         """unset: no secure aggregation"""
 
+    @_builtins.property
+    def asynchronous(self) -> _common_pb2.Async:
+        """unset: synchronous rounds"""
+
     def __init__(
         self,
         *,
@@ -112,10 +117,11 @@ class RunSpec(_message.Message):
         aggregation: _common_pb2.Aggregation | None = ...,
         privacy: _common_pb2.Privacy | None = ...,
         secagg: _common_pb2.SecAgg | None = ...,
+        asynchronous: _common_pb2.Async | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["aggregation", b"aggregation", "codec", b"codec", "privacy", b"privacy", "secagg", b"secagg", "train", b"train"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["aggregation", b"aggregation", "asynchronous", b"asynchronous", "codec", b"codec", "privacy", b"privacy", "secagg", b"secagg", "train", b"train"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["aggregation", b"aggregation", "codec", b"codec", "join_timeout_s", b"join_timeout_s", "max_round_attempts", b"max_round_attempts", "min_sites", b"min_sites", "name", b"name", "privacy", b"privacy", "round_deadline_s", b"round_deadline_s", "rounds", b"rounds", "secagg", b"secagg", "seed", b"seed", "sites_per_round", b"sites_per_round", "strategy", b"strategy", "strategy_params", b"strategy_params", "task", b"task", "train", b"train"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aggregation", b"aggregation", "asynchronous", b"asynchronous", "codec", b"codec", "join_timeout_s", b"join_timeout_s", "max_round_attempts", b"max_round_attempts", "min_sites", b"min_sites", "name", b"name", "privacy", b"privacy", "round_deadline_s", b"round_deadline_s", "rounds", b"rounds", "secagg", b"secagg", "seed", b"seed", "sites_per_round", b"sites_per_round", "strategy", b"strategy", "strategy_params", b"strategy_params", "task", b"task", "train", b"train"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -246,3 +246,33 @@ class SecAgg(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SecAgg: _TypeAlias = SecAgg  # noqa: Y015
+
+@_typing.final
+class Async(_message.Message):
+    """Buffered asynchronous rounds (FedBuff): every `buffer` updates make a new global
+    model; stale updates count less (staleness: sqrt | constant), or not at all past
+    max_staleness.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BUFFER_FIELD_NUMBER: _builtins.int
+    MAX_STALENESS_FIELD_NUMBER: _builtins.int
+    STALENESS_FIELD_NUMBER: _builtins.int
+    buffer: _builtins.int
+    max_staleness: _builtins.int
+    staleness: _builtins.str
+    def __init__(
+        self,
+        *,
+        buffer: _builtins.int = ...,
+        max_staleness: _builtins.int = ...,
+        staleness: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["buffer", b"buffer", "max_staleness", b"max_staleness", "staleness", b"staleness"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Async: _TypeAlias = Async  # noqa: Y015
