@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import socket
 import threading
 import time
@@ -68,11 +69,28 @@ def test_bandwidth_limits_a_transfer(echo_server: str) -> None:
     assert 0.24 <= seconds < 3.0
 
 
+def test_loss_caps_a_flow_at_the_mathis_rate(echo_server: str) -> None:
+    """2% loss at 20 ms RTT: 1448 / 0.02 * sqrt(3 / 0.04) = 627 kB/s, far below 100 Mbit/s."""
+    link = Link(bandwidth_mbit=100, latency_ms=10, loss_pct=2)
+    assert link.bytes_per_s == pytest.approx(1448 / 0.02 * math.sqrt(75))
+    assert Link(100, 10).bytes_per_s == pytest.approx(12.5e6)
+    assert Link(1, 10, loss_pct=0.0001).bytes_per_s == pytest.approx(125e3)  # bandwidth-bound
+    payload = bytes(range(256)) * 1024  # 256 KiB: 0.42 s at the lossy rate, 0.02 s without
+    with WanProxy(echo_server, link) as proxy:
+        data, seconds = _round_trip(proxy.address, payload)
+    assert data == payload
+    assert 0.4 <= seconds < 4.0
+
+
 def test_bad_link_settings_name_the_field() -> None:
     with pytest.raises(ValueError, match="bandwidth_mbit"):
         Link(bandwidth_mbit=0)
     with pytest.raises(ValueError, match="latency_ms"):
         Link(bandwidth_mbit=1, latency_ms=-1)
+    with pytest.raises(ValueError, match="loss_pct"):
+        Link(bandwidth_mbit=1, latency_ms=10, loss_pct=100)
+    with pytest.raises(ValueError, match="needs a latency > 0"):
+        Link(bandwidth_mbit=1, loss_pct=1)
 
 
 @pytest.mark.multiprocess
