@@ -185,7 +185,7 @@ def wait_finished(cluster: LocalCluster, run_id: str, timeout_s: float) -> admin
             if status.state in ("completed", "failed", "cancelled"):
                 return status
     state = "no status" if last is None else f"{last.state}: {last.reason}"
-    raise ClusterError(f"run {run_id} did not finish ({state})")
+    raise ClusterError(f"run {run_id} did not finish within {timeout_s:g} s ({state})")
 
 
 def round_sample(r: admin_pb2.RoundStatus) -> RoundSample:

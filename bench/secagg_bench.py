@@ -53,6 +53,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from round_bench import wait_finished  # bench/ is the script's own folder on sys.path
 
 from fedra.local import ClusterError, LocalCluster
 from fedra.protos.v1 import admin_pb2
@@ -199,18 +200,6 @@ def make_spec(args: argparse.Namespace, sites: int, secure: bool) -> RunSpec:
         strategy="fedavg",
         secagg=secagg,
     ).validate()
-
-
-def wait_finished(cluster: LocalCluster, run_id: str, timeout_s: float) -> admin_pb2.RunStatus:
-    """Follow WatchRun until the run ends; the stream's deadline bounds the wait."""
-    last: admin_pb2.RunStatus | None = None
-    with cluster.admin() as admin:
-        for status in admin.watch(run_id, timeout_s=timeout_s):
-            last = status
-            if status.state in ("completed", "failed", "cancelled"):
-                return status
-    state = "no status" if last is None else f"{last.state}: {last.reason}"
-    raise ClusterError(f"run {run_id} did not finish within {timeout_s:g} s ({state})")
 
 
 def round_sample(r: admin_pb2.RoundStatus) -> RoundSample:

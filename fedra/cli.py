@@ -1,4 +1,5 @@
-"""The ``fedra`` command: coordinator, site, run submit/status/watch/cancel, sites, demo."""
+"""The ``fedra`` command: coordinator, site, run submit/status/watch/cancel, sites, demo,
+bench compare."""
 
 from __future__ import annotations
 
@@ -130,14 +131,16 @@ def _cmd_wan(args: argparse.Namespace) -> int:
     from fedra.wan import Link, WanProxy
 
     try:
-        link = Link(args.bandwidth_mbit, args.latency_ms)
+        link = Link(args.bandwidth_mbit, args.latency_ms, args.loss_pct)
     except ValueError as exc:
         raise ConfigError("--" + str(exc).replace("_", "-", 1)) from exc
     host, _, port = args.listen.rpartition(":")
     proxy = WanProxy(args.target, link, host=host or "127.0.0.1", port=int(port or 0))
     proxy.start()
+    loss = f", {link.loss_pct:g}% loss: {link.bytes_per_s * 8 / 1e6:.3g} Mbit/s per flow"
     print(
-        f"{proxy.address} -> {args.target}: {link.bandwidth_mbit:g} Mbit/s, {link.latency_ms:g} ms",
+        f"{proxy.address} -> {args.target}: {link.bandwidth_mbit:g} Mbit/s, {link.latency_ms:g} ms"
+        + (loss if link.loss_pct else ""),
         flush=True,
     )
     stop = threading.Event()
@@ -265,6 +268,34 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         sites=args.sites,
     )
     return run_demo(options)
+
+
+def _cmd_bench_compare(args: argparse.Namespace) -> int:
+    from fedra.compare import CompareConfig, run_compare, write_report
+    from fedra.compare_report import headline_text, require_matplotlib
+    from fedra.local import ClusterError
+
+    require_matplotlib()
+    config = CompareConfig.build(
+        quick=args.quick,
+        out=Path(args.out) if args.out else None,
+        steps=args.steps,
+        h_values=tuple(args.h) if args.h else None,
+        sites=args.sites,
+        bandwidth_mbit=args.bandwidth_mbit,
+        latency_ms=args.latency_ms,
+        target_loss=args.target_loss,
+        state_dir=Path(args.state_dir) if args.state_dir else None,
+    )
+    try:
+        report = run_compare(config, log=lambda line: print(line, flush=True))
+    except ClusterError as exc:  # a process did not come up: its log tail says why
+        print(f"fedra: error: {exc}", file=sys.stderr)
+        return 1
+    for path in write_report(report, config.out):
+        print(f"wrote {path}")
+    print(headline_text(report))
+    return 0 if all(c["state"] == "completed" for c in report["configurations"]) else 1
 
 
 def status_to_dict(status: admin_pb2.RunStatus) -> dict[str, Any]:
@@ -422,6 +453,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--listen", default="127.0.0.1:0", help="host:port to listen on (0: free)")
     w.add_argument("--bandwidth-mbit", type=float, required=True, help="per direction")
     w.add_argument("--latency-ms", type=float, default=0.0, help="one way")
+    w.add_argument(
+        "--loss-pct", type=float, default=0.0, help="random packet loss in percent (modelled)"
+    )
     w.set_defaults(func=_cmd_wan)
 
     d = sub.add_parser("demo", help="coordinator + sites on localhost, digits, SQLite")
@@ -430,6 +464,27 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--rounds", type=int, default=10)
     d.add_argument("--sites", type=int, default=3)
     d.set_defaults(func=_cmd_demo)
+
+    b = sub.add_parser("bench", help="evaluation reports")
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    q = bsub.add_parser(
+        "compare",
+        help="centralised vs every-step sync vs DiLoCo over an emulated WAN: report and plots",
+    )
+    q.add_argument("--out", help="report.md, report.json and plots here (default compare-out)")
+    q.add_argument("--steps", type=int, help="inner steps per site (default 512)")
+    q.add_argument("--h", type=int, nargs="+", help="DiLoCo local steps per round (8 32 128)")
+    q.add_argument("--sites", type=int, help="site processes (default 2)")
+    q.add_argument("--bandwidth-mbit", type=float, help="each site's link (default 100)")
+    q.add_argument("--latency-ms", type=float, help="one way (default 50)")
+    q.add_argument("--target-loss", type=float, help="default: 1.1 x centralised final")
+    q.add_argument(
+        "--state-dir", help="keep the federation's state and logs here (default: a temp dir)"
+    )
+    q.add_argument(
+        "--quick", action="store_true", help="a tiny set-up (tests): 16 steps, H 4 16, fast link"
+    )
+    q.set_defaults(func=_cmd_bench_compare)
     return p
 
 
