@@ -29,6 +29,7 @@ from fedra.storage import BlobStore, Store
 from fedra.storage.records import CheckpointRecord, RunRecord, SiteRecord
 
 log = logging.getLogger("fedra.coordinator")
+_CARRY_GRACE_S = 30.0  # beyond join_timeout_s, how long a carried task's call waits
 
 
 @dataclass(frozen=True)
@@ -177,7 +178,7 @@ class Engine:
             a.site_id
             for other in self.runs.values()
             if other is not run
-            for a in other.assignments.values()
+            for a in (*other.assignments.values(), *other.carried.values())
             if not a.final
         }
         busy.update(run.carried)  # async: still training on an earlier round's task
@@ -251,8 +252,13 @@ class Engine:
         return None
 
     def current_task(self, site_id: str, task_id: str) -> tuple[ActiveRun, Assignment]:
-        """The run and assignment for a task the site may act on now (lock held)."""
+        """The run and assignment for a task the site may act on now (lock held).
+
+        An async task still in training when its round committed is valid in the next
+        round: a call made while that round is being committed or opened waits for it.
+        """
         self.seen(site_id)
+        self.await_carried(task_id)
         found = self.find_task(task_id)
         if found is None:
             past = self.store.get_participation(task_id)
@@ -270,6 +276,23 @@ class Engine:
         if not run.accepting(run.open_round or 0, run.attempt):
             raise FailedPrecondition(f"round {run.open_round} of run {run.run_id} has closed")
         return run, a
+
+    def await_carried(self, task_id: str) -> None:
+        """Wait (lock held) while ``task_id`` belongs to an async run between two rounds."""
+        limit: float | None = None
+        while not self.stopping:
+            found = self.find_task(task_id)
+            if found is None:
+                return
+            run, a = found
+            between = run.open_round is None or run.closing or a.site_id in run.carried
+            if run.spec.asynchronous is None or a.final or not between:
+                return
+            # As long as the next round may take to open (it waits for sites), and then some.
+            limit = limit or time.monotonic() + run.spec.join_timeout_s + _CARRY_GRACE_S
+            if time.monotonic() >= limit:
+                return
+            self.changed.wait(1.0)
 
     def open_download(
         self, site_id: str, task_id: str, delta: bool = False

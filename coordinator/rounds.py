@@ -125,10 +125,11 @@ class RoundDriver:
                     return False
                 eligible = engine.eligible_sites(run, engine.clock())
                 waited = time.monotonic() - started
-                if len(eligible) >= wanted or (
-                    len(eligible) + carried >= quorum and waited >= spec.join_timeout_s
-                ):
+                enough = len(eligible) + carried >= quorum
+                if len(eligible) >= wanted or (enough and waited >= spec.join_timeout_s):
                     break
+                if enough and spec.asynchronous is not None and not init:
+                    break  # async: a new model needs only the buffer; never make sites wait
                 run.waiting_reason = (
                     f"round {number}: waiting for online sites serving {spec.task}: "
                     f"{len(eligible)} eligible, want {wanted} (quorum {quorum})"
@@ -172,6 +173,8 @@ class RoundDriver:
                 if engine.stopping:
                     return "stopping"
                 if run.cancelled:
+                    while run.folding and not engine.stopping:  # let accepted updates land
+                        engine.changed.wait(_RECHECK_S)
                     return "cancelled"
                 now = engine.clock()
                 self._fail_silent_sites(now)
@@ -271,7 +274,11 @@ class RoundDriver:
                 )
                 return False
             if before is not None:
-                step, residual = self._compress_step(before, model)
+                try:
+                    step, residual = self._compress_step(before, model)
+                except ValueError as exc:  # e.g. an outer step too large for fp16
+                    self._finish("failed", f"round {number}: compressing the download: {exc}")
+                    return False
                 delta_sha = engine.models.put_chunks(encode_chunks(step))
         model_sha = engine.models.put_chunks(encode_chunks(model, engine.settings.chunk_bytes))
         opt_state = run.optimizer.state_dict()
@@ -348,6 +355,8 @@ class RoundDriver:
         assert run.model_specs is not None
         privacy = spec.privacy
         if run.secure is not None:
+            with self.engine.lock:
+                run.secure.finishing = True  # late reveals are answered as not needed
             total, count = run.secure.server.finish()
             # With [privacy] the sites added the noise; the denominator is fixed, as in
             # DP-FedAvg, so that it reveals nothing about who dropped out.
@@ -406,6 +415,8 @@ class RoundDriver:
         now = engine.clock()
         if run.open_round is not None:
             engine.store.expire_attempt(run.run_id, run.open_round, run.attempt, reason, now)
+        if run.carried:  # async, between rounds: tasks still training will not count
+            engine.store.expire_unfinished_before(run.run_id, run.next_round + 1, reason, now)
         engine.store.set_run_state(run.run_id, state, reason, now)
         engine.store.add_event(run.run_id, state, reason, now, run.open_round)
         log.info("%s: %s: %s", self.tag, state, reason)

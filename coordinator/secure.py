@@ -63,6 +63,9 @@ class SecureRound:
         self.shares_from: set[str] = set()
         self.revealed: set[str] = set()
         self.credentials: dict[str, tuple[bytes, bytes]] = {}  # (signature, certificate)
+        # Set (engine lock held) before the driver unmasks, which holds the server's own
+        # lock for a while: from then on no RPC calls into the server, none waits on it.
+        self.finishing = False
 
     def task(self) -> SecAggRound:
         privacy = self.spec.privacy
@@ -239,7 +242,7 @@ def unmask(
         _, sec, ready = _wait_for(engine, site_id, task_id, lambda s: s.stage == "unmask", wait_s)
         if not ready:
             return False, [], []
-        if sec.server.stage == "done":
+        if sec.finishing:
             return True, [], []  # unmasked with the shares already in: none needed from it
         try:
             survivors, dropped = sec.server.unmask_request(site_id)
@@ -253,8 +256,8 @@ def reveal(engine: Engine, site_id: str, task_id: str, revealed: Mapping[str, by
         _, sec = _secure_task(engine, site_id, task_id)
         if sec.stage != "unmask":
             raise FailedPrecondition(f"shares are revealed only once uploads close ({sec.stage})")
-        if sec.server.stage == "done":
-            return  # the sum is unmasked already: these shares are not needed
+        if sec.finishing:
+            return  # the sum is being unmasked already: these shares are not needed
         try:
             sec.server.post_reveal(site_id, revealed)
         except SecAggError as exc:

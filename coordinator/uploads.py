@@ -90,7 +90,7 @@ def begin_upload(engine: Engine, h: UpdateHeader) -> UploadTicket:
     """Check everything the header says before a payload byte is read."""
     _check_header_fields(h)
     with engine.lock:
-        _await_next_async_round(engine, h.task_id)
+        _check_already_accepted(engine, h)
         run, a = engine.current_task(h.site_id, h.task_id)
         assert run.open_round is not None  # current_task: the round is open and accepting
         if h.run_id != run.run_id or h.round != a.issued_round:
@@ -98,17 +98,8 @@ def begin_upload(engine: Engine, h: UpdateHeader) -> UploadTicket:
                 f"header names run {h.run_id} round {h.round}, but task {h.task_id} is for "
                 f"run {run.run_id} round {a.issued_round}"
             )
-        if run.spec.asynchronous is not None and a.pending:
-            tau, limit = run.staleness(a), run.spec.asynchronous.max_staleness
-            if tau > limit:
-                reason = (
-                    f"the update was trained on the model of round {run.open_round - tau}, "
-                    f"{tau} models ago; async.max_staleness is {limit}"
-                )
-                engine.store.fail_participation(a.task_id, reason, engine.clock())
-                a.state = "failed"
-                engine.notify()
-                raise FailedPrecondition(f"{reason}; poll for a task on the newest model")
+        if a.pending:
+            _check_staleness(engine, run, a)
         if a.state == "accepted" and a.nonce == h.nonce and a.update_sha256 == h.sha256:
             raise AlreadyAccepted(h.payload_bytes)  # a retry after a lost reply: it counted
         if a.state == "uploading":
@@ -141,23 +132,36 @@ def begin_upload(engine: Engine, h: UpdateHeader) -> UploadTicket:
         return ticket
 
 
-_ASYNC_GAP_WAIT_S = 30.0  # longest an upload waits for an async run's next round to open
+def _check_already_accepted(engine: Engine, h: UpdateHeader) -> None:
+    """A retry of an update that counted, after its round closed: answer it as done."""
+    if engine.find_task(h.task_id) is not None:
+        return  # in an open round: begin_upload compares it with the assignment
+    past = engine.store.get_participation(h.task_id)
+    if (
+        past is not None
+        and past.site_id == h.site_id
+        and past.state == "accepted"
+        and past.nonce == h.nonce
+        and past.update_sha256 == h.sha256
+    ):
+        raise AlreadyAccepted(h.payload_bytes)
 
 
-def _await_next_async_round(engine: Engine, task_id: str) -> None:
-    """An async task still training when its round committed joins the next round: an
-    upload that arrives while that round is being committed or opened waits for it
-    (engine lock held), instead of being refused as late."""
-    until = time.monotonic() + _ASYNC_GAP_WAIT_S
-    while not engine.stopping and time.monotonic() < until:
-        found = engine.find_task(task_id)
-        if found is None:
-            return
-        run, a = found
-        between = run.open_round is None or run.closing or a.site_id in run.carried
-        if run.spec.asynchronous is None or a.final or not between:
-            return
-        engine.changed.wait(min(1.0, until - time.monotonic()))
+def _check_staleness(engine: Engine, run: ActiveRun, a: Assignment) -> None:
+    """Async: refuse (for good) an update trained on a model too many versions old."""
+    if run.spec.asynchronous is None or run.open_round is None:
+        return
+    tau, limit = run.staleness(a), run.spec.asynchronous.max_staleness
+    if tau <= limit:
+        return
+    reason = (
+        f"the update was trained on the model of round {run.open_round - tau}, {tau} models "
+        f"ago; async.max_staleness is {limit}"
+    )
+    engine.store.fail_participation(a.task_id, reason, engine.clock())
+    a.state, a.update_sha256 = "failed", None
+    engine.notify()
+    raise FailedPrecondition(f"{reason}; poll for a task on the newest model")
 
 
 def _check_header_fields(h: UpdateHeader) -> None:
@@ -243,12 +247,19 @@ def accept(engine: Engine, ticket: UploadTicket, digest: str, nbytes: int) -> No
     upload_s = time.monotonic() - ticket.started
     with engine.lock:
         if run.spec.asynchronous is not None:  # the round may have moved on meanwhile
-            _await_next_async_round(engine, h.task_id)
+            engine.await_carried(h.task_id)
             if run.assignments.get(h.site_id) is a and run.open_round is not None:
                 ticket.round, ticket.attempt = run.open_round, run.attempt
+                try:
+                    _check_staleness(engine, run, a)
+                except FailedPrecondition:
+                    _drop_spooled(engine, run, digest)
+                    raise
         if not run.accepting(ticket.round, ticket.attempt):
             _drop_spooled(engine, run, digest)
             a.state, a.update_sha256 = "failed", None
+            late = f"round {ticket.round} closed before the update arrived"
+            engine.store.fail_participation(a.task_id, late, engine.clock())
             raise FailedPrecondition(
                 f"round {ticket.round} of run {run.run_id} closed before your update arrived; "
                 "poll for the next task"

@@ -10,7 +10,7 @@ from typing import Any
 
 from fedra.config import ConfigError, check_keys, get, require
 from fedra.privacy import RdpAccountant, max_rounds
-from fedra.secagg import plan_round
+from fedra.secagg import share_threshold
 
 
 @dataclass(frozen=True)
@@ -387,10 +387,21 @@ class RunSpec:
                 "that update)",
                 self.quorum,
             )
-            names = [f"site-{i}" for i in range(self.sites_per_round)]
-            t = plan_round(
-                names, degree=self.secagg.degree, threshold=self.secagg.threshold, seed=b"-"
-            ).threshold
+            t = share_threshold(self.sites_per_round, self.secagg.degree, self.secagg.threshold)
+            if self.privacy is not None:
+                # Each site's noise (std z C / sqrt(quorum)) must pass the per-coordinate
+                # clamp unharmed, or the released sum carries less noise than accounted for.
+                site_std = (
+                    self.privacy.noise_multiplier * self.privacy.clip / math.sqrt(self.quorum)
+                )
+                need = self.privacy.clip + 6 * site_std
+                require(
+                    self.secagg.clip >= need,
+                    "secagg.clip",
+                    f"with [privacy] it must be at least privacy.clip + 6 x the noise std a "
+                    f"site adds ({need:.4g}), so the clamp never cuts the noise",
+                    self.secagg.clip,
+                )
             require(
                 self.quorum >= t + 1,
                 "min_sites",

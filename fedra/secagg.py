@@ -309,6 +309,14 @@ class RoundPlan:
     threshold: int
 
 
+def share_threshold(n: int, degree: int, threshold: float) -> int:
+    """t for ``n`` participants, as ``plan_round`` computes it, without building the graph:
+    each site has k = n - 1 neighbours (complete graph) or k = degree rounded up to even."""
+    even = degree + (degree & 1)
+    k = n - 1 if degree == 0 or even >= n - 1 else even
+    return max(1, math.ceil(Fraction(threshold) * k))
+
+
 def plan_round(
     participants: Sequence[str], *, degree: int = 0, threshold: float = 0.5, seed: bytes
 ) -> RoundPlan:

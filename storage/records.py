@@ -63,6 +63,7 @@ class ParticipationRecord:
     metrics: dict[str, float] = field(default_factory=dict)
     error: str = ""
     finished_at: float | None = None
+    nonce: bytes | None = None  # of the accepted update
     issued_round: int | None = None  # the round in the site's task (async: may be earlier)
     base_round: int | None = None  # the round whose global model the site downloaded
 

@@ -72,6 +72,7 @@ def participation_record(r: m.Participation) -> ParticipationRecord:
         metrics=json.loads(r.metrics_json),
         error=r.error,
         finished_at=r.finished_at,
+        nonce=r.nonce,
         issued_round=r.issued_round,
         base_round=r.base_round,
     )

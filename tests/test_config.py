@@ -263,6 +263,11 @@ BAD_RUNS = [
         "aggregation.rule",
         "cannot run with [async]",
     ),
+    (
+        MINIMAL_RUN + "sites_per_round = 3\n[privacy]\nepsilon = 8\n[secagg]\nclip = 2.0",
+        "secagg.clip",
+        "at least privacy.clip + 6 x the noise std a site adds (4.464)",
+    ),
     (MINIMAL_RUN + '[codec]\nname = "secagg"', "codec.name", "asked for with a [secagg] table"),
 ]
 
@@ -287,10 +292,10 @@ def test_privacy_and_secure_aggregation_tables(tmp_path: Path) -> None:
         + "sites_per_round = 5\n"
         + '[aggregation]\nrule = "mean"\n'
         + "[privacy]\nclip = 0.5\nnoise_multiplier = 2\nepsilon = 10\n"
-        + "[secagg]\nthreshold = 0.6\ndegree = 2\nclip = 3\n",
+        + "[secagg]\nthreshold = 0.6\ndegree = 2\nclip = 4\n",
     )
     assert spec.privacy == PrivacySpec(clip=0.5, noise_multiplier=2.0, epsilon=10.0)
-    assert spec.secagg == SecAggSpec(threshold=0.6, degree=2, clip=3.0)
+    assert spec.secagg == SecAggSpec(threshold=0.6, degree=2, clip=4.0)
     assert RunSpec.from_json(spec.to_json()) == spec
     robust = _run_from_text(
         tmp_path,

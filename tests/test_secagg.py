@@ -31,6 +31,7 @@ from fedra.secagg import (
     quantise,
     shamir_combine,
     shamir_split,
+    share_threshold,
 )
 
 CLIP = 1.0
@@ -711,3 +712,12 @@ def test_low_order_public_key_rejected() -> None:
         site.share_keys({"b": bytes(PUBLIC_KEYS_LEN)})
     peer = SiteSecAgg("b", 1, b"ctx")
     assert len(site.share_keys({"b": peer.public_keys()})) == 1  # the refusal changed nothing
+
+
+@pytest.mark.parametrize("n", [2, 3, 5, 8, 13, 40])
+@pytest.mark.parametrize("degree", [0, 1, 2, 3, 4, 7, 12, 50])
+@pytest.mark.parametrize("threshold", [0.01, 0.5, 0.75, 1.0])
+def test_share_threshold_matches_the_plan(n: int, degree: int, threshold: float) -> None:
+    """What a run spec is validated with equals what a round is planned with."""
+    plan = plan_round(ids(n), degree=degree, threshold=threshold, seed=b"t")
+    assert share_threshold(n, degree, threshold) == plan.threshold

@@ -1,0 +1,102 @@
+"""How a round combines updates, checked number by number over real gRPC: the staleness
+weights of async rounds, DP-FedAvg's clipping and noise, and retries after a commit."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fedra.protos.codec import decode, encode
+from fedra.protos.v1 import admin_pb2, common_pb2, site_pb2
+from tests.conftest import InProcessCoordinator
+from tests.test_site_service import (
+    messages,
+    model_state,
+    round_status,
+    start_round_one,
+    tasks_of_round,
+    upload,
+    wait_round,
+)
+
+
+def exported(c: InProcessCoordinator, run_id: str, number: int) -> dict[str, torch.Tensor]:
+    chunks = c.admin.ExportModel(admin_pb2.ExportModelRequest(run_id=run_id, round=number))
+    return decode(b"".join(m.data for m in chunks))
+
+
+def download(c: InProcessCoordinator, site: str, task: site_pb2.Task) -> None:
+    request = site_pb2.DownloadModelRequest(site_id=site, task_id=task.task_id)
+    assert b"".join(m.data for m in c.site.DownloadModel(request))
+
+
+def full(value: float) -> bytes:
+    return encode({k: torch.full_like(v, value) for k, v in model_state().items()})
+
+
+def test_async_stale_update_counts_less_and_a_retry_after_commit_is_done(
+    coordinator: InProcessCoordinator,
+) -> None:
+    c = coordinator
+    run_id, tasks = start_round_one(
+        c,
+        sites_per_round=3,
+        min_sites=0,
+        asynchronous=common_pb2.Async(buffer=2, max_staleness=1, staleness="sqrt"),
+    )
+    (a, ta), (b, tb), (s3, t3) = sorted(tasks.items())
+    for site, task in tasks.items():
+        download(c, site, task)
+    first = messages(ta, a, full(0.1), num_samples=10)
+    first_list = list(first)
+    upload(c, iter(first_list))
+    upload(c, messages(tb, b, full(0.3), num_samples=30))  # the buffer is full: round 1 commits
+    wait_round(c, run_id, 1, "committed")
+    # A retry of a's update (its reply lost), after the commit: answered as done.
+    assert upload(c, iter(first_list)).bytes_received > 0
+    # s3 is still training on round 1's model: its task carries into round 2.
+    tasks2 = tasks_of_round(c, run_id, 2)
+    assert sorted(tasks2) == [a, b]  # only the free sites get new tasks
+    for site, task in tasks2.items():
+        download(c, site, task)
+    upload(c, messages(t3, s3, full(1.0), num_samples=20))  # one model behind: weight 1/sqrt 2
+    upload(c, messages(tasks2[a], a, full(0.5), num_samples=20))
+    wait_round(c, run_id, 2, "committed")
+    m0, m1, m2 = (exported(c, run_id, n) for n in (0, 1, 2))
+    for name in m0:
+        assert torch.allclose(m1[name], m0[name] + (10 * 0.1 + 30 * 0.3) / 40)
+        stale = 20 / math.sqrt(2) * 1.0 + 20 * 0.5
+        assert torch.allclose(m2[name], m1[name] + stale / 40, atol=1e-6)
+    r2 = round_status(c, run_id, 2)
+    staleness = {
+        p.site_id: p.metrics["staleness"] for p in r2.participations if p.status == "accepted"
+    }
+    assert staleness == {s3: 1.0, a: 0.0}
+
+
+def test_central_dp_clips_each_update_and_adds_the_noise(coordinator: InProcessCoordinator) -> None:
+    """Two sites send updates far larger than the clip: the new model moves by the mean of
+    the clipped updates (one vote each, over sites_per_round) plus Gaussian noise of std
+    noise_multiplier * clip / sites_per_round per coordinate."""
+    c = coordinator
+    clip, z = 0.5, 1.0
+    privacy = common_pb2.Privacy(clip=clip, noise_multiplier=z, epsilon=100.0, delta=1e-5)
+    run_id, tasks = start_round_one(c, sites_per_round=2, min_sites=2, privacy=privacy)
+    initial = model_state()
+    numel = sum(v.numel() for v in initial.values())
+    (a, ta), (b, tb) = sorted(tasks.items())
+    for site, task in tasks.items():
+        download(c, site, task)
+    upload(c, messages(ta, a, full(10.0), num_samples=1))  # norm 10 * sqrt(numel)
+    upload(c, messages(tb, b, full(-3.0), num_samples=1000))  # weight ignored: one vote each
+    wait_round(c, run_id, 1, "committed")
+    model = exported(c, run_id, 1)
+    per_coord = clip / math.sqrt(numel)  # each clipped update is +-clip/sqrt(numel) everywhere
+    noiseless = (per_coord - per_coord) / 2  # the two clipped updates cancel exactly
+    noise = torch.cat([(model[k] - initial[k] - noiseless).flatten() for k in initial])
+    std = z * clip / 2
+    assert noise.abs().max() < 6 * std  # nothing beyond the clipped updates and the noise
+    assert noise.abs().max() > 0.02 * std  # and the noise is really there
+    r1 = round_status(c, run_id, 1)
+    assert r1.metrics["privacy_epsilon"] > 0
