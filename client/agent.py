@@ -169,7 +169,7 @@ class SiteAgent:
             if task.secagg is not None:  # the key exchange comes before the training
                 masker = self._secagg_setup(task, task.secagg)
                 crash_point("after_secagg_setup", task.round)
-            global_state = self._global_model(task, max(task.deadline_in_s, 1.0))
+            global_state = self._global_model(impl, task, max(task.deadline_in_s, 1.0))
             # As the site sees it: the coordinator's download_s ends when the last byte
             # leaves it, which buffers on a slow link hide.
             downloaded = time.monotonic()
@@ -231,12 +231,21 @@ class SiteAgent:
         metrics.update(fit_metrics)
         return delta(trained, global_state), num_samples, metrics
 
-    def _global_model(self, task: Assignment, timeout_s: float) -> dict[str, torch.Tensor]:
+    def _global_model(
+        self, impl: Task, task: Assignment, timeout_s: float
+    ) -> dict[str, torch.Tensor]:
         """The task's global model: the held previous model plus the compressed step when
-        the coordinator offers one for it, else the whole model."""
+        the coordinator offers one for it; in round 1 the initial model rebuilt from the
+        run's seed when its SHA-256 matches; else the whole model, downloaded."""
         held = self._globals.get(task.run_id)
         model = None
-        if task.delta_sha256 and held is not None and held[0] == task.base_sha256:
+        if held is None and task.round == 1:  # the initial model, built by a site from the seed
+            built = impl.create_model(task.seed, task.train.params).state_dict()
+            rebuilt = {k: v.detach().clone() for k, v in built.items()}
+            if digest_and_size(rebuilt)[0] == task.model_sha256:
+                model = rebuilt
+                log.info("%s: rebuilt the initial model from the run's seed", self.tag)
+        if model is None and task.delta_sha256 and held is not None and held[0] == task.base_sha256:
             step = self.conn.download(task, timeout_s=timeout_s, delta=True)
             model = apply_step(held[1], step, task.codec)
             if digest_and_size(model)[0] != task.model_sha256:  # never train on a near miss

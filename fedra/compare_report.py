@@ -20,8 +20,10 @@ DEFINITIONS = """\
   (the centralised model on the same data, the same windows).
 - **down / up per site**: payload bytes the coordinator counted for each site's
   participations over the training rounds (round 0 only builds the initial model),
-  averaged over the sites. Downloads are the fp32 global model; uploads are the update
-  in the run's codec.
+  averaged over the sites. Downloads are the fp32 global model, or with int8 the
+  coordinator's int8 outer step (`[codec] download`); uploads are the update in the run's
+  codec. A site rebuilds the initial model from the run's seed (checked by SHA-256)
+  instead of downloading it.
 - **bytes per inner step**: (down + up) per site / inner steps per site.
 - **utilisation**: the share of the run's wall time a site spent computing: the sum of
   the site's `compute_s` over its accepted rounds (from its download finishing to its
@@ -192,8 +194,7 @@ def headline_text(report: Mapping[str, Any]) -> str:
         [
             f"- Bytes per inner step, {every} ÷ {name}: {b[every]:,.0f} ÷ "
             f"{b[name]:,.0f} = **{_num(b['ratio'], '.0f')}x** (target ≥ {b['target']:.0f}x: "
-            f"{met[b['met']]}). {down_share:.0%} of {name}'s bytes are the fp32 global "
-            "model coming down (only uploads are compressed).",
+            f"{met[b['met']]}). {down_share:.0%} of {name}'s bytes are downloads.",
             f"- Final eval loss: {name} {_num(loss[name], '.4f')} vs {every} "
             f"{_num(loss[every], '.4f')}, {_num(loss['relative_difference'], '+.1%')} "
             f"(target: at most {loss['target']:.0%} worse: {met[loss['met']]}). "
