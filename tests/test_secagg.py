@@ -184,25 +184,31 @@ def test_too_many_dropouts_after_masking_refused_by_finish() -> None:
         run_protocol(5, after_mask=names[:3])
 
 
+def _masked(
+    plan: RoundPlan, context: bytes, length: int, masking: list[str]
+) -> tuple[dict[str, SiteSecAgg], ServerSecAgg]:
+    """Every participant through the key exchange; those in ``masking`` send zeros."""
+    sites = {s: SiteSecAgg(s, plan.threshold, context) for s in plan.participants}
+    server = ServerSecAgg(plan, context, length, clip=CLIP, bits=8)
+    for s in plan.participants:
+        server.advertise(s, sites[s].public_keys())
+    server.close_advertise()
+    for s in plan.participants:
+        server.post_shares(s, sites[s].share_keys(server.neighbour_keys(s)))
+    server.close_shares()
+    for s in masking:
+        sites[s].receive_shares(server.inbox(s))
+        server.add_masked(s, [(0, sites[s].mask(torch.zeros(length), clip=CLIP, bits=8))])
+    return sites, server
+
+
 def test_too_few_survivors_refused_by_reveal() -> None:
     # Sparse ring (k = 2, t = 2): a site whose two neighbours both dropped refuses to reveal.
     names = ids(6)
     plan = plan_round(names, degree=2, threshold=1.0, seed=b"ring")
     victim = names[0]
     gone = list(plan.neighbours[victim])
-    context = b"ctx"
-    sites = {s: SiteSecAgg(s, plan.threshold, context) for s in names}
-    server = ServerSecAgg(plan, context, 64, clip=CLIP, bits=8)
-    for s in names:
-        server.advertise(s, sites[s].public_keys())
-    server.close_advertise()
-    for s in names:
-        server.post_shares(s, sites[s].share_keys(server.neighbour_keys(s)))
-    server.close_shares()
-    for s in names:
-        if s not in gone:
-            sites[s].receive_shares(server.inbox(s))
-            server.add_masked(s, [(0, sites[s].mask(torch.zeros(64), clip=CLIP, bits=8))])
+    sites, server = _masked(plan, b"ctx", 64, masking=[s for s in names if s not in gone])
     server.close_masked()
     survivors, dropped = server.unmask_request(victim)
     assert survivors == [] and sorted(dropped) == sorted(gone)
@@ -217,20 +223,8 @@ def test_too_few_survivors_refused_by_reveal() -> None:
 
 
 def _masked_trio() -> tuple[RoundPlan, dict[str, SiteSecAgg], ServerSecAgg]:
-    names = ids(5)
-    plan = plan_round(names, threshold=0.75, seed=b"s")  # k = 4, t = 3
-    context = b"ctx-reveal"
-    sites = {s: SiteSecAgg(s, plan.threshold, context) for s in names}
-    server = ServerSecAgg(plan, context, 16, clip=CLIP, bits=8)
-    for s in names:
-        server.advertise(s, sites[s].public_keys())
-    server.close_advertise()
-    for s in names:
-        server.post_shares(s, sites[s].share_keys(server.neighbour_keys(s)))
-    server.close_shares()
-    for s in names:
-        sites[s].receive_shares(server.inbox(s))
-        server.add_masked(s, [(0, sites[s].mask(torch.zeros(16), clip=CLIP, bits=8))])
+    plan = plan_round(ids(5), threshold=0.75, seed=b"s")  # k = 4, t = 3
+    sites, server = _masked(plan, b"ctx-reveal", 16, masking=list(plan.participants))
     return plan, sites, server
 
 
