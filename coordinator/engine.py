@@ -99,6 +99,8 @@ class Engine:
             self._site_tasks[site.id] = site.tasks
         for record in self.store.list_runs(states=("pending", "running")):
             run = restore_run(self, record)
+            if run is None:
+                continue
             log.info("run %s: resumed at round %d", run.run_id, run.open_round or run.next_round)
             self._launch(run)
 

@@ -12,7 +12,12 @@ import logging
 from typing import TYPE_CHECKING
 
 from fedra.coordinator.aggregation import ServerOptimizer
-from fedra.coordinator.rounds import ACCOUNTANT_KEY, RESIDUAL_PREFIX, start_aggregate
+from fedra.coordinator.rounds import (
+    ACCOUNTANT_KEY,
+    RESIDUAL_PREFIX,
+    UNMASKED_EVENT,
+    start_aggregate,
+)
 from fedra.coordinator.state import INIT_ROUND, ActiveRun
 from fedra.coordinator.uploads import fold
 from fedra.privacy import RdpAccountant
@@ -26,8 +31,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("fedra.coordinator")
 
 
-def restore_run(engine: Engine, record: RunRecord) -> ActiveRun:
-    """The ActiveRun for a pending or running run, as of its last durable state."""
+def restore_run(engine: Engine, record: RunRecord) -> ActiveRun | None:
+    """The ActiveRun for a pending or running run, as of its last durable state; None if
+    the run cannot safely go on (it is then recorded as failed, with the reason)."""
     spec = RunSpec.from_json(record.spec_json)
     run = ActiveRun(run_id=record.id, spec=spec, optimizer=ServerOptimizer(spec))
     chunk = engine.settings.chunk_bytes
@@ -58,8 +64,35 @@ def restore_run(engine: Engine, record: RunRecord) -> ActiveRun:
     engine.store.expire_unfinished_before(record.id, run.next_round, reason, engine.clock())
     open_round = engine.store.get_open_round(record.id)
     if open_round is not None:
+        if _unmasked_before(engine, run, open_round.number, open_round.attempt):
+            return None
         _resume_open_round(engine, run, open_round.number, open_round.attempt)
     return run
+
+
+def _unmasked_before(engine: Engine, run: ActiveRun, number: int, attempt: int) -> bool:
+    """A secure round whose sum was unmasked but not committed ends the run: running it
+    again would unmask a second sum of the same updates over another set of sites, and
+    the difference of the two would expose what secure aggregation hides."""
+    if run.spec.secagg is None:
+        return False
+    unmasked = any(
+        e.kind == UNMASKED_EVENT and e.round_number == number and e.data.get("attempt") == attempt
+        for e in engine.store.list_events(run.run_id)
+    )
+    if not unmasked:
+        return False
+    now = engine.clock()
+    reason = (
+        f"round {number} was unmasked but not committed when the coordinator stopped; "
+        "running it again would release a second sum of the same updates, so the run "
+        "ends here (submit it again to go on)"
+    )
+    engine.store.expire_attempt(run.run_id, number, attempt, reason, now)
+    engine.store.set_run_state(run.run_id, "failed", reason, now)
+    engine.store.add_event(run.run_id, "failed", reason, now, number)
+    log.error("run %s: %s", run.run_id, reason)
+    return True
 
 
 def _resume_open_round(engine: Engine, run: ActiveRun, number: int, attempt: int) -> None:

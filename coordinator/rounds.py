@@ -37,6 +37,8 @@ _RECHECK_S = 1.0  # liveness is re-evaluated at least this often while waiting
 ACCOUNTANT_KEY = "privacy.rdp"
 # ... and the prefix of the server's error-feedback residual for compressed downloads.
 RESIDUAL_PREFIX = "download/"
+# The event recorded just before a secure round's sum is unmasked.
+UNMASKED_EVENT = "secagg_unmasked"
 
 
 def start_aggregate(engine: Engine, run: ActiveRun) -> None:
@@ -357,7 +359,13 @@ class RoundDriver:
         if run.secure is not None:
             with self.engine.lock:
                 run.secure.finishing = True  # late reveals are answered as not needed
+            # Durably first: a restart must not unmask a second sum of the same updates.
+            self.engine.store.add_event(
+                run.run_id, UNMASKED_EVENT, f"attempt {run.attempt}", self.engine.clock(),
+                run.open_round, {"attempt": run.attempt},
+            )  # fmt: skip
             total, count = run.secure.server.finish()
+            crash_point("after_unmask", run.open_round or 0)
             # With [privacy] the sites added the noise; the denominator is fixed, as in
             # DP-FedAvg, so that it reveals nothing about who dropped out.
             total.div_(spec.sites_per_round if privacy is not None else count)

@@ -3,7 +3,8 @@
 Points: ``before_commit:N`` (coordinator: round N's checkpoint is durable, its database
 commit not yet made), ``after_download:N`` (site: the model of round N is in, no
 training done), ``after_secagg_setup:N`` (site: its keys and key shares are sent, no
-masked update) and ``after_upload:N`` (site: its masked update is in, no shares revealed).
+masked update), ``after_upload:N`` (site: its masked update is in, no shares revealed)
+and ``after_unmask:N`` (coordinator: round N's secure sum is unmasked, not committed).
 ``FEDRA_FAULT_CRASH=before_commit:3`` kills the process at that point.
 
 ``FEDRA_FAULT_ATTACK=scale:-10`` makes a site Byzantine: every update it sends is its

@@ -214,3 +214,27 @@ def test_secure_aggregation_with_distributed_noise_stops_at_the_budget(
     # quantisation (1e-8), which is the only other thing that could separate them.
     gap = max(float((models[0][k] - models[1][k]).abs().max()) for k in models[0])
     assert gap > 1e-2, gap
+
+
+def test_a_secure_round_unmasked_but_not_committed_ends_the_run(cluster: LocalCluster) -> None:
+    """The coordinator dies right after unmasking round 1's sum. Running that round again
+    would unmask a second sum of the same updates over another sample, whose difference
+    could expose a site's update: the restarted coordinator ends the run instead."""
+    address = cluster.start_coordinator(
+        flags=FAST, extra_env={"FEDRA_FAULT_CRASH": "after_unmask:1"}
+    )
+    port = int(address.rsplit(":", 1)[1])
+    start_sites(cluster, 3, {})
+    spec = synthetic_spec(
+        rounds=2, strategy="fedavg", train=TRAIN, secagg=SecAggSpec(clip=8.0, setup_timeout_s=30)
+    )
+    with cluster.admin() as admin:
+        run_id = admin.submit(spec)
+    assert cluster.coordinator is not None
+    assert cluster.coordinator.popen.wait(120) == -signal.SIGKILL
+    cluster.start_coordinator(port=port, flags=FAST)
+    with cluster.admin() as admin:
+        status = wait_until(admin, run_id, finished, timeout_s=60)
+    assert status.state == "failed"
+    assert "round 1 was unmasked but not committed" in status.reason
+    assert status.rounds_completed == 0
