@@ -6,8 +6,11 @@ FedAvg over all N sites, and reads from the coordinator's RoundStatus the round 
 bytes moved, and from /proc the coordinator's RSS. In the same run it measures raw Python
 gRPC streaming (``raw_grpc.py``: a separate server process, 4 MiB chunks of raw bytes) on
 the same machine, before and after the runs, so the ratio compares like with like; fedra
-runs plaintext as the baseline does unless ``--tls``. The same stream wrapped in fedra's
-protobuf ``ModelChunk`` messages is measured too, as context: the message layer's own cost.
+runs plaintext as the baseline does unless ``--tls``, its coordinator with a 1 MiB receive
+window per upload (``--stream-window-mb``: on localhost the bandwidth-delay product is tiny;
+a WAN deployment keeps the 8 MiB default). The same stream wrapped in protobuf
+``ModelChunk`` messages by the generated code is measured too, as context: what fedra's
+hand framing (``fedra.protos.wire``) avoids.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/round_bench.py [--quick] [--json out.json]
 
@@ -56,6 +59,7 @@ class RoundSample:
     site_down_bps: list[float]  # per accepted participation: bytes_down / download_s
     site_up_bps: list[float]
     mean_compute_s: float  # the sites' own compute_s metric (download + training)
+    stages: dict[str, float]  # the round's ledger: distribute_s, compute_s, transfer_s, ...
 
 
 @dataclass
@@ -199,6 +203,7 @@ def round_sample(r: admin_pb2.RoundStatus) -> RoundSample:
         site_down_bps=[p.bytes_down / p.download_s for p in parts if p.download_s > 0],
         site_up_bps=[p.bytes_up / p.upload_s for p in parts if p.upload_s > 0],
         mean_compute_s=statistics.mean(p.metrics.get("compute_s", 0.0) for p in parts),
+        stages=dict(r.stages),
     )
 
 
@@ -210,13 +215,16 @@ def run_config(
     raw_bps: float,
     timeout_s: float,
     tls: bool = False,
+    stream_window_mb: float = 1.0,
 ) -> ConfigResult:
     """One coordinator and ``sites`` sites; a run of ``rounds`` rounds over all of them."""
     started = time.monotonic()
     # Plaintext by default, as the raw gRPC baseline is: the ratio then compares transports.
     env = {"OMP_NUM_THREADS": "1"}
     with LocalCluster(state_dir, env=env, secure=tls) as cluster:
-        cluster.start_coordinator(timeout_s=120.0)
+        cluster.start_coordinator(
+            timeout_s=120.0, flags=["--stream-window-mb", f"{stream_window_mb:g}"]
+        )
         assert cluster.coordinator is not None
         pid = cluster.coordinator.pid
         ids = [f"site-{i}" for i in range(sites)]
@@ -322,6 +330,28 @@ def print_tables(raw: RawResult, results: list[ConfigResult]) -> None:
         f"  CPU per round and cores busy are over the whole run (round 0 included) on "
         f"{os.cpu_count()} CPUs."
     )
+    print(
+        "\nWhere a round goes (the coordinator's ledger: the slowest site's download, compute "
+        "and upload; aggregation; checkpoint; the whole round), medians:"
+    )
+    _print_table(*stages_table(results))
+
+
+STAGES = ("distribute_s", "compute_s", "transfer_s", "aggregate_s", "checkpoint_s", "round_s")
+
+
+def stages_table(results: list[ConfigResult]) -> tuple[list[str], list[list[str]]]:
+    """Where a round's time goes (the coordinator's ledger), medians over rounds."""
+    head = ["N", "params", *(s.removesuffix("_s") + " s" for s in STAGES)]
+    rows = [
+        [
+            str(r.sites),
+            _fmt_params(r.params),
+            *(f"{statistics.median(x.stages.get(s, 0.0) for x in r.rounds):.3f}" for s in STAGES),
+        ]
+        for r in results
+    ]
+    return head, rows
 
 
 def _print_table(head: list[str], rows: list[list[str]]) -> None:
@@ -372,6 +402,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--tls", action="store_true", help="run fedra over mTLS (the raw baseline stays plaintext)"
     )
+    parser.add_argument(
+        "--stream-window-mb",
+        type=float,
+        default=1.0,
+        help="the coordinator's per-upload receive window (its --stream-window-mb): a link's "
+        "bandwidth-delay product is all a window needs, and on localhost that is tiny",
+    )
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--work-dir", type=Path, help="keep state and logs here (default: temp)")
     args = parser.parse_args(argv)
@@ -402,7 +439,14 @@ def run_all(args: argparse.Namespace, root: Path, raw_bps: float) -> list[Config
         for params in args.params:
             state_dir = root / f"n{sites}-p{params}"
             r = run_config(
-                sites, params, args.rounds, state_dir, raw_bps, args.run_timeout_s, args.tls
+                sites,
+                params,
+                args.rounds,
+                state_dir,
+                raw_bps,
+                args.run_timeout_s,
+                args.tls,
+                args.stream_window_mb,
             )
             results.append(r)
             print(
@@ -428,7 +472,11 @@ def main(argv: list[str] | None = None) -> None:
     raw = max(raw_before, raw_after, key=lambda r: r.mixed_bps)
     proto = max(proto_before, proto_after, key=lambda r: r.mixed_bps)
     results = [replace(r, raw_bps=raw.mixed_bps) for r in results]
-    print(f"\nfedra ran over {'mTLS' if args.tls else 'plaintext gRPC, as the raw baseline'}.")
+    print(
+        f"\nfedra ran over {'mTLS' if args.tls else 'plaintext gRPC, as the raw baseline'}, "
+        f"with a {args.stream_window_mb:g} MiB receive window per upload "
+        "(coordinator --stream-window-mb)."
+    )
     print_tables(raw, results)
     print(
         f"  Context: the same stream with each chunk in a protobuf ModelChunk (fedra's wire "
@@ -446,6 +494,7 @@ def main(argv: list[str] | None = None) -> None:
             "targets": judged,
             "rounds": args.rounds,
             "tls": args.tls,
+            "stream_window_mb": args.stream_window_mb,
             "cpus": os.cpu_count(),
             "load_average_before_after": [load_before, os.getloadavg()[0]],
         }

@@ -26,7 +26,7 @@ from fedra.client.task import FitSettings, ParallelTask, Task, load_task
 from fedra.config import ConfigError
 from fedra.faults import attack, crash_point
 from fedra.privacy import add_secure_gaussian_, clip_factor
-from fedra.protos.codec import digest_and_size
+from fedra.protos.codec import all_finite, digest_and_size
 from fedra.protos.compression import (
     MASKED,
     Compressor,
@@ -71,6 +71,12 @@ class SiteAgent:
         # The last global model of each run (its SHA-256, its tensors): with compressed
         # downloads, the next round's model is this plus a compressed step.
         self._globals: dict[str, tuple[str, dict[str, torch.Tensor]]] = {}
+        # The model object a run last trained, reused for its next round: building a model
+        # (random init) can cost more than the round's transfers, and load_state_dict sets
+        # every parameter and buffer anyway. CPU training in this process only: a local
+        # world's plans rebuild the module, and a model left on the GPU would change where
+        # the task's evaluate runs.
+        self._models: dict[tuple[str, str], torch.nn.Module] = {}
         tls = pki.load_folder(config.tls_dir) if config.tls_dir is not None else None
         self.conn = Connection(config.coordinator, config.site_id, tls)
         self.backoff = Backoff(cap_s=config.reconnect_max_s)
@@ -183,7 +189,7 @@ class SiteAgent:
             log.warning("%s: round closed while training; not uploading", tag)
             return
         for name, tensor in payload.items():  # refuse locally what the coordinator would refuse
-            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            if not all_finite(tensor):
                 raise ValueError(f"the update's tensor {name!r} has non-finite values")
         if masker is not None and task.secagg is not None:
             wire = {MASKED: to_wire_u32(_masked(masker, task.secagg, payload))}
@@ -213,7 +219,7 @@ class SiteAgent:
         self, impl: Task, task: Assignment, global_state: dict[str, torch.Tensor]
     ) -> tuple[dict[str, torch.Tensor], int, dict[str, float]]:
         data = self._data[task.entry_point]
-        model = impl.create_model(task.seed, task.train.params)
+        model = self._model(impl, task)
         model.load_state_dict(global_state)
         # Evaluate the global model on local held-out data before training on it.
         metrics = {f"eval_{k}": float(v) for k, v in impl.evaluate(model, data).items()}
@@ -240,7 +246,7 @@ class SiteAgent:
         held = self._globals.get(task.run_id)
         model = None
         if held is None and task.round == 1:  # the initial model, built by a site from the seed
-            built = impl.create_model(task.seed, task.train.params).state_dict()
+            built = self._model(impl, task).state_dict()
             rebuilt = {k: v.detach().clone() for k, v in built.items()}
             if digest_and_size(rebuilt)[0] == task.model_sha256:
                 model = rebuilt
@@ -254,6 +260,16 @@ class SiteAgent:
         if model is None:
             model = self.conn.download(task, timeout_s=timeout_s)
         self._globals = {task.run_id: (task.model_sha256, model)}  # one run's model at a time
+        return model
+
+    def _model(self, impl: Task, task: Assignment) -> torch.nn.Module:
+        """The run's model object: the one it trained last round where it can be reused."""
+        key = (task.run_id, task.entry_point)
+        model = self._models.get(key)
+        if model is None:
+            model = impl.create_model(task.seed, task.train.params)
+            if isinstance(self.executor, LocalExecutor) and self.executor.device.type == "cpu":
+                self._models = {key: model}  # one run's model at a time
         return model
 
     def _secagg_setup(self, task: Assignment, sa: SecAggRound) -> SiteSecAgg:

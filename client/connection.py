@@ -11,6 +11,7 @@ import grpc
 import torch
 
 from fedra import __version__, pki
+from fedra.protos import wire
 from fedra.protos.codec import (
     DEFAULT_CHUNK_BYTES,
     CodecError,
@@ -85,6 +86,17 @@ class Connection:
             )
         self.tls = tls
         self.stub = site_pb2_grpc.SiteServiceStub(self.channel)
+        # The two bulk methods, with model chunks framed and parsed by hand (protos.wire).
+        self._download_model = self.channel.unary_stream(
+            wire.DOWNLOAD_MODEL,
+            request_serializer=site_pb2.DownloadModelRequest.SerializeToString,
+            response_deserializer=wire.parse_model_chunk,
+        )
+        self._upload_update = self.channel.stream_unary(
+            wire.UPLOAD_UPDATE,
+            request_serializer=wire.serialize,
+            response_deserializer=site_pb2.UploadUpdateResponse.FromString,
+        )
         self.site_id = site_id
         self.chunk_bytes = chunk_bytes
 
@@ -117,10 +129,11 @@ class Connection:
         expected = task.delta_sha256 if delta else task.model_sha256
         digest = hashlib.sha256()
 
-        def chunks() -> Iterator[bytes]:
-            for message in self.stub.DownloadModel(request, timeout=timeout_s):
-                digest.update(message.data)
-                yield message.data
+        def chunks() -> Iterator[memoryview]:
+            for data in self._download_model(request, timeout=timeout_s):
+                digest.update(data)
+                yield data
+                del data  # free it before the next message arrives
 
         tensors = decode_chunks(chunks())
         if digest.hexdigest() != expected:
@@ -161,12 +174,13 @@ class Connection:
             signature=signature,
         )
 
-        def messages() -> Iterator[site_pb2.UpdateChunk]:
+        def messages() -> Iterator[site_pb2.UpdateChunk | bytes]:
             yield site_pb2.UpdateChunk(header=header)
-            for chunk in encode_chunks(tensors, self.chunk_bytes):
-                yield site_pb2.UpdateChunk(data=chunk)
+            # UpdateChunk data messages, each built in one copy from tensor memory.
+            yield from encode_chunks(tensors, self.chunk_bytes, frame=wire.update_chunk_frame)
 
-        return self.stub.UploadUpdate(messages(), timeout=timeout_s).bytes_received
+        reply = self._upload_update(messages(), timeout=timeout_s)
+        return int(reply.bytes_received)
 
     def report_failure(self, task_id: str, reason: str, timeout_s: float = 10.0) -> None:
         request = site_pb2.ReportFailureRequest(

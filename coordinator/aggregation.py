@@ -79,15 +79,39 @@ class ServerOptimizer:
         """Apply one outer step to ``model`` in place."""
         for name, delta in mean_delta.items():
             param = model[name]
-            update = self._direction(name, delta)
-            param.add_(update.to(param.dtype), alpha=self.lr)
+            self.step_piece(name, param.shape, 0, param.view(-1), delta.reshape(-1))
 
-    def _direction(self, name: str, delta: torch.Tensor) -> torch.Tensor:
+    def step_piece(
+        self,
+        name: str,
+        shape: torch.Size | tuple[int, ...],
+        offset: int,
+        param: torch.Tensor,
+        delta: torch.Tensor,
+    ) -> None:
+        """Apply the step to elements ``offset ..`` of tensor ``name`` (of ``shape``): the
+        flat run ``param`` moves in place by the matching run ``delta`` of the mean update.
+        Every rule is elementwise, so a model streamed through in pieces gets the same step;
+        the state (momenta) is kept whole, shaped like the tensor."""
+        update = self._direction(name, shape, slice(offset, offset + param.numel()), delta)
+        param.add_(update.to(param.dtype), alpha=self.lr)
+
+    def _state(
+        self, key: str, shape: torch.Size | tuple[int, ...], run: slice, like: torch.Tensor
+    ) -> torch.Tensor:
+        whole = self.state.get(key)
+        if whole is None:
+            whole = self.state[key] = torch.zeros(shape, dtype=like.dtype)
+        return whole.view(-1)[run]
+
+    def _direction(
+        self, name: str, shape: torch.Size | tuple[int, ...], run: slice, delta: torch.Tensor
+    ) -> torch.Tensor:
         if self.kind == "fedavg":
             return delta
         if self.kind == "fedavgm":
             # Hsu et al. 2019: v <- beta v + delta; x <- x + lr v
-            m = self.state.setdefault(f"m.{name}", torch.zeros_like(delta))
+            m = self._state(f"m.{name}", shape, run, delta)
             m.mul_(self.params["momentum"]).add_(delta)
             return m
         if self.kind == "diloco":
@@ -95,15 +119,15 @@ class ServerOptimizer:
             # pseudo-gradient g = global - local = -delta, as torch.optim.SGD(nesterov=True):
             # b <- mu b + g; x <- x - lr (g + mu b). With b' = -b: x <- x + lr (d + mu b').
             mu = self.params["momentum"]
-            b = self.state.setdefault(f"m.{name}", torch.zeros_like(delta))
+            b = self._state(f"m.{name}", shape, run, delta)
             b.mul_(mu).add_(delta)
             return delta + mu * b
         # FedAdam / FedYogi (Reddi et al. 2021), no bias correction as in the paper:
         # m <- b1 m + (1-b1) d; x <- x + lr m / (sqrt(v) + tau), with
         # Adam: v <- b2 v + (1-b2) d^2;  Yogi: v <- v - (1-b2) d^2 sign(v - d^2)
         b1, b2, tau = self.params["beta1"], self.params["beta2"], self.params["tau"]
-        m = self.state.setdefault(f"m.{name}", torch.zeros_like(delta))
-        v = self.state.setdefault(f"v.{name}", torch.zeros_like(delta))
+        m = self._state(f"m.{name}", shape, run, delta)
+        v = self._state(f"v.{name}", shape, run, delta)
         m.mul_(b1).add_(delta, alpha=1 - b1)
         squared = delta * delta
         if self.kind == "fedyogi":

@@ -21,7 +21,7 @@ from fedra.coordinator.rounds import (
 from fedra.coordinator.state import INIT_ROUND, ActiveRun
 from fedra.coordinator.uploads import fold
 from fedra.privacy import RdpAccountant
-from fedra.protos.codec import decode_chunks, spec_of
+from fedra.protos.codec import decode_chunks, read_specs
 from fedra.runspec import RunSpec
 from fedra.storage.records import RunRecord
 
@@ -39,8 +39,8 @@ def restore_run(engine: Engine, record: RunRecord) -> ActiveRun | None:
     chunk = engine.settings.chunk_bytes
     ckpt = engine.store.latest_checkpoint(record.id)
     if ckpt is not None:
-        run.model = decode_chunks(engine.models.read_chunks(ckpt.model_sha256, chunk))
-        run.model_specs = spec_of(run.model)
+        # The model itself stays in its blob: a commit streams it (RoundDriver._stepped_model).
+        run.model_specs = read_specs(engine.models.read_chunks(ckpt.model_sha256, chunk))
         run.model_sha256, run.model_bytes = ckpt.model_sha256, ckpt.model_bytes
         run.next_round = ckpt.round_number + 1
         if ckpt.optimizer_sha256:

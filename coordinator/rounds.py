@@ -23,7 +23,13 @@ from fedra.coordinator.secure import SecureRound
 from fedra.coordinator.state import INIT_ROUND, ActiveRun
 from fedra.faults import crash_point
 from fedra.privacy import RdpAccountant, add_secure_gaussian_
-from fedra.protos.codec import decode_chunks, encode_chunks, spec_of
+from fedra.protos.codec import (
+    StreamDecoder,
+    all_finite,
+    decode_chunks,
+    encode_chunks,
+    spec_of,
+)
 from fedra.protos.compression import Compressor, apply_step, floating_layout, unflatten_update
 from fedra.secagg import SecAggError
 from fedra.storage.records import CheckpointRecord, ParticipationRecord
@@ -258,8 +264,6 @@ class RoundDriver:
                 engine.updates.read_chunks(run.init_sha256, engine.settings.chunk_bytes)
             )
         else:
-            assert run.model is not None
-            model = run.model
             try:
                 mean, count = self._mean_update()
             except (SecAggError, RobustError) as exc:
@@ -267,8 +271,13 @@ class RoundDriver:
             bad = _first_non_finite(mean)
             if bad:  # finite updates can still overflow in the sum: never commit that
                 return self._retry_or_fail(count, f"the mean update's {bad} is not finite")
-            before = {k: v.clone() for k, v in model.items()} if spec.codec.download else None
-            run.optimizer.step(model, mean)
+            if spec.codec.download:  # the step is compressed from the whole old and new models
+                model = self._committed_model()
+                before: dict[str, torch.Tensor] | None = {k: v.clone() for k, v in model.items()}
+                run.optimizer.step(model, mean)
+            else:
+                model, before = self._stepped_model(mean), None
+            del mean  # its memory may now hold the new model
             bad = _first_non_finite(model)
             if bad:  # the outer step diverged: the run cannot go on from here
                 self._finish(
@@ -312,7 +321,7 @@ class RoundDriver:
         )  # fmt: skip
         engine.store.add_event(run.run_id, "round_committed", _summary(parts, metrics), now, number)
         with engine.lock:
-            run.model, run.model_specs = model, spec_of(model)
+            run.model_specs = spec_of(model)
             run.base_sha256 = run.model_sha256 if delta_sha else ""
             run.delta_sha256 = delta_sha
             run.delta_bytes = engine.models.size(delta_sha) if delta_sha else 0
@@ -328,6 +337,44 @@ class RoundDriver:
             self._forget()
             return False
         return True
+
+    def _committed_model(self) -> dict[str, torch.Tensor]:
+        """The last committed global model, read back from its blob."""
+        run, engine = self.run_state, self.engine
+        chunks = engine.models.read_chunks(run.model_sha256, engine.settings.chunk_bytes)
+        return decode_chunks(chunks, run.model_specs)
+
+    def _stepped_model(self, mean: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The next global model: the committed one streamed from its blob, moved by the
+        server optimiser piece by piece. A tensor's new values go into the memory of its
+        mean update where the dtypes match (the update is not needed after its own piece),
+        so a commit holds the aggregate and one chunk, never another copy of the model."""
+        run, engine = self.run_state, self.engine
+        specs = run.model_specs
+        assert specs is not None
+        new: dict[str, torch.Tensor] = {}
+        for name, spec in specs.items():
+            delta = mean.get(name)
+            if delta is not None and delta.dtype == spec.dtype and delta.is_contiguous():
+                new[name] = delta.view(-1)
+            else:
+                new[name] = torch.empty(spec.numel, dtype=spec.dtype)
+        decoder = StreamDecoder(specs)  # copying: each piece is the new values' scratch
+        for chunk in engine.models.read_chunks(run.model_sha256, engine.settings.chunk_bytes):
+            for piece in decoder.feed(chunk):
+                end = piece.offset + piece.values.numel()
+                delta = mean.get(piece.name)
+                if delta is not None:  # integer buffers keep the global value
+                    run.optimizer.step_piece(
+                        piece.name,
+                        specs[piece.name].shape,
+                        piece.offset,
+                        piece.values,
+                        delta.reshape(-1)[piece.offset : end],
+                    )
+                new[piece.name][piece.offset : end] = piece.values
+        decoder.finish()
+        return {name: t.view(specs[name].shape) for name, t in new.items()}
 
     def _carry_on(self) -> list[str]:
         """Async: the tasks still being trained, which move on to the next round."""
@@ -443,7 +490,7 @@ class RoundDriver:
 def _first_non_finite(tensors: dict[str, torch.Tensor]) -> str:
     """The name of the first tensor with a NaN or infinity, or ''."""
     for name, t in tensors.items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        if not all_finite(t):
             return f"tensor {name!r}"
     return ""
 

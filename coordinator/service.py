@@ -26,13 +26,14 @@ from fedra.coordinator.errors import (
     Unavailable,
 )
 from fedra.coordinator.status import run_status
+from fedra.protos import wire
 from fedra.protos.serde import (
     codec_to_proto,
     runspec_from_proto,
     secagg_round_to_proto,
     train_to_proto,
 )
-from fedra.protos.v1 import admin_pb2, admin_pb2_grpc, common_pb2, site_pb2, site_pb2_grpc
+from fedra.protos.v1 import admin_pb2, admin_pb2_grpc, site_pb2, site_pb2_grpc
 
 log = logging.getLogger("fedra.coordinator")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -176,23 +177,24 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
         return site_pb2.PollTaskResponse(task=_task_to_proto(task))
 
     @mapped_stream
-    def DownloadModel(
+    def DownloadModel(  # type: ignore[override]  # framed ModelChunks: see server.py
         self, request: site_pb2.DownloadModelRequest, context: Any
-    ) -> Iterator[common_pb2.ModelChunk]:
+    ) -> Iterator[bytes]:
         self.guard.site(context, request.site_id)
         digest, _, base = self.engine.open_download(request.site_id, request.task_id, request.delta)
         started, sent = time.monotonic(), 0
-        for chunk in self.engine.models.read_chunks(digest, self.engine.settings.chunk_bytes):
-            sent += len(chunk)
-            yield common_pb2.ModelChunk(data=chunk)
+        for data in self.engine.models.read_chunks(digest, self.engine.settings.chunk_bytes):
+            sent += len(data)
+            yield wire.model_chunk_frame(len(data)) + data  # a ModelChunk, framed by hand
         self.engine.record_download(request.task_id, sent, time.monotonic() - started, base)
 
     @mapped
     def UploadUpdate(
-        self, request_iterator: Iterator[site_pb2.UpdateChunk], context: Any
+        self, request_iterator: Iterator[site_pb2.UpdateChunk | memoryview], context: Any
     ) -> site_pb2.UploadUpdateResponse:
+        # Data messages arrive as views of their payload (wire.parse_update_chunk).
         first = next(request_iterator, None)
-        if first is None or first.WhichOneof("part") != "header":
+        if not isinstance(first, site_pb2.UpdateChunk) or first.WhichOneof("part") != "header":
             raise InvalidArgument("an upload must start with exactly one header message")
         h = first.header
         self.guard.site(context, h.site_id)
@@ -275,11 +277,12 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
         return site_pb2.SecAggRevealResponse()
 
 
-def _data_chunks(messages: Iterator[site_pb2.UpdateChunk]) -> Iterator[bytes]:
+def _data_chunks(messages: Iterator[site_pb2.UpdateChunk | memoryview]) -> Iterator[memoryview]:
     for message in messages:
-        if message.WhichOneof("part") != "data":
+        data = wire.update_chunk_data(message)
+        if data is None:
             raise InvalidArgument("only the first message of an upload may be a header")
-        yield message.data
+        yield data
 
 
 class AdminService(admin_pb2_grpc.AdminServiceServicer):
@@ -362,13 +365,13 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
         return admin_pb2.ListSitesResponse(sites=sites)
 
     @mapped_stream
-    def ExportModel(
+    def ExportModel(  # type: ignore[override]  # framed ModelChunks: see server.py
         self, request: admin_pb2.ExportModelRequest, context: Any
-    ) -> Iterator[common_pb2.ModelChunk]:
+    ) -> Iterator[bytes]:
         self.guard.admin(context)
         round_number = None if request.latest else request.round
         ckpt = self.engine.export_checkpoint(request.run_id, round_number)
-        for chunk in self.engine.models.read_chunks(
+        for data in self.engine.models.read_chunks(
             ckpt.model_sha256, self.engine.settings.chunk_bytes
         ):
-            yield common_pb2.ModelChunk(data=chunk)
+            yield wire.model_chunk_frame(len(data)) + data

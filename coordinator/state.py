@@ -52,7 +52,6 @@ class ActiveRun:
     run_id: str
     spec: RunSpec
     optimizer: ServerOptimizer
-    model: dict[str, torch.Tensor] | None = None  # None until round 0 commits
     model_specs: dict[str, TensorSpec] | None = None
     model_sha256: str = ""
     model_bytes: int = 0

@@ -25,7 +25,14 @@ from fedra.coordinator.errors import (
 )
 from fedra.coordinator.state import INIT_ROUND, ActiveRun, Assignment
 from fedra.privacy import clip_factor
-from fedra.protos.codec import MAX_HEADER_BYTES, CodecError, StreamDecoder, TensorSpec
+from fedra.protos.codec import (
+    MAX_HEADER_BYTES,
+    Buffer,
+    CodecError,
+    StreamDecoder,
+    TensorSpec,
+    all_finite,
+)
 from fedra.protos.compression import (
     Piece,
     StreamingDecompressor,
@@ -186,10 +193,10 @@ def _size_limit(engine: Engine, expected: dict[str, TensorSpec] | None) -> int:
     return 8 + MAX_HEADER_BYTES + sum(s.nbytes for s in expected.values())
 
 
-def receive(engine: Engine, ticket: UploadTicket, chunks: Iterable[bytes]) -> str:
+def receive(engine: Engine, ticket: UploadTicket, chunks: Iterable[Buffer]) -> str:
     """Spool and check the payload; returns its digest, the payload durable in the spool."""
     h = ticket.header
-    decoder = StreamDecoder(ticket.expected)
+    decoder = StreamDecoder(ticket.expected, copy=False)  # pieces only checked: views suffice
     # Decompressed as it arrives, so a crafted scale or index is caught before acceptance.
     dense = None  # masked integers (secagg) have nothing to decompress or check for finiteness
     if ticket.model is not None and ticket.codec.name != "secagg":
@@ -205,9 +212,7 @@ def receive(engine: Engine, ticket: UploadTicket, chunks: Iterable[bytes]) -> st
                 raw = decoder.feed(chunk)
                 pieces: Iterable[Piece] = raw if dense is None else dense.feed(raw)
                 for piece in pieces:
-                    if piece.values.is_floating_point() and not bool(
-                        torch.isfinite(piece.values).all()
-                    ):
+                    if not all_finite(piece.values):
                         raise InvalidArgument(f"tensor {piece.name!r} has non-finite values")
             if writer.bytes_written != h.payload_bytes:
                 raise InvalidArgument(
@@ -355,7 +360,7 @@ def _dense_pieces(engine: Engine, run: ActiveRun, digest: str) -> Iterator[Piece
     """The decompressed pieces of a spooled update, chunk by chunk."""
     assert run.model_specs is not None
     codec = run.spec.codec
-    decoder = StreamDecoder(compressed_specs(run.model_specs, codec))
+    decoder = StreamDecoder(compressed_specs(run.model_specs, codec), copy=False)
     dense = StreamingDecompressor(run.model_specs, codec)
     for chunk in engine.updates.read_chunks(digest, engine.settings.chunk_bytes):
         yield from dense.feed(decoder.feed(chunk))
@@ -368,7 +373,7 @@ def _masked_pieces(
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """(offset, values in [0, 2**32)) runs of a spooled masked update."""
     assert run.model_specs is not None
-    decoder = StreamDecoder(compressed_specs(run.model_specs, CodecSpec("secagg")))
+    decoder = StreamDecoder(compressed_specs(run.model_specs, CodecSpec("secagg")), copy=False)
     for chunk in engine.updates.read_chunks(digest, engine.settings.chunk_bytes):
         for piece in decoder.feed(chunk):
             yield piece.offset, from_wire_u32(piece.values)

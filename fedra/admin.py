@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from fedra.pki import TlsFiles, channel_credentials
+from fedra.protos import wire
 from fedra.protos.serde import runspec_to_proto
 from fedra.protos.v1 import admin_pb2, admin_pb2_grpc
 from fedra.runspec import RunSpec
@@ -28,6 +29,11 @@ class AdminClient:
         else:
             self.channel = grpc.secure_channel(address, channel_credentials(tls), options=options)
         self.stub = admin_pb2_grpc.AdminServiceStub(self.channel)
+        self._export_model = self.channel.unary_stream(
+            wire.EXPORT_MODEL,
+            request_serializer=admin_pb2.ExportModelRequest.SerializeToString,
+            response_deserializer=wire.parse_model_chunk,
+        )
         self.timeout_s = timeout_s
 
     def close(self) -> None:
@@ -60,12 +66,12 @@ class AdminClient:
     def sites(self) -> list[admin_pb2.Site]:
         return list(self.stub.ListSites(admin_pb2.ListSitesRequest(), timeout=self.timeout_s).sites)
 
-    def export_chunks(self, run_id: str, round_number: int | None = None) -> Iterator[bytes]:
+    def export_chunks(self, run_id: str, round_number: int | None = None) -> Iterator[memoryview]:
+        """The model's safetensors bytes, chunk by chunk (views into the received messages)."""
         request = admin_pb2.ExportModelRequest(
             run_id=run_id, round=round_number or 0, latest=round_number is None
         )
-        for chunk in self.stub.ExportModel(request, timeout=self.timeout_s):
-            yield chunk.data
+        yield from self._export_model(request, timeout=self.timeout_s)
 
     def export_model(self, run_id: str, round_number: int | None = None) -> dict[str, torch.Tensor]:
         from fedra.protos.codec import decode_chunks  # noqa: PLC0415 - torch on export only

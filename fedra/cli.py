@@ -51,6 +51,7 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
         site_timeout_s=args.site_timeout_s,
         poll_timeout_s=args.poll_timeout_s,
     )
+    window = {} if args.stream_window_mb is None else {"stream_window_mb": args.stream_window_mb}
     config = CoordinatorConfig(
         state_dir=Path(args.state_dir),
         host=args.host,
@@ -59,6 +60,7 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
         engine=settings,
         tls_dir=Path(args.tls_dir) if args.tls_dir else None,
         insecure=args.insecure,
+        **window,
     )
     serve(config)
     return 0
@@ -387,6 +389,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--site-timeout-s", type=float, default=20.0, help="a site silent this long is offline"
     )
     c.add_argument("--poll-timeout-s", type=float, default=20.0, help="longest long poll")
+    c.add_argument(
+        "--stream-window-mb",
+        type=float,
+        help="what one upload may buffer in the coordinator, MiB (default 8; it also caps a "
+        "site's upload rate at window / round-trip time); 0: sized by gRPC's bandwidth "
+        "probing, unbounded",
+    )
     c.set_defaults(func=_cmd_coordinator)
 
     s = sub.add_parser("site", help="run a site agent")

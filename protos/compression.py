@@ -23,6 +23,7 @@ from fedra.protos.codec import (
     CodecError,
     TensorPiece,
     TensorSpec,
+    all_finite,
     decode_chunks,
     encode_chunks,
     encoded_size,
@@ -230,7 +231,7 @@ class Compressor:
             return {name: tensor.detach() for name, tensor in delta.items()}
         floats = {n: t.detach() for n, t in delta.items() if t.is_floating_point()}
         for name, tensor in floats.items():  # a non-finite value would poison the residual
-            if not bool(torch.isfinite(tensor).all()):
+            if not all_finite(tensor):
                 raise ValueError(f"delta tensor {name!r} has non-finite values")
         if self.codec.name in _HALF:
             return {name: _cast_half(name, t, self.codec.name) for name, t in floats.items()}

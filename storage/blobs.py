@@ -105,7 +105,7 @@ class BlobWriter:
         self.bytes_written = 0
         self._done = False
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes | bytearray | memoryview) -> None:
         self._file.write(data)
         self._hash.update(data)
         self.bytes_written += len(data)

@@ -414,3 +414,32 @@ def test_weighted_metrics_edge_cases() -> None:
     # A site that trained on nothing carries no weight.
     parts = [_part("a", 0, {"loss": 100.0, "only_a": 1.0}), _part("b", 4, {"loss": 2.0})]
     assert weighted_metrics(parts) == {"loss": pytest.approx(2.0)}
+
+
+@pytest.mark.parametrize("strategy", sorted(STRATEGY_PARAMS))
+def test_a_step_taken_piece_by_piece_is_the_whole_tensor_step(strategy: str) -> None:
+    """A commit streams the old model through step_piece in runs of any length: bit for bit
+    the step of the whole tensor."""
+    params = {"server_lr": 0.7} if strategy != "fedavg" else {"server_lr": 1.3}
+    whole, pieces = (
+        ServerOptimizer(_spec(strategy, **params)),
+        ServerOptimizer(_spec(strategy, **params)),
+    )
+    g = torch.Generator().manual_seed(3)
+    shape = (37, 29)
+    model_a = {"w": torch.randn(shape, generator=g)}
+    model_b = {"w": model_a["w"].clone()}
+    for _ in range(3):  # state (momenta) carries across rounds
+        delta = torch.randn(shape, generator=g)
+        whole.step(model_a, {"w": delta})
+        flat, offset = model_b["w"].view(-1), 0
+        for run in (1, 7, 64, 300, 1000):  # ragged runs, as chunk boundaries fall
+            end = min(offset + run, flat.numel())
+            pieces.step_piece("w", shape, offset, flat[offset:end], delta.view(-1)[offset:end])
+            offset = end
+        if offset < flat.numel():
+            pieces.step_piece("w", shape, offset, flat[offset:], delta.view(-1)[offset:])
+        assert_close(model_b["w"], model_a["w"], rtol=0, atol=0)
+    for key, value in whole.state_dict().items():
+        assert_close(pieces.state_dict()[key], value, rtol=0, atol=0)
+        assert value.shape == shape

@@ -7,12 +7,14 @@ import torch
 from fedra.client.parallel.extract import HostStager, _layout
 
 
-def test_cpu_tensors_are_copied_not_aliased() -> None:
-    state = {"a": torch.arange(6.0).view(2, 3), "b": torch.tensor([1, 2], dtype=torch.int64)}
+def test_cpu_tensors_are_returned_detached_without_a_copy() -> None:
+    weight = torch.nn.Parameter(torch.arange(6.0).view(2, 3))
+    state = {"a": weight, "b": torch.tensor([1, 2], dtype=torch.int64)}
     out = HostStager().to_host(state)
     for k, v in state.items():
         assert torch.equal(out[k], v) and out[k].dtype == v.dtype
-        assert out[k].data_ptr() != v.data_ptr()
+        assert out[k].data_ptr() == v.data_ptr()  # no pass over the model
+        assert not out[k].requires_grad
 
 
 def test_layout_aligns_every_tensor_to_64_bytes() -> None:

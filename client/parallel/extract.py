@@ -23,10 +23,12 @@ class HostStager:
         self.last_gbps = 0.0
 
     def to_host(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Host copies of ``state``. Tensors on the GPU land in the pinned buffer, so the
-        result is only valid until the next call: consume (upload) it before then."""
+        """``state`` in host memory, valid until the next call or the next training step:
+        consume (upload) it before then. Tensors on the GPU land in the pinned buffer; host
+        tensors are returned as they are (detached), a copy being a pass over the model
+        that nothing needs."""
         if not any(t.is_cuda for t in state.values()):
-            return {k: t.detach().clone() for k, t in state.items()}
+            return {k: t.detach() for k, t in state.items()}
         offsets, total = _layout(state)
         buffer = self._ensure(total)
         started = time.perf_counter()

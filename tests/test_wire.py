@@ -1,0 +1,170 @@
+"""Hand-framed model chunks: the same bytes as protobuf's, parsed without copies."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from google.protobuf.message import DecodeError
+
+from fedra.config import ConfigError
+from fedra.coordinator.server import CoordinatorConfig, server_options
+from fedra.protos import wire
+from fedra.protos.codec import (
+    StreamDecoder,
+    all_finite,
+    decode_chunks,
+    encode,
+    encode_chunks,
+)
+from fedra.protos.v1 import common_pb2, site_pb2
+
+# Lengths around each varint boundary (1, 2 and 3 length bytes) and a realistic chunk.
+SIZES = [1, 127, 128, 300, 16383, 16384, 1 << 20]
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_frames_are_exactly_protobufs_encoding(size: int) -> None:
+    data = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    assert (
+        wire.model_chunk_frame(size) + data == common_pb2.ModelChunk(data=data).SerializeToString()
+    )
+    assert (
+        wire.update_chunk_frame(size) + data == site_pb2.UpdateChunk(data=data).SerializeToString()
+    )
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_a_lone_data_field_parses_to_a_view_without_copying(size: int) -> None:
+    data = b"\x5a" * size
+    raw = common_pb2.ModelChunk(data=data).SerializeToString()
+    view = wire.parse_model_chunk(raw)
+    assert isinstance(view, memoryview) and view.obj is raw  # a view into the received bytes
+    assert view == data
+    raw_up = site_pb2.UpdateChunk(data=data).SerializeToString()
+    parsed = wire.parse_update_chunk(raw_up)
+    assert isinstance(parsed, memoryview) and parsed.obj is raw_up and parsed == data
+
+
+def test_anything_else_goes_through_the_generated_parser() -> None:
+    assert wire.parse_model_chunk(b"") == b""  # proto3 writes nothing for empty data
+    # The data field twice: protobuf keeps the last; the fast path must not take the first.
+    twice = common_pb2.ModelChunk(data=b"old").SerializeToString()
+    twice += common_pb2.ModelChunk(data=b"new").SerializeToString()
+    assert wire.parse_model_chunk(twice) == b"new"
+    # An unknown field after the data (a newer sender) is skipped, the data kept.
+    unknown = common_pb2.ModelChunk(data=b"abc").SerializeToString() + b"\x10\x07"
+    assert wire.parse_model_chunk(unknown) == b"abc"
+    header = site_pb2.UpdateChunk(header=site_pb2.UpdateHeader(site_id="s1", round=3))
+    parsed = wire.parse_update_chunk(header.SerializeToString())
+    assert isinstance(parsed, site_pb2.UpdateChunk) and parsed.header.site_id == "s1"
+    assert wire.update_chunk_data(parsed) is None
+    assert wire.update_chunk_data(site_pb2.UpdateChunk(data=b"xy")) == b"xy"
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"\x0a\x05abc",  # length says 5, 3 bytes follow
+        b"\x0a" + b"\xff" * 11,  # a varint that never ends
+        b"\x0a",  # a tag and nothing else
+    ],
+)
+def test_malformed_chunks_are_decode_errors(raw: bytes) -> None:
+    assert wire.lone_field(raw, wire.MODEL_CHUNK_TAG) is None
+    with pytest.raises(DecodeError):
+        wire.parse_model_chunk(raw)
+
+
+def test_serialize_passes_frames_through_and_serializes_messages() -> None:
+    framed = wire.update_chunk_frame(3) + b"abc"
+    assert wire.serialize(framed) is framed
+    header = site_pb2.UpdateChunk(header=site_pb2.UpdateHeader(site_id="s"))
+    assert wire.serialize(header) == header.SerializeToString()
+
+
+def test_framed_encoding_round_trips_through_parse_and_decode() -> None:
+    tensors = {
+        "w": torch.randn(1000, 37),
+        "b": torch.arange(5, dtype=torch.int64),
+        "h": torch.randn(333).to(torch.bfloat16),
+    }
+    frames = list(encode_chunks(tensors, 4096, frame=wire.model_chunk_frame))
+    views = [wire.parse_model_chunk(f) for f in frames]
+    assert all(len(v) == 4096 for v in views[:-1]) and 0 < len(views[-1]) <= 4096
+    assert b"".join(views) == encode(tensors)  # the frames hold exactly the payload
+    decoded = decode_chunks(views)
+    assert all(torch.equal(decoded[k], tensors[k]) for k in tensors)
+
+
+def test_a_non_copying_decoder_views_aligned_runs_and_copies_the_rest() -> None:
+    payload = encode({"w": torch.arange(64, dtype=torch.float32)})
+    header_end = len(payload) - 64 * 4
+    chunk = bytes(payload)
+    pieces = StreamDecoder(copy=False).feed(chunk)
+    assert len(pieces) == 1 and torch.equal(pieces[0].values, torch.arange(64.0))
+    # Aligned: the piece's memory is inside the fed chunk (no copy).
+    start = pieces[0].values.data_ptr()
+    view = memoryview(chunk)
+    tensor_of_chunk = torch.frombuffer(view, dtype=torch.uint8)
+    assert start == tensor_of_chunk.data_ptr() + header_end
+    # Fed one byte off alignment, runs are copied and still decode right.
+    decoder = StreamDecoder(copy=False)
+    odd = bytearray(1) + bytearray(payload)
+    values = []
+    for part in (memoryview(odd)[1 : 1 + header_end + 6], memoryview(odd)[1 + header_end + 6 :]):
+        values += [p.values for p in decoder.feed(part)]
+    decoder.finish()
+    assert torch.equal(torch.cat(values), torch.arange(64.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_all_finite_agrees_with_isfinite(dtype: torch.dtype) -> None:
+    big = torch.finfo(dtype).max
+    cases = [
+        torch.randn(1000).to(dtype),
+        torch.zeros(0, dtype=dtype),
+        torch.full((4,), big, dtype=dtype),  # finite, but the sum overflows
+        torch.tensor([1.0, float("nan")], dtype=dtype),
+        torch.tensor([float("inf"), 1.0], dtype=dtype),
+        torch.tensor([float("inf"), float("-inf")], dtype=dtype),
+        torch.tensor([big, float("-inf")], dtype=dtype),
+    ]
+    for t in cases:
+        assert all_finite(t) == bool(torch.isfinite(t).all()), t
+    assert all_finite(torch.arange(10))  # integers are always finite
+
+
+def test_server_options_fix_the_receive_window_or_leave_it_adaptive() -> None:
+    fixed = dict(server_options(1 << 20, 2.0))
+    assert fixed["grpc.http2.bdp_probe"] == 0
+    assert fixed["grpc.http2.lookahead_bytes"] == 2 << 20
+    assert fixed["grpc.max_receive_message_length"] == 2 << 20  # a chunk and its envelope
+    adaptive = dict(server_options(1 << 20, 0))
+    assert "grpc.http2.bdp_probe" not in adaptive and "grpc.http2.lookahead_bytes" not in adaptive
+
+
+@pytest.mark.parametrize("window", [-1.0, float("nan"), float("inf"), 4096.0])
+def test_a_bad_stream_window_is_refused_by_name(window: float, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="--stream-window-mb"):
+        CoordinatorConfig(state_dir=tmp_path, insecure=True, stream_window_mb=window)
+
+
+def test_the_cli_refuses_a_bad_window_before_touching_the_state_dir(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    args = ["coordinator", "--state-dir", str(state), "--insecure", "--port", "0"]
+    done = subprocess.run(
+        [sys.executable, "-m", "fedra", *args, "--stream-window-mb", "-1"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 2
+    assert "--stream-window-mb: must be 0 (adaptive) or a size in MiB" in done.stderr
+    assert not state.exists()
