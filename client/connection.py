@@ -14,6 +14,7 @@ from fedra import __version__, pki
 from fedra.protos import wire
 from fedra.protos.codec import (
     DEFAULT_CHUNK_BYTES,
+    MAX_CHUNK_BYTES,
     CodecError,
     decode_chunks,
     digest_and_size,
@@ -73,10 +74,11 @@ class Connection:
         tls: pki.TlsFiles | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ) -> None:
-        limit = chunk_bytes + 1024 * 1024
+        # Downloads come in the coordinator's chunk size, not ours (which only sizes uploads):
+        # accept any chunk up to MAX_CHUNK_BYTES, older coordinators' 4 MiB included.
         options = [
-            ("grpc.max_receive_message_length", limit),
-            ("grpc.max_send_message_length", limit),
+            ("grpc.max_receive_message_length", MAX_CHUNK_BYTES + 1024 * 1024),
+            ("grpc.max_send_message_length", chunk_bytes + 1024 * 1024),
         ]
         if tls is None:
             self.channel = grpc.insecure_channel(address, options=options)

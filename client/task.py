@@ -42,7 +42,10 @@ class Task(Protocol):
     """Training code a site runs. Implementations must be deterministic given their seeds."""
 
     def create_model(self, seed: int, params: Mapping[str, str]) -> torch.nn.Module:
-        """Build the model with initial weights drawn from ``seed``."""
+        """Build the model with initial weights drawn from ``seed``.
+
+        A site may reuse the model in the run's later rounds, after ``load_state_dict``
+        of the global model: state outside the state dict must not change in ``fit``."""
         ...
 
     def load_data(self, config: Mapping[str, Any]) -> Any:

@@ -35,7 +35,9 @@ class WeightedSum:
         self.count = 0
 
     def add_pieces(self, pieces: Iterable[TensorPiece | SparsePiece], weight: float) -> None:
-        """Fold pieces of one update (dense runs, or top-k entries) in with ``weight``."""
+        """Fold pieces of one update (dense runs, or top-k entries) in with ``weight``.
+
+        Pieces are only read: they may be views of the spooled bytes."""
         for piece in pieces:
             acc = self.sums.get(piece.name)
             if acc is None:  # integer buffers are not averaged; they keep the global value

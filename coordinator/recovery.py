@@ -8,6 +8,7 @@ liveness timeout to reconnect before they count as gone.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from typing import TYPE_CHECKING
 
@@ -21,8 +22,9 @@ from fedra.coordinator.rounds import (
 from fedra.coordinator.state import INIT_ROUND, ActiveRun
 from fedra.coordinator.uploads import fold
 from fedra.privacy import RdpAccountant
-from fedra.protos.codec import decode_chunks, read_specs
+from fedra.protos.codec import CodecError, StreamDecoder, TensorSpec, decode_chunks
 from fedra.runspec import RunSpec
+from fedra.storage.blobs import BlobNotFoundError
 from fedra.storage.records import RunRecord
 
 if TYPE_CHECKING:
@@ -39,8 +41,23 @@ def restore_run(engine: Engine, record: RunRecord) -> ActiveRun | None:
     chunk = engine.settings.chunk_bytes
     ckpt = engine.store.latest_checkpoint(record.id)
     if ckpt is not None:
-        # The model itself stays in its blob: a commit streams it (RoundDriver._stepped_model).
-        run.model_specs = read_specs(engine.models.read_chunks(ckpt.model_sha256, chunk))
+        # The model itself stays in its blob (a commit streams it: rounds.stepped_model),
+        # but it is read through once here, so a damaged blob ends the run now with the
+        # reason instead of failing a commit after the sites trained on it.
+        try:
+            run.model_specs = verified_specs(engine, ckpt.model_sha256)
+        except (CodecError, BlobNotFoundError) as exc:
+            reason = f"the checkpoint of round {ckpt.round_number} is damaged: {exc}"
+            now = engine.clock()
+            open_round = engine.store.get_open_round(record.id)
+            if open_round is not None:
+                engine.store.expire_attempt(
+                    record.id, open_round.number, open_round.attempt, reason, now
+                )
+            engine.store.set_run_state(record.id, "failed", reason, now)
+            engine.store.add_event(record.id, "failed", reason, now, ckpt.round_number)
+            log.error("run %s: %s", record.id, reason)
+            return None
         run.model_sha256, run.model_bytes = ckpt.model_sha256, ckpt.model_bytes
         run.next_round = ckpt.round_number + 1
         if ckpt.optimizer_sha256:
@@ -68,6 +85,19 @@ def restore_run(engine: Engine, record: RunRecord) -> ActiveRun | None:
             return None
         _resume_open_round(engine, run, open_round.number, open_round.attempt)
     return run
+
+
+def verified_specs(engine: Engine, digest: str) -> dict[str, TensorSpec]:
+    """The specs of model blob ``digest``, after checking its structure and SHA-256."""
+    decoder = StreamDecoder(copy=False)
+    hasher = hashlib.sha256()
+    for chunk in engine.models.read_chunks(digest, engine.settings.chunk_bytes):
+        hasher.update(chunk)
+        decoder.feed(chunk)
+    decoder.finish()
+    if hasher.hexdigest() != digest:
+        raise CodecError(f"its SHA-256 is {hasher.hexdigest()}, not {digest}")
+    return decoder.specs
 
 
 def _unmasked_before(engine: Engine, run: ActiveRun, number: int, attempt: int) -> bool:

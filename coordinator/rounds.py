@@ -13,18 +13,21 @@ import logging
 import random
 import time
 import uuid
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
 
-from fedra.coordinator.aggregation import WeightedSum
+from fedra.coordinator.aggregation import ServerOptimizer, WeightedSum
 from fedra.coordinator.robust import RobustError, RobustRule, UpdateStore, aggregate
 from fedra.coordinator.secure import SecureRound
 from fedra.coordinator.state import INIT_ROUND, ActiveRun
 from fedra.faults import crash_point
 from fedra.privacy import RdpAccountant, add_secure_gaussian_
 from fedra.protos.codec import (
+    Buffer,
     StreamDecoder,
+    TensorSpec,
     all_finite,
     decode_chunks,
     encode_chunks,
@@ -345,36 +348,10 @@ class RoundDriver:
         return decode_chunks(chunks, run.model_specs)
 
     def _stepped_model(self, mean: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The next global model: the committed one streamed from its blob, moved by the
-        server optimiser piece by piece. A tensor's new values go into the memory of its
-        mean update where the dtypes match (the update is not needed after its own piece),
-        so a commit holds the aggregate and one chunk, never another copy of the model."""
         run, engine = self.run_state, self.engine
-        specs = run.model_specs
-        assert specs is not None
-        new: dict[str, torch.Tensor] = {}
-        for name, spec in specs.items():
-            delta = mean.get(name)
-            if delta is not None and delta.dtype == spec.dtype and delta.is_contiguous():
-                new[name] = delta.view(-1)
-            else:
-                new[name] = torch.empty(spec.numel, dtype=spec.dtype)
-        decoder = StreamDecoder(specs)  # copying: each piece is the new values' scratch
-        for chunk in engine.models.read_chunks(run.model_sha256, engine.settings.chunk_bytes):
-            for piece in decoder.feed(chunk):
-                end = piece.offset + piece.values.numel()
-                delta = mean.get(piece.name)
-                if delta is not None:  # integer buffers keep the global value
-                    run.optimizer.step_piece(
-                        piece.name,
-                        specs[piece.name].shape,
-                        piece.offset,
-                        piece.values,
-                        delta.reshape(-1)[piece.offset : end],
-                    )
-                new[piece.name][piece.offset : end] = piece.values
-        decoder.finish()
-        return {name: t.view(specs[name].shape) for name, t in new.items()}
+        assert run.model_specs is not None
+        chunks = engine.models.read_chunks(run.model_sha256, engine.settings.chunk_bytes)
+        return stepped_model(chunks, run.model_specs, run.optimizer, mean)
 
     def _carry_on(self) -> list[str]:
         """Async: the tasks still being trained, which move on to the next round."""
@@ -485,6 +462,48 @@ class RoundDriver:
         with self.engine.lock:
             self.engine.runs.pop(self.run_state.run_id, None)
             self.engine.notify()
+
+
+def stepped_model(
+    chunks: Iterable[Buffer],
+    specs: dict[str, TensorSpec],
+    optimizer: ServerOptimizer,
+    mean: dict[str, torch.Tensor],
+) -> dict[str, torch.Tensor]:
+    """The next global model: the committed one (its encoded ``chunks``) moved by the
+    server optimiser piece by piece as it streams in.
+
+    A tensor's new values go into the memory of its mean update where the dtypes match
+    (each run of the update is read before its new values overwrite it), so a commit holds
+    the aggregate and a chunk, never a second copy of the model. For fp32 and fp64 models
+    the result is bit for bit ``optimizer.step`` on whole tensors; half-precision ones may
+    differ in the last bit at a few elements where a piece ends (torch's CPU kernels round
+    short runs differently)."""
+    new: dict[str, torch.Tensor] = {}
+    for name, spec in specs.items():
+        delta = mean.get(name)
+        if delta is not None and delta.dtype == spec.dtype and delta.is_contiguous():
+            new[name] = delta.view(-1)
+        else:
+            new[name] = torch.empty(spec.numel, dtype=spec.dtype)
+        if delta is not None and spec.numel == 0:  # no pieces come: its state starts here
+            optimizer.step_piece(name, spec.shape, 0, new[name], delta.reshape(-1))
+    decoder = StreamDecoder(specs)  # copying: each piece is the new values' scratch
+    for chunk in chunks:
+        for piece in decoder.feed(chunk):
+            end = piece.offset + piece.values.numel()
+            delta = mean.get(piece.name)
+            if delta is not None:  # integer buffers keep the global value
+                optimizer.step_piece(
+                    piece.name,
+                    specs[piece.name].shape,
+                    piece.offset,
+                    piece.values,
+                    delta.reshape(-1)[piece.offset : end],
+                )
+            new[piece.name][piece.offset : end] = piece.values
+    decoder.finish()
+    return {name: t.view(specs[name].shape) for name, t in new.items()}
 
 
 def _first_non_finite(tensors: dict[str, torch.Tensor]) -> str:

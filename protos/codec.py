@@ -21,6 +21,8 @@ import torch
 # Small enough that a stream's buffers stay a few MiB, large enough that per-message costs
 # vanish (about 1 ms of copying per chunk).
 DEFAULT_CHUNK_BYTES = 1024 * 1024
+# The largest chunk a receiver must accept (earlier versions sent 4 MiB chunks).
+MAX_CHUNK_BYTES = 16 * 1024 * 1024
 MAX_HEADER_BYTES = 16 * 1024 * 1024
 
 _METADATA_KEY = "__metadata__"
@@ -472,17 +474,6 @@ def _fill(tensors: dict[str, torch.Tensor], pieces: list[TensorPiece]) -> None:
     for piece in pieces:
         flat = tensors[piece.name].view(-1)
         flat[piece.offset : piece.offset + piece.values.numel()] = piece.values
-
-
-def read_specs(chunks: Iterable[Buffer]) -> dict[str, TensorSpec]:
-    """The tensor specs a payload's header announces, reading no further than the header."""
-    decoder = StreamDecoder(copy=False)
-    for chunk in chunks:
-        decoder.feed(chunk)
-        if decoder.header_ready:
-            return decoder.specs
-    decoder.finish()  # raises: the stream ended inside the header
-    raise AssertionError("unreachable")
 
 
 def decode(

@@ -358,7 +358,10 @@ class StreamingDecompressor:
                 self._routes[name + values] = (name, "values")
 
     def feed(self, pieces: Iterable[TensorPiece]) -> Iterator[Piece]:
-        """Contributions, in model tensor names and flat element offsets, for ``pieces``."""
+        """Contributions, in model tensor names and flat element offsets, for ``pieces``.
+
+        Dense fp32 contributions are the pieces themselves, which may be views of received
+        bytes (``StreamDecoder(copy=False)``): consumers read them, never write into them."""
         for piece in pieces:
             yield from self._take(piece)
 

@@ -14,7 +14,7 @@ import torch
 from torch.testing import assert_close
 
 from fedra.coordinator.aggregation import ServerOptimizer, WeightedSum, accumulation_dtype
-from fedra.coordinator.rounds import weighted_metrics
+from fedra.coordinator.rounds import stepped_model, weighted_metrics
 from fedra.protos.codec import StreamDecoder, decode, encode, encode_chunks, spec_of
 from fedra.runspec import STRATEGY_PARAMS, RunSpec
 from fedra.storage.records import ParticipationRecord
@@ -443,3 +443,56 @@ def test_a_step_taken_piece_by_piece_is_the_whole_tensor_step(strategy: str) -> 
     for key, value in whole.state_dict().items():
         assert_close(pieces.state_dict()[key], value, rtol=0, atol=0)
         assert value.shape == shape
+
+
+def _stepped_case(
+    strategy: str, dtype: torch.dtype
+) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]], RunSpec]:
+    g = torch.Generator().manual_seed(11)
+    model = {
+        "w": torch.randn(13, 7, generator=g).to(dtype),
+        "b": torch.randn(5, generator=g).to(dtype),
+        "steps": torch.tensor([3, 4], dtype=torch.int64),  # an integer buffer
+        "none": torch.zeros(0, dtype=dtype),  # an empty float tensor
+    }
+    acc = accumulation_dtype(dtype)
+    means = []
+    for _ in range(3):
+        mean = {k: torch.randn(v.shape, generator=g).to(acc) for k, v in model.items()}
+        mean["w"] = mean["w"].t().contiguous().t()  # non-contiguous: new values elsewhere
+        del mean["steps"]
+        means.append(mean)
+    return model, means, _spec(strategy, server_lr=0.7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("strategy", sorted(STRATEGY_PARAMS))
+def test_stepped_model_streams_the_old_model_through_the_step(
+    strategy: str, dtype: torch.dtype
+) -> None:
+    """rounds.stepped_model (a commit) against ServerOptimizer.step on whole tensors, with
+    7-byte chunks: pieces split elements, integer buffers and an empty tensor ride along."""
+    model, means, spec = _stepped_case(strategy, dtype)
+    whole, streamed = ServerOptimizer(spec), ServerOptimizer(spec)
+    reference = {k: v.clone() for k, v in model.items()}
+    current = {k: v.clone() for k, v in model.items()}
+    exact = dtype in (torch.float32, torch.float64)
+    for mean in means:
+        whole.step(reference, {k: v.clone() for k, v in mean.items()})
+        given = {k: v.clone() for k, v in mean.items()}
+        current = stepped_model(encode_chunks(current, 7), spec_of(current), streamed, given)
+        assert set(current) == set(reference)
+        for name, value in reference.items():
+            assert current[name].dtype == value.dtype and current[name].shape == value.shape
+            if exact or not value.is_floating_point():
+                assert torch.equal(current[name], value), name
+            else:  # half precision: the last bit may differ where a piece ends
+                ulp = torch.finfo(dtype).eps * float(value.abs().amax()) if value.numel() else 0.0
+                assert_close(current[name], value, rtol=0, atol=4 * ulp)
+        if exact:  # fp32 and fp64: the new values were written into the mean's memory
+            assert current["b"].data_ptr() == given["b"].data_ptr()
+        assert current["w"].data_ptr() != given["w"].data_ptr()  # not contiguous: not reused
+    assert set(streamed.state_dict()) == set(whole.state_dict())  # "none" has state too
+    for key, value in whole.state_dict().items():
+        assert streamed.state_dict()[key].shape == value.shape
+        assert_close(streamed.state_dict()[key], value, rtol=0, atol=0)

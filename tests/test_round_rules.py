@@ -4,17 +4,25 @@ weights of async rounds, DP-FedAvg's clipping and noise, and retries after a com
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from pathlib import Path
 
+import pytest
 import torch
 
+from fedra.client.connection import Connection
+from fedra.coordinator.engine import EngineSettings
 from fedra.protos.codec import decode, encode
 from fedra.protos.v1 import admin_pb2, common_pb2, site_pb2
 from tests.conftest import InProcessCoordinator
 from tests.test_site_service import (
+    SITES,
     messages,
     model_state,
+    register,
     round_status,
     start_round_one,
+    submit,
     tasks_of_round,
     upload,
     wait_round,
@@ -100,3 +108,67 @@ def test_central_dp_clips_each_update_and_adds_the_noise(coordinator: InProcessC
     assert noise.abs().max() > 0.02 * std  # and the noise is really there
     r1 = round_status(c, run_id, 1)
     assert r1.metrics["privacy_epsilon"] > 0
+
+
+@pytest.mark.parametrize(
+    ("damage", "says"),
+    [
+        (lambda data: data[: len(data) // 2], "stream ended inside"),  # a torn write
+        (lambda data: data[:-1] + bytes([data[-1] ^ 1]), "its SHA-256 is"),  # a flipped bit
+    ],
+)
+def test_a_damaged_checkpoint_ends_its_run_at_restart_with_the_reason(
+    tmp_path: Path, damage: Callable[[bytes], bytes], says: str
+) -> None:
+    """The coordinator keeps no copy of the model: it reads the blob through at restart, so
+    a damaged one fails the run before any site trains on it (and the daemon serves on)."""
+    settings = EngineSettings(heartbeat_interval_s=1.0, poll_timeout_s=2.0, site_timeout_s=30.0)
+    state = tmp_path / "state"
+    c = InProcessCoordinator(state, settings)
+    try:
+        run_id, _ = start_round_one(c)
+        model_sha = round_status(c, run_id, 0).model_sha256
+    finally:
+        c.close()
+    blob = state / "blobs" / model_sha[:2] / model_sha
+    blob.write_bytes(damage(blob.read_bytes()))
+    c = InProcessCoordinator(state, settings)
+    try:
+        status = c.admin.GetRun(admin_pb2.GetRunRequest(run_id=run_id))
+        assert status.state == "failed"
+        assert "the checkpoint of round 0 is damaged" in status.reason
+        assert says in status.reason
+        round1 = [p for r in status.rounds if r.number == 1 for p in r.participations]
+        assert round1 and all(p.status == "expired" for p in round1)  # its tasks end too
+        assert c.admin.ListSites(admin_pb2.ListSitesRequest()).sites  # still serving
+    finally:
+        c.close()
+
+
+def test_a_site_takes_download_chunks_larger_than_its_own(tmp_path: Path) -> None:
+    """Register settles the upload chunk size only; downloads come in the coordinator's
+    (4 MiB in earlier versions), and the site's 1 MiB default must not refuse them."""
+    settings = EngineSettings(
+        heartbeat_interval_s=1.0, poll_timeout_s=2.0, site_timeout_s=30.0, chunk_bytes=4 << 20
+    )
+    c = InProcessCoordinator(tmp_path / "state", settings)
+    conn = None
+    try:
+        register(c, *SITES)
+        run_id = submit(c)
+        ((init_site, init_task),) = tasks_of_round(c, run_id, 0).items()
+        big = {"w": torch.randn(3 << 20)}  # 12 MiB: three 4 MiB chunks
+        upload(c, messages(init_task, init_site, encode(big), chunk=1 << 20))
+        site = sorted(tasks_of_round(c, run_id, 1))[0]
+        conn = Connection(c.address, site)
+        assert conn.chunk_bytes == 1 << 20
+        assignment = conn.poll(5.0)
+        assert assignment is not None and assignment.round == 1
+        model = conn.download(assignment, timeout_s=30.0)
+        assert torch.equal(model["w"], big["w"])
+        sent = round_status(c, run_id, 1)
+        assert max(p.bytes_down for p in sent.participations) > 8 << 20  # whole, in 4 MiB
+    finally:
+        if conn is not None:
+            conn.close()
+        c.close()

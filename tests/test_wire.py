@@ -116,8 +116,13 @@ def test_a_non_copying_decoder_views_aligned_runs_and_copies_the_rest() -> None:
     decoder = StreamDecoder(copy=False)
     odd = bytearray(1) + bytearray(payload)
     values = []
-    for part in (memoryview(odd)[1 : 1 + header_end + 6], memoryview(odd)[1 + header_end + 6 :]):
-        values += [p.values for p in decoder.feed(part)]
+    first, second = memoryview(odd)[1 : 1 + header_end + 6], memoryview(odd)[1 + header_end + 6 :]
+    odd_start = torch.frombuffer(odd, dtype=torch.uint8).data_ptr()
+    assert (odd_start + 1 + header_end) % 4 != 0  # the float32 data really is misaligned
+    for part in (first, second):
+        for p in decoder.feed(part):
+            assert not odd_start <= p.values.data_ptr() < odd_start + len(odd)  # a copy
+            values.append(p.values)
     decoder.finish()
     assert torch.equal(torch.cat(values), torch.arange(64.0))
 

@@ -1,0 +1,99 @@
+"""A site reuses a run's model object across rounds: same object, same training."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from fedra.client.agent import SiteAgent
+from fedra.client.config import SiteConfig
+from fedra.client.connection import Assignment
+from fedra.client.executor import LocalExecutor
+from fedra.examples.synthetic import SyntheticTask
+from fedra.runspec import CodecSpec, TrainSpec
+
+EP = "fedra.examples.synthetic:task"
+
+
+class CountingTask(SyntheticTask):
+    """The synthetic task, counting the models it builds."""
+
+    def __init__(self) -> None:
+        self.built = 0
+
+    def create_model(self, seed: int, params: Mapping[str, str]) -> nn.Module:
+        self.built += 1
+        return super().create_model(seed, params)
+
+
+def _agent(task: CountingTask, executor: LocalExecutor | None = None) -> SiteAgent:
+    # The address is never dialled: these tests call the agent's training path directly.
+    config = SiteConfig("s1", "127.0.0.1:9", (EP,), insecure=True)
+    data = {EP: task.load_data({"samples": 64, "seed": 1})}
+    return SiteAgent(config, executor=executor or LocalExecutor(), tasks={EP: task}, data=data)
+
+
+def _assignment(run_id: str, number: int) -> Assignment:
+    train = TrainSpec(
+        local_steps=3, batch_size=8, learning_rate=0.05, params={"extra_params": "1000"}
+    )
+    return Assignment(
+        task_id=f"{run_id}-{number}",
+        run_id=run_id,
+        round=number,
+        init=False,
+        entry_point=EP,
+        train=train,
+        seed=7,
+        model_sha256="",
+        model_bytes=0,
+        deadline_in_s=60.0,
+        codec=CodecSpec("none"),
+    )
+
+
+def test_a_run_builds_its_model_once_and_another_run_builds_its_own() -> None:
+    task = CountingTask()
+    agent = _agent(task)
+    first = agent._model(task, _assignment("r1", 1))
+    assert agent._model(task, _assignment("r1", 2)) is first
+    assert task.built == 1
+    other = agent._model(task, _assignment("r2", 1))
+    assert other is not first and task.built == 2
+    agent.conn.close()
+
+
+def test_no_reuse_where_training_leaves_the_model_elsewhere() -> None:
+    task = CountingTask()
+    agent = _agent(task, LocalExecutor(torch.device("cuda")))  # never trains here
+    a = _assignment("r1", 1)
+    assert agent._model(task, a) is not agent._model(task, replace(a, round=2))
+    assert task.built == 2
+    agent.conn.close()
+
+
+def test_training_a_reused_model_gives_the_update_a_fresh_one_gives() -> None:
+    """Round 2 on the object round 1 trained is round 2 on a freshly built model."""
+    reference_task = CountingTask()
+    start = {
+        k: v.detach().clone()
+        for k, v in reference_task.create_model(7, {"extra_params": "1000"}).state_dict().items()
+    }
+    reused_task = CountingTask()
+    reused = _agent(reused_task)
+    round1, *_ = reused._train(reused_task, _assignment("r1", 1), start)
+    global2 = {k: start[k] + round1[k] for k in start}  # the next global model
+    update_reused, samples_reused, _ = reused._train(reused_task, _assignment("r1", 2), global2)
+    fresh_task = CountingTask()
+    fresh = _agent(fresh_task)
+    update_fresh, samples_fresh, _ = fresh._train(fresh_task, _assignment("r1", 2), global2)
+    assert reused_task.built == 1 and fresh_task.built == 1
+    assert samples_reused == samples_fresh
+    for name, value in update_fresh.items():
+        assert torch.equal(update_reused[name], value), name
+    assert any(bool(v.abs().sum() > 0) for v in update_fresh.values())  # it did train
+    reused.conn.close()
+    fresh.conn.close()
