@@ -6,9 +6,10 @@ FedAvg over all N sites, and reads from the coordinator's RoundStatus the round 
 bytes moved, and from /proc the coordinator's RSS. In the same run it measures raw Python
 gRPC streaming (``raw_grpc.py``: a separate server process, 4 MiB chunks of raw bytes) on
 the same machine, before and after the runs, so the ratio compares like with like; fedra
-runs plaintext as the baseline does unless ``--tls``, its coordinator with a 1 MiB receive
-window per upload (``--stream-window-mb``: on localhost the bandwidth-delay product is tiny;
-a WAN deployment keeps the 8 MiB default). The same stream wrapped in protobuf
+runs plaintext as the baseline does unless ``--tls``, its coordinator with a 0.25 MiB
+receive window per upload (``--stream-window-mb``: a window needs only the link's
+bandwidth-delay product, about 0.1 MB on localhost; a WAN deployment keeps the 8 MiB
+default). The same stream wrapped in protobuf
 ``ModelChunk`` messages by the generated code is measured too, as context: what fedra's
 hand framing (``fedra.protos.wire``) avoids.
 
@@ -215,7 +216,7 @@ def run_config(
     raw_bps: float,
     timeout_s: float,
     tls: bool = False,
-    stream_window_mb: float = 1.0,
+    stream_window_mb: float = 0.25,
 ) -> ConfigResult:
     """One coordinator and ``sites`` sites; a run of ``rounds`` rounds over all of them."""
     started = time.monotonic()
@@ -405,9 +406,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--stream-window-mb",
         type=float,
-        default=1.0,
+        default=0.25,
         help="the coordinator's per-upload receive window (its --stream-window-mb): a link's "
-        "bandwidth-delay product is all a window needs, and on localhost that is tiny",
+        "bandwidth-delay product is all a window needs, and on localhost that is about 0.1 MB",
     )
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--work-dir", type=Path, help="keep state and logs here (default: temp)")

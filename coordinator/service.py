@@ -283,6 +283,7 @@ def _data_chunks(messages: Iterator[site_pb2.UpdateChunk | memoryview]) -> Itera
         if data is None:
             raise InvalidArgument("only the first message of an upload may be a header")
         yield data
+        del message, data  # not held while the next message is received
 
 
 class AdminService(admin_pb2_grpc.AdminServiceServicer):

@@ -209,11 +209,8 @@ def receive(engine: Engine, ticket: UploadTicket, chunks: Iterable[Buffer]) -> s
                         f"payload is longer than the declared {h.payload_bytes} bytes"
                     )
                 writer.write(chunk)
-                raw = decoder.feed(chunk)
-                pieces: Iterable[Piece] = raw if dense is None else dense.feed(raw)
-                for piece in pieces:
-                    if not all_finite(piece.values):
-                        raise InvalidArgument(f"tensor {piece.name!r} has non-finite values")
+                _check_chunk(decoder, dense, chunk)
+                del chunk  # let it go before gRPC builds the next one
             if writer.bytes_written != h.payload_bytes:
                 raise InvalidArgument(
                     f"payload ended after {writer.bytes_written} of the declared "
@@ -228,6 +225,17 @@ def receive(engine: Engine, ticket: UploadTicket, chunks: Iterable[Buffer]) -> s
             raise InvalidArgument(f"payload: {exc}") from exc
         except BlobDigestError as exc:
             raise InvalidArgument(f"checksum mismatch: {exc}") from exc
+
+
+def _check_chunk(
+    decoder: StreamDecoder, dense: StreamingDecompressor | None, chunk: Buffer
+) -> None:
+    """Parse a chunk and check its values (the views of it die with this frame)."""
+    raw = decoder.feed(chunk)
+    pieces: Iterable[Piece] = raw if dense is None else dense.feed(raw)
+    for piece in pieces:
+        if not all_finite(piece.values):
+            raise InvalidArgument(f"tensor {piece.name!r} has non-finite values")
 
 
 def _check_init_model(ticket: UploadTicket, decoder: StreamDecoder) -> None:
