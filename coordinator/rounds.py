@@ -480,26 +480,28 @@ def stepped_model(
     differ in the last bit at a few elements where a piece ends (torch's CPU kernels round
     short runs differently)."""
     new: dict[str, torch.Tensor] = {}
+    flat: dict[str, torch.Tensor] = {}  # each mean update, flat (a copy only if not contiguous)
     for name, spec in specs.items():
         delta = mean.get(name)
+        if delta is not None:
+            flat[name] = delta.reshape(-1)
         if delta is not None and delta.dtype == spec.dtype and delta.is_contiguous():
-            new[name] = delta.view(-1)
+            new[name] = flat[name]
         else:
             new[name] = torch.empty(spec.numel, dtype=spec.dtype)
         if delta is not None and spec.numel == 0:  # no pieces come: its state starts here
-            optimizer.step_piece(name, spec.shape, 0, new[name], delta.reshape(-1))
+            optimizer.step_piece(name, spec.shape, 0, new[name], flat[name])
     decoder = StreamDecoder(specs)  # copying: each piece is the new values' scratch
     for chunk in chunks:
         for piece in decoder.feed(chunk):
             end = piece.offset + piece.values.numel()
-            delta = mean.get(piece.name)
-            if delta is not None:  # integer buffers keep the global value
+            if piece.name in flat:  # integer buffers keep the global value
                 optimizer.step_piece(
                     piece.name,
                     specs[piece.name].shape,
                     piece.offset,
                     piece.values,
-                    delta.reshape(-1)[piece.offset : end],
+                    flat[piece.name][piece.offset : end],
                 )
             new[piece.name][piece.offset : end] = piece.values
     decoder.finish()
