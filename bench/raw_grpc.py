@@ -6,18 +6,29 @@ or its stdin closes. ``measure`` streams a pre-built payload through it in chunk
 directions: a client-streaming upload and a server-streaming download. With ``proto=True``
 each chunk travels wrapped in fedra's ``ModelChunk`` message instead (same bytes on the
 wire plus a few bytes of framing, but protobuf's copies on both sides): the cost of the
-message layer before any fedra logic.
+message layer before any fedra logic. With ``checked=True`` both directions also do the
+per-byte work fedra's rules ask of any implementation: the sender of an upload hashes its
+payload (SHA-256) before sending the digest and the bytes, and the receiver hashes what
+arrives and writes it to a spool file (an update is checked whole before it may touch the
+aggregate, and memory must stay O(model)); a download is read from a file and its receiver
+hashes it against the digest it expects. That is the best a transfer that checks as fedra's
+must can reach through Python gRPC. (fedra also fsyncs each spooled update; in a round that
+overlaps other sites' work, so it is left out here.)
 ``python bench/raw_grpc.py client --port N`` runs ``measure`` against a running server.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import itertools
 import os
+import random
 import signal
 import statistics
 import struct
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -35,6 +46,7 @@ CHUNK_BYTES = 4 * 1024 * 1024
 MESSAGE_LIMIT = CHUNK_BYTES + 1024 * 1024  # as fedra: a chunk plus its envelope
 _REQUEST = struct.Struct("<QQ")  # download request: total bytes, chunk bytes
 _COUNT = struct.Struct("<Q")
+_BLOCK_BYTES = 1024 * 1024
 
 
 def _identity(data: bytes) -> bytes:
@@ -63,10 +75,22 @@ def _channel_options() -> list[tuple[str, int]]:
 
 
 def payload(total_bytes: int) -> bytes:
-    """``total_bytes`` of incompressible bytes, built once (a 1 MiB random block repeated)."""
-    block = os.urandom(1024 * 1024)
+    """``total_bytes`` of incompressible bytes, built once (a 1 MiB random block repeated).
+
+    The block is the same in every process, so a receiver knows a download's digest."""
+    block = random.Random(0).randbytes(_BLOCK_BYTES)
     whole, rest = divmod(total_bytes, len(block))
     return block * whole + block[:rest]
+
+
+def cycled_digest(data: bytes, total_bytes: int) -> bytes:
+    """SHA-256 of ``total_bytes`` of ``data`` cycled, as ``_slices`` sends it (no copies)."""
+    digest, view, done = hashlib.sha256(), memoryview(data), 0
+    while done < total_bytes:
+        piece = view[: min(len(view), total_bytes - done)]
+        digest.update(piece)
+        done += len(piece)
+    return digest.digest()
 
 
 def _slices(data: bytes, chunk_bytes: int, total_bytes: int) -> Iterator[bytes]:
@@ -80,8 +104,12 @@ def _slices(data: bytes, chunk_bytes: int, total_bytes: int) -> Iterator[bytes]:
 
 
 class _Handlers:
-    def __init__(self, data: bytes) -> None:
+    def __init__(self, data: bytes, spool: str) -> None:
         self.data = data
+        self.spool = spool  # checked uploads are written here; the payload is stored here
+        self.stored = os.path.join(spool, "payload")
+        with open(self.stored, "wb") as f:
+            f.write(data)
 
     def upload(self, chunks: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
         received = 0
@@ -93,10 +121,41 @@ class _Handlers:
         total, chunk_bytes = _REQUEST.unpack(request)
         yield from _slices(self.data, chunk_bytes, total)
 
+    def upload_checked(self, chunks: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+        """The digest first, then the bytes: hashed and spooled, then compared."""
+        declared = next(chunks)
+        digest, received = hashlib.sha256(), 0
+        fd, path = tempfile.mkstemp(dir=self.spool)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                for chunk in chunks:
+                    f.write(chunk)
+                    digest.update(chunk)
+                    received += len(chunk)
+        finally:
+            os.unlink(path)
+        if digest.digest() != declared:
+            context.abort(grpc.StatusCode.DATA_LOSS, "upload SHA-256 differs from the declared")
+        return _COUNT.pack(received)
 
-def create_server(address: str, data: bytes) -> tuple[grpc.Server, int]:
-    """A server with the raw-bytes Upload (stream-unary) and Download (unary-stream) methods."""
-    handlers = _Handlers(data)
+    def download_checked(self, request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        """The stored payload, cycled, read from its file chunk by chunk."""
+        total, chunk_bytes = _REQUEST.unpack(request)
+        sent = 0
+        with open(self.stored, "rb") as f:
+            while sent < total:
+                chunk = f.read(min(chunk_bytes, total - sent))
+                if not chunk:
+                    f.seek(0)
+                    continue
+                sent += len(chunk)
+                yield chunk
+
+
+def create_server(address: str, data: bytes, spool: str) -> tuple[grpc.Server, int]:
+    """A server with the raw-bytes Upload (stream-unary) and Download (unary-stream) methods,
+    each also wrapped in protobuf (``*Proto``) and with fedra's checks (``*Checked``)."""
+    handlers = _Handlers(data, spool)
     methods: dict[str, grpc.RpcMethodHandler[bytes, bytes]] = {}
     for suffix, (serialize, deserialize) in _SERIALIZERS.items():
         methods[f"Upload{suffix}"] = grpc.stream_unary_rpc_method_handler(
@@ -105,6 +164,12 @@ def create_server(address: str, data: bytes) -> tuple[grpc.Server, int]:
         methods[f"Download{suffix}"] = grpc.unary_stream_rpc_method_handler(
             handlers.download, request_deserializer=_identity, response_serializer=serialize
         )
+    methods["UploadChecked"] = grpc.stream_unary_rpc_method_handler(
+        handlers.upload_checked, request_deserializer=_identity, response_serializer=_identity
+    )
+    methods["DownloadChecked"] = grpc.unary_stream_rpc_method_handler(
+        handlers.download_checked, request_deserializer=_identity, response_serializer=_identity
+    )
     generic = grpc.method_handlers_generic_handler(SERVICE, methods)
     server = grpc.server(
         ThreadPoolExecutor(max_workers=4, thread_name_prefix="raw"), options=_channel_options()
@@ -118,7 +183,12 @@ def create_server(address: str, data: bytes) -> tuple[grpc.Server, int]:
 
 def serve(payload_bytes: int) -> None:
     """Serve until SIGTERM, SIGINT or stdin closing; the port goes to stdout first."""
-    server, port = create_server("127.0.0.1:0", payload(payload_bytes))
+    with tempfile.TemporaryDirectory(prefix="raw-grpc-") as spool:
+        _serve(payload_bytes, spool)
+
+
+def _serve(payload_bytes: int, spool: str) -> None:
+    server, port = create_server("127.0.0.1:0", payload(payload_bytes), spool)
     server.start()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -148,6 +218,7 @@ class RawResult:
     download_bps: float
     upload_runs_s: list[float]
     download_runs_s: list[float]
+    checked: bool = False
 
     @property
     def mixed_bps(self) -> float:
@@ -171,11 +242,16 @@ def measure(
     repeats: int = 3,
     timeout_s: float = 120.0,
     proto: bool = False,
+    checked: bool = False,
 ) -> RawResult:
     """Stream ``total_bytes`` up and down ``repeats`` times each (after a warm-up)."""
+    if proto and checked:
+        raise ValueError("proto and checked are separate measurements")
     data = payload(total_bytes)
-    suffix = "Proto" if proto else ""
-    serialize, deserialize = _SERIALIZERS[suffix]
+    suffix = "Proto" if proto else "Checked" if checked else ""
+    serialize, deserialize = _SERIALIZERS["Proto" if proto else ""]
+    # A download's digest is known to its receiver beforehand, as a model's is to a site.
+    expected = {n: cycled_digest(data[:_BLOCK_BYTES], n) for n in (total_bytes, 8 * chunk_bytes)}
     with grpc.insecure_channel(address, options=_channel_options()) as channel:
         grpc.channel_ready_future(channel).result(timeout=timeout_s)
         upload = channel.stream_unary(
@@ -186,12 +262,23 @@ def measure(
         )
 
         def up(size: int) -> int:
-            reply = upload(_slices(data, chunk_bytes, size), timeout=timeout_s)
+            chunks = _slices(data, chunk_bytes, size)
+            if checked:  # the digest goes first, so the whole payload is hashed first
+                chunks = itertools.chain([cycled_digest(data, size)], chunks)
+            reply = upload(chunks, timeout=timeout_s)
             return int(_COUNT.unpack(reply)[0])
 
         def down(size: int) -> int:
             stream = download(_REQUEST.pack(size, chunk_bytes), timeout=timeout_s)
-            return sum(len(chunk) for chunk in stream)
+            if not checked:
+                return sum(len(chunk) for chunk in stream)
+            digest, received = hashlib.sha256(), 0
+            for chunk in stream:
+                digest.update(chunk)
+                received += len(chunk)
+            if digest.digest() != expected[size]:
+                raise RuntimeError("download SHA-256 differs from the expected")
+            return received
 
         warm = min(total_bytes, 8 * chunk_bytes)
         _timed(lambda: up(warm), warm)
@@ -203,6 +290,7 @@ def measure(
         chunk_bytes=chunk_bytes,
         repeats=repeats,
         proto=proto,
+        checked=checked,
         upload_bps=total_bytes / statistics.median(up_s),
         download_bps=total_bytes / statistics.median(down_s),
         upload_runs_s=up_s,
@@ -220,12 +308,17 @@ def main(argv: list[str] | None = None) -> None:
     c.add_argument("--total-mib", type=int, default=512)
     c.add_argument("--repeats", type=int, default=3)
     c.add_argument("--proto", action="store_true", help="wrap chunks in ModelChunk messages")
+    c.add_argument("--checked", action="store_true", help="hash and spool as fedra does")
     args = parser.parse_args(argv)
     if args.command == "serve":
         serve(args.payload_mib * 1024 * 1024)
         return
     result = measure(
-        f"127.0.0.1:{args.port}", args.total_mib * 2**20, repeats=args.repeats, proto=args.proto
+        f"127.0.0.1:{args.port}",
+        args.total_mib * 2**20,
+        repeats=args.repeats,
+        proto=args.proto,
+        checked=args.checked,
     )
     print(
         f"upload {result.upload_bps / 1e6:.0f} MB/s, download {result.download_bps / 1e6:.0f} MB/s"

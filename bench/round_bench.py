@@ -46,6 +46,7 @@ MB = 1e6
 RSS_TARGET_X = 3.0  # coordinator peak RSS growth, in model sizes, at N = 8
 RSS_TARGET_SITES = 8
 RATIO_TARGET = 0.5  # fedra throughput as a fraction of raw gRPC throughput
+WARM_UP_PARAMS = 1000  # the warm-up run's model, before each configuration's baseline
 
 
 @dataclass(frozen=True)
@@ -71,8 +72,10 @@ class ConfigResult:
     params: int
     model_bytes: int
     rounds: list[RoundSample]
-    rss_baseline_bytes: int
-    rss_peak_bytes: int
+    rss_baseline_bytes: int  # after the warm-up run
+    rss_peak_bytes: int  # the high-water mark of this run alone
+    rss_fresh_bytes: int  # the idle daemon before any run
+    rss_fresh_peak_bytes: int  # the high-water mark over both runs
     raw_bps: float
     wall_s: float  # the whole configuration: start-up, run, shutdown
     run_wall_s: float  # submit to completion, round 0 included
@@ -87,6 +90,7 @@ class ConfigResult:
     site_down_bps: float = field(init=False)
     site_up_bps: float = field(init=False)
     rss_growth_x: float = field(init=False)
+    rss_fresh_growth_x: float = field(init=False)
 
     def __post_init__(self) -> None:
         self.median_round_s = statistics.median(r.duration_s for r in self.rounds)
@@ -103,6 +107,8 @@ class ConfigResult:
         self.site_up_bps = statistics.median(b for r in self.rounds for b in r.site_up_bps)
         growth = self.rss_peak_bytes - self.rss_baseline_bytes
         self.rss_growth_x = growth / self.model_bytes
+        fresh = self.rss_fresh_peak_bytes - self.rss_fresh_bytes
+        self.rss_fresh_growth_x = fresh / self.model_bytes
 
 
 def proc_cpu_s(pid: int) -> float:
@@ -120,6 +126,11 @@ def proc_status_bytes(pid: int, key: str) -> int:
             assert unit == "kB", line
             return int(number) * 1024
     raise KeyError(f"{key} not in /proc/{pid}/status")
+
+
+def reset_peak_rss(pid: int) -> None:
+    """Restart ``VmHWM`` from the current RSS (Linux 4.0 and later)."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
 
 
 @contextmanager
@@ -234,7 +245,18 @@ def run_config(
             data = {"shift": 0.5 * i / sites, "seed": i, "samples": 128}
             cluster.start_site(site_id, [SYNTHETIC], data, threads=1)
         cluster.wait_for_sites(ids, timeout_s=60.0 + 20.0 * sites)
+        fresh = proc_status_bytes(pid, "VmRSS")
+        # A one-round run of a tiny model first: what a daemon's first run costs whatever the
+        # model (imports, caches, threads, allocator arenas) is then in the baseline, and the
+        # growth below is what this model costs. The fresh daemon's growth is kept too.
+        with cluster.admin() as admin:
+            warm_id = admin.submit(make_spec(sites, WARM_UP_PARAMS, 1))
+        warm = wait_finished(cluster, warm_id, timeout_s)
+        if warm.state != "completed":
+            raise ClusterError(f"warm-up run {warm_id} {warm.state}: {warm.reason}")
+        warm_peak = proc_status_bytes(pid, "VmHWM")
         baseline = proc_status_bytes(pid, "VmRSS")
+        reset_peak_rss(pid)
         site_pids = [proc.pid for proc in cluster.sites.values()]
         cpu_before = proc_cpu_s(pid), sum(map(proc_cpu_s, site_pids))
         submitted = time.monotonic()
@@ -256,6 +278,8 @@ def run_config(
         rounds=samples,
         rss_baseline_bytes=baseline,
         rss_peak_bytes=peak,
+        rss_fresh_bytes=fresh,
+        rss_fresh_peak_bytes=max(warm_peak, peak),
         raw_bps=raw_bps,
         wall_s=time.monotonic() - started,
         run_wall_s=run_wall_s,
@@ -273,7 +297,7 @@ def _fmt_params(params: int) -> str:
 
 def throughput_table(results: list[ConfigResult]) -> tuple[list[str], list[list[str]]]:
     head = ["N", "params", "MB/round", "median round s", "fedra MB/s", "raw MB/s", "ratio"]
-    head += ["RSS growth xmodel"]
+    head += ["RSS growth xmodel", "fresh daemon xmodel"]
     rows = [
         [
             str(r.sites),
@@ -284,6 +308,7 @@ def throughput_table(results: list[ConfigResult]) -> tuple[list[str], list[list[
             f"{r.raw_bps / MB:.0f}",
             f"{r.ratio:.2f}",
             f"{r.rss_growth_x:.2f}",
+            f"{r.rss_fresh_growth_x:.2f}",
         ]
         for r in results
     ]
@@ -355,6 +380,22 @@ def stages_table(results: list[ConfigResult]) -> tuple[list[str], list[list[str]
     return head, rows
 
 
+def print_checked(raw: RawResult, checked: RawResult, results: list[ConfigResult]) -> None:
+    """What the integrity rules alone cost a bare stream, and fedra against that."""
+    print(
+        f"  Checked: the same raw stream doing only the per-byte work fedra's rules ask of any "
+        f"implementation (SHA-256 by sender and receiver, uploads spooled to a file, downloads "
+        f"read from one) reached up {checked.upload_bps / MB:.0f} MB/s, down "
+        f"{checked.download_bps / MB:.0f} MB/s, {checked.mixed_bps / raw.mixed_bps:.2f} of "
+        "raw: the most any checked transfer gets here, with one site and nothing else running."
+    )
+    shown = ", ".join(
+        f"N={r.sites} {_fmt_params(r.params)}: {r.fedra_bps / checked.mixed_bps:.2f}"
+        for r in results
+    )
+    print(f"  fedra as a fraction of checked gRPC: {shown}")
+
+
 def _print_table(head: list[str], rows: list[list[str]]) -> None:
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
     print("  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True)))
@@ -419,14 +460,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def measure_raw(args: argparse.Namespace, when: str, proto: bool = False) -> RawResult:
+def measure_raw(
+    args: argparse.Namespace, when: str, proto: bool = False, checked: bool = False
+) -> RawResult:
     """Raw gRPC throughput through a fresh server process."""
     with raw_server() as port:
         raw = measure(
-            f"127.0.0.1:{port}", args.raw_mib * 2**20, CHUNK_BYTES, args.raw_repeats, proto=proto
+            f"127.0.0.1:{port}",
+            args.raw_mib * 2**20,
+            CHUNK_BYTES,
+            args.raw_repeats,
+            proto=proto,
+            checked=checked,
         )
+    what = "gRPC + ModelChunk protobuf" if proto else "checked gRPC" if checked else "raw gRPC"
     print(
-        f"{'gRPC + ModelChunk protobuf' if proto else 'raw gRPC'} {when}: up "
+        f"{what} {when}: up "
         f"{raw.upload_bps / MB:.0f} MB/s, down {raw.download_bps / MB:.0f} MB/s "
         f"(load average {os.getloadavg()[0]:.1f})",
         flush=True,
@@ -464,14 +513,17 @@ def main(argv: list[str] | None = None) -> None:
     load_before = os.getloadavg()[0]
     raw_before = measure_raw(args, "before")
     proto_before = measure_raw(args, "before", proto=True)
+    checked_before = measure_raw(args, "before", checked=True)
     with tempfile.TemporaryDirectory(prefix="fedra-bench-") as tmp:
         results = run_all(args, args.work_dir or Path(tmp), raw_before.mixed_bps)
     raw_after = measure_raw(args, "after")
     proto_after = measure_raw(args, "after", proto=True)
+    checked_after = measure_raw(args, "after", checked=True)
     # The faster of the two raw measurements: other load on the machine can only slow it,
     # and a slower baseline would flatter fedra's ratio.
     raw = max(raw_before, raw_after, key=lambda r: r.mixed_bps)
     proto = max(proto_before, proto_after, key=lambda r: r.mixed_bps)
+    checked = max(checked_before, checked_after, key=lambda r: r.mixed_bps)
     results = [replace(r, raw_bps=raw.mixed_bps) for r in results]
     print(
         f"\nfedra ran over {'mTLS' if args.tls else 'plaintext gRPC, as the raw baseline'}, "
@@ -484,6 +536,7 @@ def main(argv: list[str] | None = None) -> None:
         f"messages, no fedra logic) reached up {proto.upload_bps / MB:.0f} MB/s, down "
         f"{proto.download_bps / MB:.0f} MB/s, {proto.mixed_bps / raw.mixed_bps:.2f} of raw."
     )
+    print_checked(raw, checked, results)
     judged = targets(results)
     print_targets(judged)
     if args.json:
@@ -491,6 +544,7 @@ def main(argv: list[str] | None = None) -> None:
             "raw": {**asdict(raw), "mixed_bps": raw.mixed_bps},
             "raw_before_after_mixed_bps": [raw_before.mixed_bps, raw_after.mixed_bps],
             "proto_framing": {**asdict(proto), "mixed_bps": proto.mixed_bps},
+            "checked": {**asdict(checked), "mixed_bps": checked.mixed_bps},
             "configs": [asdict(r) for r in results],
             "targets": judged,
             "rounds": args.rounds,

@@ -19,6 +19,7 @@ from fedra.protos.codec import (
     decode_chunks,
     digest_and_size,
     encode_chunks,
+    transfer_chunk_bytes,
 )
 from fedra.protos.serde import (
     SecAggRound,
@@ -179,7 +180,8 @@ class Connection:
         def messages() -> Iterator[site_pb2.UpdateChunk | bytes]:
             yield site_pb2.UpdateChunk(header=header)
             # UpdateChunk data messages, each built in one copy from tensor memory.
-            yield from encode_chunks(tensors, self.chunk_bytes, frame=wire.update_chunk_frame)
+            chunk = transfer_chunk_bytes(size, self.chunk_bytes)
+            yield from encode_chunks(tensors, chunk, frame=wire.update_chunk_frame)
 
         reply = self._upload_update(messages(), timeout=timeout_s)
         return int(reply.bytes_received)

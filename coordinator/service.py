@@ -27,6 +27,7 @@ from fedra.coordinator.errors import (
 )
 from fedra.coordinator.status import run_status
 from fedra.protos import wire
+from fedra.protos.codec import transfer_chunk_bytes
 from fedra.protos.serde import (
     codec_to_proto,
     runspec_from_proto,
@@ -136,6 +137,13 @@ def _header_from_proto(m: site_pb2.UpdateHeader) -> uploads.UpdateHeader:
     )
 
 
+def _model_chunks(engine: Engine, digest: str, size: int) -> Iterator[bytes]:
+    """A stored model as framed ModelChunks (by hand, fedra.protos.wire), in chunks sized
+    to the model (codec.transfer_chunk_bytes) so that a stream holds a fraction of it."""
+    chunk = transfer_chunk_bytes(size, engine.settings.chunk_bytes)
+    return engine.models.read_chunks(digest, chunk, frame=wire.model_chunk_frame)
+
+
 class SiteService(site_pb2_grpc.SiteServiceServicer):
     def __init__(self, engine: Engine, guard: Guard) -> None:
         self.engine, self.guard = engine, guard
@@ -182,11 +190,9 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
     ) -> Iterator[bytes]:
         self.guard.site(context, request.site_id)
         digest, _, base = self.engine.open_download(request.site_id, request.task_id, request.delta)
-        started, sent = time.monotonic(), 0
-        for data in self.engine.models.read_chunks(digest, self.engine.settings.chunk_bytes):
-            sent += len(data)
-            yield wire.model_chunk_frame(len(data)) + data  # a ModelChunk, framed by hand
-        self.engine.record_download(request.task_id, sent, time.monotonic() - started, base)
+        started, size = time.monotonic(), self.engine.models.size(digest)
+        yield from _model_chunks(self.engine, digest, size)
+        self.engine.record_download(request.task_id, size, time.monotonic() - started, base)
 
     @mapped
     def UploadUpdate(
@@ -372,7 +378,6 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
         self.guard.admin(context)
         round_number = None if request.latest else request.round
         ckpt = self.engine.export_checkpoint(request.run_id, round_number)
-        for data in self.engine.models.read_chunks(
-            ckpt.model_sha256, self.engine.settings.chunk_bytes
-        ):
-            yield wire.model_chunk_frame(len(data)) + data
+        yield from _model_chunks(
+            self.engine, ckpt.model_sha256, self.engine.models.size(ckpt.model_sha256)
+        )

@@ -21,6 +21,9 @@ import torch
 # Small enough that a stream's buffers stay a few MiB, large enough that per-message costs
 # vanish (about 1 ms of copying per chunk).
 DEFAULT_CHUNK_BYTES = 1024 * 1024
+# A transfer is cut into at least this many chunks (while chunks stay >= MIN_CHUNK_BYTES).
+MIN_CHUNKS_PER_TRANSFER = 16
+MIN_CHUNK_BYTES = 64 * 1024
 # The largest chunk a receiver must accept (earlier versions sent 4 MiB chunks).
 MAX_CHUNK_BYTES = 16 * 1024 * 1024
 MAX_HEADER_BYTES = 16 * 1024 * 1024
@@ -132,6 +135,20 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
         flat = flat.view(torch.int16)
     # The numpy array keeps the tensor alive, so the view stays valid without a copy.
     return flat.numpy().view(np.uint8).data
+
+
+def transfer_chunk_bytes(payload_bytes: int, limit: int = DEFAULT_CHUNK_BYTES) -> int:
+    """The chunk size to send ``payload_bytes`` in: at most ``limit``, and at most
+    1/MIN_CHUNKS_PER_TRANSFER of the payload, but not under MIN_CHUNK_BYTES.
+
+    A stream holds about three chunks at a time (the one gRPC is moving, the one being
+    processed, the one being built), so its buffers cost a fixed fraction of the payload
+    (about 3/16) rather than three times ``limit``: with many concurrent transfers of a small
+    model, 1 MiB chunks would hold most of each model per stream.
+    """
+    if limit <= 0:
+        raise ValueError(f"chunk limit must be positive, got {limit}")
+    return min(limit, max(MIN_CHUNK_BYTES, payload_bytes // MIN_CHUNKS_PER_TRANSFER))
 
 
 def encode_chunks(

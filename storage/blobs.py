@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from fedra.files import fsync_dir
@@ -66,14 +66,24 @@ class BlobStore:
         """A file to stream into; ``commit`` makes it a blob, leaving it unused discards it."""
         return BlobWriter(self)
 
-    def read_chunks(self, digest: str, chunk_bytes: int) -> Iterator[bytes]:
+    def read_chunks(
+        self, digest: str, chunk_bytes: int, frame: Callable[[int], bytes] | None = None
+    ) -> Iterator[bytes]:
+        """The blob in ``chunk_bytes`` pieces; with ``frame``, each led by ``frame(len)``.
+
+        A chunk is released before the next is read: a consumer that keeps none (``yield
+        from``) holds one chunk at a time, not two.
+        """
         try:
             f = self.path(digest).open("rb")
         except FileNotFoundError as exc:
             raise BlobNotFoundError(digest) from exc
         with f:
-            while chunk := f.read(chunk_bytes):
-                yield chunk
+            while data := f.read(chunk_bytes):
+                if frame is not None:
+                    data = frame(len(data)) + data
+                yield data
+                del data
 
     def read(self, digest: str) -> bytes:
         try:

@@ -13,6 +13,7 @@ import torch
 
 from fedra.protos.codec import (
     DEFAULT_CHUNK_BYTES,
+    MIN_CHUNK_BYTES,
     CodecError,
     StreamDecoder,
     TensorSpec,
@@ -23,6 +24,7 @@ from fedra.protos.codec import (
     encoded_size,
     sha256_hex,
     spec_of,
+    transfer_chunk_bytes,
 )
 
 DTYPES = [
@@ -323,3 +325,14 @@ def test_digest_and_size_match_the_encoding() -> None:
     digest, size = digest_and_size(tensors)
     assert size == len(payload)
     assert digest == hashlib.sha256(payload).hexdigest()
+
+
+def test_transfer_chunks_are_a_sixteenth_of_the_payload_within_bounds() -> None:
+    mib = 1 << 20
+    assert transfer_chunk_bytes(40_000_000) == DEFAULT_CHUNK_BYTES == mib  # capped
+    assert transfer_chunk_bytes(4 * mib) == mib // 4  # 1/16th of a small model
+    assert transfer_chunk_bytes(100) == MIN_CHUNK_BYTES  # never tiny messages
+    assert transfer_chunk_bytes(4 * mib, limit=100) == 100  # the configured limit wins
+    assert transfer_chunk_bytes(64 * mib, limit=4 * mib) == 4 * mib
+    with pytest.raises(ValueError, match="positive"):
+        transfer_chunk_bytes(mib, limit=0)

@@ -802,6 +802,8 @@ def test_read_chunks(blobs: BlobStore) -> None:
     assert [len(c) for c in chunks] == [1024] * 10 + [4]
     assert b"".join(chunks) == data
     assert list(blobs.read_chunks(digest, len(data) + 1)) == [data]
+    framed = list(blobs.read_chunks(digest, 1024, frame=lambda n: n.to_bytes(2, "big")))
+    assert framed == [len(c).to_bytes(2, "big") + c for c in chunks]  # each led by its frame
     with pytest.raises(BlobNotFoundError):
         list(blobs.read_chunks(hashlib.sha256(b"missing").hexdigest(), 1024))
 
