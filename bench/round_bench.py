@@ -5,14 +5,14 @@ For each (N sites, P parameters) it starts a coordinator and N sites as real pro
 FedAvg over all N sites, and reads from the coordinator's RoundStatus the round times and
 bytes moved, and from /proc the coordinator's RSS: its growth over the baseline after a
 one-round warm-up run of a tiny model (what any first run costs, whatever the model), and
-a fresh daemon's growth beside it. In the same run it measures raw Python gRPC streaming (``raw_grpc.py``: a separate server process, 4 MiB chunks of raw bytes) on
-the same machine, before and after the runs, so the ratio compares like with like; fedra
-runs plaintext as the baseline does unless ``--tls``, its coordinator with a 0.25 MiB
-receive window per upload (``--stream-window-mb``: a window needs only the link's
-bandwidth-delay product, about 0.1 MB on localhost; a WAN deployment keeps the 8 MiB
-default). The same stream wrapped in protobuf
-``ModelChunk`` messages by the generated code is measured too, as context: what fedra's
-hand framing (``fedra.protos.wire``) avoids. So is a "checked" stream: raw bytes plus only
+a fresh daemon's growth beside it. In the same run it measures raw Python gRPC streaming
+(``raw_grpc.py``: a separate server process, 4 MiB chunks of raw bytes) on the same
+machine, before and after the runs, so the ratio compares like with like; fedra runs
+plaintext as the baseline does unless ``--tls``, its coordinator with a 0.25 MiB receive
+window per upload (``--stream-window-mb``: a window needs only the link's bandwidth-delay
+product, about 0.1 MB on localhost; a WAN deployment keeps the 8 MiB default). The same
+stream wrapped in protobuf ``ModelChunk`` messages by the generated code is measured too,
+as context: what fedra's hand framing (``fedra.protos.wire``) avoids. So is a "checked" stream: raw bytes plus only
 the per-byte work fedra's rules ask of any implementation (SHA-256 at both ends, uploads
 spooled to a file, downloads read from one), the ceiling of a checked transfer here.
 
