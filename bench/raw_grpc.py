@@ -105,6 +105,9 @@ def _slices(data: bytes, chunk_bytes: int, total_bytes: int) -> Iterator[bytes]:
 
 class _Handlers:
     def __init__(self, data: bytes, spool: str) -> None:
+        # Receivers of checked downloads expect the 1 MiB block cycled (``cycled_digest``).
+        if len(data) % _BLOCK_BYTES:
+            raise ValueError(f"the payload must be whole {_BLOCK_BYTES}-byte blocks")
         self.data = data
         self.spool = spool  # checked uploads are written here; the payload is stored here
         self.stored = os.path.join(spool, "payload")
@@ -251,7 +254,8 @@ def measure(
     suffix = "Proto" if proto else "Checked" if checked else ""
     serialize, deserialize = _SERIALIZERS["Proto" if proto else ""]
     # A download's digest is known to its receiver beforehand, as a model's is to a site.
-    expected = {n: cycled_digest(data[:_BLOCK_BYTES], n) for n in (total_bytes, 8 * chunk_bytes)}
+    sizes = (total_bytes, min(total_bytes, 8 * chunk_bytes)) if checked else ()
+    expected = {n: cycled_digest(data[:_BLOCK_BYTES], n) for n in sizes}
     with grpc.insecure_channel(address, options=_channel_options()) as channel:
         grpc.channel_ready_future(channel).result(timeout=timeout_s)
         upload = channel.stream_unary(

@@ -12,9 +12,10 @@ plaintext as the baseline does unless ``--tls``, its coordinator with a 0.25 MiB
 window per upload (``--stream-window-mb``: a window needs only the link's bandwidth-delay
 product, about 0.1 MB on localhost; a WAN deployment keeps the 8 MiB default). The same
 stream wrapped in protobuf ``ModelChunk`` messages by the generated code is measured too,
-as context: what fedra's hand framing (``fedra.protos.wire``) avoids. So is a "checked" stream: raw bytes plus only
-the per-byte work fedra's rules ask of any implementation (SHA-256 at both ends, uploads
-spooled to a file, downloads read from one), the ceiling of a checked transfer here.
+as context: what fedra's hand framing (``fedra.protos.wire``) avoids. So is a "checked"
+stream: raw bytes plus only the per-byte work fedra's rules ask of any implementation
+(SHA-256 at both ends, uploads spooled to a file, downloads read from one), in the same
+4 MiB chunks: the ceiling of a checked transfer here.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/round_bench.py [--quick] [--json out.json]
 
@@ -80,7 +81,7 @@ class ConfigResult:
     rss_fresh_bytes: int  # the idle daemon before any run
     rss_fresh_peak_bytes: int  # the high-water mark over both runs
     raw_bps: float
-    wall_s: float  # the whole configuration: start-up, run, shutdown
+    wall_s: float  # the whole configuration: start-up, warm-up run, run, shutdown
     run_wall_s: float  # submit to completion, round 0 included
     coordinator_cpu_s: float  # over the run, round 0 included
     sites_cpu_s: float

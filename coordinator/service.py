@@ -189,8 +189,10 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
         self, request: site_pb2.DownloadModelRequest, context: Any
     ) -> Iterator[bytes]:
         self.guard.site(context, request.site_id)
-        digest, _, base = self.engine.open_download(request.site_id, request.task_id, request.delta)
-        started, size = time.monotonic(), self.engine.models.size(digest)
+        digest, size, base = self.engine.open_download(
+            request.site_id, request.task_id, request.delta
+        )
+        started = time.monotonic()
         yield from _model_chunks(self.engine, digest, size)
         self.engine.record_download(request.task_id, size, time.monotonic() - started, base)
 
@@ -378,6 +380,4 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
         self.guard.admin(context)
         round_number = None if request.latest else request.round
         ckpt = self.engine.export_checkpoint(request.run_id, round_number)
-        yield from _model_chunks(
-            self.engine, ckpt.model_sha256, self.engine.models.size(ckpt.model_sha256)
-        )
+        yield from _model_chunks(self.engine, ckpt.model_sha256, ckpt.model_bytes)

@@ -21,7 +21,8 @@ import torch
 # Small enough that a stream's buffers stay a few MiB, large enough that per-message costs
 # vanish (about 1 ms of copying per chunk).
 DEFAULT_CHUNK_BYTES = 1024 * 1024
-# A transfer is cut into at least this many chunks (while chunks stay >= MIN_CHUNK_BYTES).
+# A transfer is cut into at least this many chunks, while chunks stay >= MIN_CHUNK_BYTES
+# (a 4 MB model's 256 KiB chunks measured no slower per round than 1 MiB ones).
 MIN_CHUNKS_PER_TRANSFER = 16
 MIN_CHUNK_BYTES = 64 * 1024
 # The largest chunk a receiver must accept (earlier versions sent 4 MiB chunks).

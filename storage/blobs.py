@@ -71,8 +71,9 @@ class BlobStore:
     ) -> Iterator[bytes]:
         """The blob in ``chunk_bytes`` pieces; with ``frame``, each led by ``frame(len)``.
 
-        A chunk is released before the next is read: a consumer that keeps none (``yield
-        from``) holds one chunk at a time, not two.
+        The raw read is dropped as soon as it is framed, and each chunk is released before
+        the next is read: between yields a consumer that keeps none (``yield from``) holds
+        one chunk, not two or three.
         """
         try:
             f = self.path(digest).open("rb")

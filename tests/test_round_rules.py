@@ -7,13 +7,14 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
 from fedra.client.connection import Connection
 from fedra.coordinator.engine import EngineSettings
 from fedra.protos.codec import decode, encode, transfer_chunk_bytes
-from fedra.protos.v1 import admin_pb2, common_pb2, site_pb2
+from fedra.protos.v1 import admin_pb2, common_pb2, site_pb2, site_pb2_grpc
 from tests.conftest import InProcessCoordinator
 from tests.test_site_service import (
     SITES,
@@ -147,10 +148,9 @@ def test_a_damaged_checkpoint_ends_its_run_at_restart_with_the_reason(
 
 def test_a_site_takes_download_chunks_larger_than_its_own(tmp_path: Path) -> None:
     """Register settles the upload chunk size only; downloads come in the coordinator's
-    (4 MiB in earlier versions; 2 MiB here), and the site's 1 MiB default must not refuse
-    them."""
+    (4 MiB in earlier versions), and the site's 1 MiB default must not refuse them."""
     settings = EngineSettings(
-        heartbeat_interval_s=1.0, poll_timeout_s=2.0, site_timeout_s=30.0, chunk_bytes=2 << 20
+        heartbeat_interval_s=1.0, poll_timeout_s=2.0, site_timeout_s=30.0, chunk_bytes=4 << 20
     )
     c = InProcessCoordinator(tmp_path / "state", settings)
     conn = None
@@ -158,19 +158,25 @@ def test_a_site_takes_download_chunks_larger_than_its_own(tmp_path: Path) -> Non
         register(c, *SITES)
         run_id = submit(c)
         ((init_site, init_task),) = tasks_of_round(c, run_id, 0).items()
-        # 40 MiB: large enough that its download chunks are the full 2 MiB (at most 1/16th)
-        big = {"w": torch.arange(10 << 20, dtype=torch.float32)}
-        upload(c, messages(init_task, init_site, encode(big), chunk=1 << 20))
+        # 64 MiB and a header: large enough that its download chunks are the full 4 MiB
+        big = {"w": torch.arange(16 << 20, dtype=torch.float32)}
+        payload = encode(big)
+        upload(c, messages(init_task, init_site, payload, chunk=1 << 20))
         (site, task), (other, _) = sorted(tasks_of_round(c, run_id, 1).items())
-        request = site_pb2.DownloadModelRequest(site_id=site, task_id=task.task_id)
-        sizes = [len(m.data) for m in c.site.DownloadModel(request)]
-        assert sizes[0] == 2 << 20 and sum(sizes) > 40 << 20
+        limits = [("grpc.max_receive_message_length", 8 << 20)]
+        with grpc.insecure_channel(c.address, options=limits) as channel:
+            request = site_pb2.DownloadModelRequest(site_id=site, task_id=task.task_id)
+            stub = site_pb2_grpc.SiteServiceStub(channel)  # the generated stubs agree
+            sizes = [len(m.data) for m in stub.DownloadModel(request)]
+        assert sizes[0] == 4 << 20 and sum(sizes) == len(payload)
         conn = Connection(c.address, other)
         assert conn.chunk_bytes == 1 << 20
         assignment = conn.poll(5.0)
         assert assignment is not None and assignment.round == 1
         model = conn.download(assignment, timeout_s=30.0)
         assert torch.equal(model["w"], big["w"])
+        sent = [p.bytes_down for p in round_status(c, run_id, 1).participations]
+        assert sent == [len(payload)] * 2  # each whole download recorded at the model's size
     finally:
         if conn is not None:
             conn.close()
@@ -191,9 +197,9 @@ def test_a_small_model_travels_in_chunks_sized_to_it(coordinator: InProcessCoord
     request = site_pb2.DownloadModelRequest(site_id=site, task_id=task.task_id)
     sizes = [len(m.data) for m in c.site.DownloadModel(request)]
     assert sum(sizes) == len(payload)
-    assert max(sizes) == transfer_chunk_bytes(len(payload)) == len(payload) // 16
-    assert len(sizes) in (16, 17)  # and a remainder, if 16 does not divide the payload
-    exported = b"".join(
-        m.data for m in c.admin.ExportModel(admin_pb2.ExportModelRequest(run_id=run_id, round=0))
-    )
-    assert exported == payload
+    chunk = transfer_chunk_bytes(len(payload))
+    assert chunk == len(payload) // 16 < 1 << 20
+    assert sizes[:-1] == [chunk] * (len(sizes) - 1) and len(sizes) == -(-len(payload) // chunk)
+    export = admin_pb2.ExportModelRequest(run_id=run_id, round=0)
+    exported = [m.data for m in c.admin.ExportModel(export)]
+    assert [len(d) for d in exported] == sizes and b"".join(exported) == payload

@@ -5,12 +5,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from google.protobuf.message import DecodeError
 
+from fedra.client.connection import Assignment, Connection
 from fedra.config import ConfigError
 from fedra.coordinator.server import CoordinatorConfig, server_options
 from fedra.protos import wire
@@ -20,8 +23,10 @@ from fedra.protos.codec import (
     decode_chunks,
     encode,
     encode_chunks,
+    transfer_chunk_bytes,
 )
 from fedra.protos.v1 import common_pb2, site_pb2
+from fedra.runspec import CodecSpec, TrainSpec
 
 # Lengths around each varint boundary (1, 2 and 3 length bytes) and a realistic chunk.
 SIZES = [1, 127, 128, 300, 16383, 16384, 1 << 20]
@@ -173,3 +178,39 @@ def test_the_cli_refuses_a_bad_window_before_touching_the_state_dir(tmp_path: Pa
     assert done.returncode == 2
     assert "--stream-window-mb: must be 0 (adaptive) or a size in MiB" in done.stderr
     assert not state.exists()
+
+
+@pytest.mark.parametrize(
+    ("elements", "limit"), [(1 << 20, 1 << 20), (1 << 20, 100_000), (10, 1 << 20)]
+)
+def test_a_site_uploads_in_chunks_sized_to_its_update(elements: int, limit: int) -> None:
+    """A 4 MiB update goes up in 1/16ths (a stream then holds a fraction of it), a session's
+    smaller agreed chunk size wins, and a tiny update goes in one message."""
+    update = {"w": torch.arange(elements, dtype=torch.float32)}
+    payload = encode(update)
+    conn = Connection("127.0.0.1:1", "site-a")  # the channel connects lazily: never here
+    conn.chunk_bytes = limit
+    sent: list[site_pb2.UpdateChunk | bytes] = []
+
+    def fake_upload(messages: Iterator[site_pb2.UpdateChunk | bytes], timeout: float) -> Any:
+        sent.extend(messages)
+        return site_pb2.UploadUpdateResponse(bytes_received=len(payload))
+
+    conn._upload_update = fake_upload  # type: ignore[method-assign]
+    task = Assignment(
+        task_id="t", run_id="r", round=1, init=False, entry_point="m:t", train=TrainSpec(),
+        seed=0, model_sha256="", model_bytes=0, deadline_in_s=60.0, codec=CodecSpec(),
+    )  # fmt: skip
+    try:
+        conn.upload(task, update, 8, {}, os.urandom(16), timeout_s=5.0)
+    finally:
+        conn.close()
+    header, *data = sent
+    assert isinstance(header, site_pb2.UpdateChunk) and header.header.payload_bytes == len(payload)
+    sizes = [len(wire.parse_update_chunk(m)) for m in data]  # type: ignore[arg-type]
+    chunk = transfer_chunk_bytes(len(payload), limit)
+    assert sizes[:-1] == [chunk] * (len(sizes) - 1) and sum(sizes) == len(payload)
+    if elements == 10:
+        assert sizes == [len(payload)]
+    else:
+        assert chunk == (len(payload) // 16 if limit == 1 << 20 else limit)
