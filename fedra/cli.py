@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -194,24 +195,66 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+FINAL_STATES = ("completed", "failed", "cancelled")
+# A watch outlives a coordinator restart: these mean the daemon is away, not that it refused.
+_AWAY = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+
+
 def _cmd_watch(args: argparse.Namespace) -> int:
+    from fedra.retry import Backoff
+
+    if not args.reconnect_s >= 0:
+        raise ConfigError(f"--reconnect-s: must be >= 0, got {args.reconnect_s}")
     shown: set[int] = set()
     last_state = ""
-    with _admin(args) as admin:
-        status = None
-        for status in admin.watch(args.run_id):
-            for r in status.rounds:
-                if r.status == "committed" and r.number not in shown:
-                    shown.add(r.number)
-                    print(format_round(r), flush=True)
-            if status.state != last_state:
-                last_state = status.state
-                print(
-                    f"run {status.run_id}: {status.state}"
-                    + (f" ({status.reason})" if status.reason else ""),
-                    flush=True,
-                )
-    return 0 if status is not None and status.state == "completed" else 1
+    status = None
+    backoff = Backoff(base_s=0.5, cap_s=5.0)
+    away_since: float | None = None
+    while True:
+        try:
+            # A fresh client each time: the address is read again (a restarted daemon may
+            # listen elsewhere) and no stale connection backoff delays the reconnect.
+            with _admin(args) as admin:
+                for status in admin.watch(args.run_id):
+                    away_since = None
+                    backoff.reset()
+                    for r in status.rounds:
+                        if r.status == "committed" and r.number not in shown:
+                            shown.add(r.number)
+                            print(format_round(r), flush=True)
+                    if status.state != last_state:
+                        last_state = status.state
+                        print(
+                            f"run {status.run_id}: {status.state}"
+                            + (f" ({status.reason})" if status.reason else ""),
+                            flush=True,
+                        )
+            if status is not None and status.state in FINAL_STATES:
+                return 0 if status.state == "completed" else 1
+            why = "it closed the stream"  # a daemon stopping ends its watches
+        except grpc.RpcError as exc:
+            if exc.code() not in _AWAY:
+                raise
+            why = exc.details() or exc.code().name
+        except ConfigError as exc:  # a stopped local daemon removes its readiness file
+            if not args.state_dir or args.coordinator:
+                raise
+            why = str(exc)
+        away_since = away_since if away_since is not None else time.monotonic()
+        if time.monotonic() - away_since > args.reconnect_s:
+            print(
+                f"run watch: the coordinator is still unreachable after {args.reconnect_s:g} s "
+                f"({why}); giving up",
+                file=sys.stderr,
+            )
+            return 2
+        delay = backoff.next_delay_s()
+        print(
+            f"run watch: lost the coordinator ({why}); reconnecting in {delay:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+        time.sleep(delay)
 
 
 def _cmd_cancel(args: argparse.Namespace) -> int:
@@ -424,6 +467,12 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(func=_cmd_status)
     q = rsub.add_parser("watch", help="print rounds as they commit until the run ends")
     q.add_argument("run_id")
+    q.add_argument(
+        "--reconnect-s",
+        type=float,
+        default=300.0,
+        help="how long to keep reconnecting while the coordinator is away (default 300)",
+    )
     q.set_defaults(func=_cmd_watch)
     q = rsub.add_parser("cancel", help="cancel a run")
     q.add_argument("run_id")

@@ -10,6 +10,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -208,21 +209,44 @@ def test_a_run_on_postgresql_survives_a_coordinator_kill(cluster: LocalCluster) 
         assert not (cluster.state_dir / "fedra.db").exists()  # nothing went to SQLite
 
 
-def test_coordinator_sigkill_mid_run_then_restart_completes(cluster: LocalCluster) -> None:
+def test_coordinator_sigkill_mid_run_then_restart_completes(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """The run finishes after the kill, and `fedra run watch` follows it across the restart."""
     address = cluster.start_coordinator(flags=FAST)
     port = int(address.rsplit(":", 1)[1])
     start_synthetic_sites(cluster)
     with cluster.admin() as admin:
         run_id = admin.submit(synthetic_spec(rounds=8))
-        wait_until(admin, run_id, lambda s: s.rounds_completed >= 3)
-    kill_and_restart_coordinator(cluster, port)
-    with cluster.admin() as admin:
-        status = wait_until(admin, run_id, finished)
+        out, err = tmp_path / "watch.out", tmp_path / "watch.err"
+        with out.open("w") as stdout, err.open("w") as stderr:
+            watch = subprocess.Popen(
+                [sys.executable, "-m", "fedra", "run", "watch", run_id, "--coordinator", address,
+                 "--state-dir", str(cluster.state_dir), "--reconnect-s", "120"],
+                stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL,
+            )  # fmt: skip
+        try:
+            wait_until(admin, run_id, lambda s: s.rounds_completed >= 3)
+            deadline = time.monotonic() + 60
+            while "round   1" not in out.read_text():  # the watch is connected and printing
+                assert watch.poll() is None and time.monotonic() < deadline, err.read_text()
+                time.sleep(0.05)
+            kill_and_restart_coordinator(cluster, port)
+            with cluster.admin() as again:
+                status = wait_until(again, run_id, finished)
+            assert watch.wait(60) == 0, err.read_text()
+        finally:
+            if watch.poll() is None:
+                watch.kill()
+                watch.wait()
     assert status.state == "completed", status.reason
     assert status.rounds_completed == 8
     numbers = [r.number for r in status.rounds]
     assert numbers == list(range(9)), "a round is missing or was run twice"
     assert committed_rounds(cluster.state_dir, run_id) == list(range(9))
+    printed = [line.split()[1] for line in out.read_text().splitlines() if line.startswith("round")]
+    assert printed == [str(n) for n in range(9)], "the watch lost or repeated a round"
+    assert "completed" in out.read_text() and "reconnecting" in err.read_text()
 
 
 def test_crash_between_checkpoint_and_commit_loses_nothing(cluster: LocalCluster) -> None:
@@ -406,3 +430,14 @@ def test_compressed_downloads_rebuild_the_model_across_a_coordinator_restart(
                 assert p.bytes_down < 0.35 * model_bytes, (r.number, p.site_id, p.bytes_down)
     rounds = [r for r in status.rounds if r.number > 0]
     assert rounds[-1].metrics["eval_loss"] < rounds[0].metrics["eval_loss"]
+
+
+def test_run_watch_gives_up_on_an_absent_coordinator_after_its_reconnect_time() -> None:
+    started = time.monotonic()
+    gone = fedra_cli(
+        "run", "watch", "r1", "--coordinator", "127.0.0.1:1", "--insecure", "--reconnect-s", "1"
+    )
+    assert gone.returncode == 2 and "giving up" in gone.stderr, gone.stderr
+    assert "reconnecting" in gone.stderr and time.monotonic() - started < 60
+    bad = fedra_cli("run", "watch", "r1", "--insecure", "--reconnect-s", "-1")
+    assert bad.returncode != 0 and "--reconnect-s: must be >= 0" in bad.stderr
