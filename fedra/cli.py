@@ -94,6 +94,10 @@ def _cmd_site(args: argparse.Namespace) -> int:
     return 0
 
 
+class NotRunning(ConfigError):
+    """No readiness file in the state directory: the coordinator is not (yet) serving."""
+
+
 def _address(args: argparse.Namespace) -> str:
     if args.coordinator:
         return str(args.coordinator)
@@ -102,7 +106,7 @@ def _address(args: argparse.Namespace) -> str:
         try:
             return str(json.loads(ready.read_text())["address"])
         except FileNotFoundError as exc:
-            raise ConfigError(f"{ready}: not found; is the coordinator running?") from exc
+            raise NotRunning(f"{ready}: not found; is the coordinator running?") from exc
     return os.environ.get("FEDRA_COORDINATOR", DEFAULT_ADDRESS)
 
 
@@ -236,9 +240,7 @@ def _cmd_watch(args: argparse.Namespace) -> int:
             if exc.code() not in _AWAY:
                 raise
             why = exc.details() or exc.code().name
-        except ConfigError as exc:  # a stopped local daemon removes its readiness file
-            if not args.state_dir or args.coordinator:
-                raise
+        except NotRunning as exc:  # a stopped daemon removes its readiness file
             why = str(exc)
         away_since = away_since if away_since is not None else time.monotonic()
         if time.monotonic() - away_since > args.reconnect_s:

@@ -432,12 +432,19 @@ def test_compressed_downloads_rebuild_the_model_across_a_coordinator_restart(
     assert rounds[-1].metrics["eval_loss"] < rounds[0].metrics["eval_loss"]
 
 
-def test_run_watch_gives_up_on_an_absent_coordinator_after_its_reconnect_time() -> None:
+def test_run_watch_gives_up_on_an_absent_coordinator_after_its_reconnect_time(
+    tmp_path: Path,
+) -> None:
     started = time.monotonic()
     gone = fedra_cli(
         "run", "watch", "r1", "--coordinator", "127.0.0.1:1", "--insecure", "--reconnect-s", "1"
     )
     assert gone.returncode == 2 and "giving up" in gone.stderr, gone.stderr
     assert "reconnecting" in gone.stderr and time.monotonic() - started < 60
+    # A stopped local daemon has no readiness file: waited for in the same way.
+    stopped = fedra_cli(
+        "run", "watch", "r1", "--state-dir", str(tmp_path), "--insecure", "--reconnect-s", "1"
+    )
+    assert stopped.returncode == 2 and "coordinator.json: not found" in stopped.stderr
     bad = fedra_cli("run", "watch", "r1", "--insecure", "--reconnect-s", "-1")
     assert bad.returncode != 0 and "--reconnect-s: must be >= 0" in bad.stderr
