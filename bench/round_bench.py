@@ -250,6 +250,7 @@ def run_config(
             cluster.start_site(site_id, [SYNTHETIC], data, threads=1)
         cluster.wait_for_sites(ids, timeout_s=60.0 + 20.0 * sites)
         fresh = proc_status_bytes(pid, "VmRSS")
+        reset_peak_rss(pid)  # start-up's own peak is not a run's
         # A one-round run of a tiny model first: what a daemon's first run costs whatever the
         # model (imports, caches, threads, allocator arenas) is then in the baseline, and the
         # growth below is what this model costs. The fresh daemon's growth is kept too.

@@ -220,6 +220,9 @@ def _cmd_watch(args: argparse.Namespace) -> int:
             # listen elsewhere) and no stale connection backoff delays the reconnect.
             with _admin(args) as admin:
                 for status in admin.watch(args.run_id):
+                    if away_since is not None:
+                        away = time.monotonic() - away_since
+                        print(f"run watch: reconnected after {away:.1f} s", file=sys.stderr)
                     away_since = None
                     backoff.reset()
                     for r in status.rounds:
@@ -243,14 +246,15 @@ def _cmd_watch(args: argparse.Namespace) -> int:
         except NotRunning as exc:  # a stopped daemon removes its readiness file
             why = str(exc)
         away_since = away_since if away_since is not None else time.monotonic()
-        if time.monotonic() - away_since > args.reconnect_s:
+        left = args.reconnect_s - (time.monotonic() - away_since)
+        if left <= 0:
             print(
                 f"run watch: the coordinator is still unreachable after {args.reconnect_s:g} s "
                 f"({why}); giving up",
                 file=sys.stderr,
             )
             return 2
-        delay = backoff.next_delay_s()
+        delay = min(backoff.next_delay_s(), left)  # the last try comes at the deadline
         print(
             f"run watch: lost the coordinator ({why}); reconnecting in {delay:.1f} s",
             file=sys.stderr,

@@ -246,7 +246,8 @@ def test_coordinator_sigkill_mid_run_then_restart_completes(
     assert committed_rounds(cluster.state_dir, run_id) == list(range(9))
     printed = [line.split()[1] for line in out.read_text().splitlines() if line.startswith("round")]
     assert printed == [str(n) for n in range(9)], "the watch lost or repeated a round"
-    assert "completed" in out.read_text() and "reconnecting" in err.read_text()
+    assert "completed" in out.read_text()
+    assert "reconnecting" in err.read_text() and "reconnected after" in err.read_text()
 
 
 def test_crash_between_checkpoint_and_commit_loses_nothing(cluster: LocalCluster) -> None:
