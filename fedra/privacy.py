@@ -27,9 +27,12 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import torch
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+
+if TYPE_CHECKING:  # imported where used: run specs validate, and the CLI starts, without it
+    import torch
 
 __all__ = [
     "DEFAULT_ORDERS",
@@ -210,6 +213,8 @@ class RdpAccountant:
     def to_tensor(self) -> torch.Tensor:
         """The state as one float64 tensor of shape ``(3, len(orders))``: row 0 the orders, row 1
         the RDP, row 2 the round count in every column (one tensor for a safetensors checkpoint)."""
+        import torch  # noqa: PLC0415
+
         n = len(self._orders)
         return torch.tensor(
             [list(self._orders), list(self._rdp), [float(self._rounds)] * n], dtype=torch.float64
@@ -218,6 +223,8 @@ class RdpAccountant:
     @classmethod
     def from_tensor(cls, t: torch.Tensor) -> RdpAccountant:
         """The accountant :meth:`to_tensor` stored; :class:`PrivacyError` if ``t`` is malformed."""
+        import torch  # noqa: PLC0415
+
         if not isinstance(t, torch.Tensor):
             raise PrivacyError(f"accountant state must be a tensor, got {type(t).__name__}")
         if t.dtype != torch.float64:
@@ -306,6 +313,8 @@ def add_secure_gaussian_(tensor: torch.Tensor, std: float, *, chunk: int = 1 << 
     tensor untouched. :class:`PrivacyError` for a non-floating tensor or one
     whose elements share memory (an expanded view).
     """
+    import torch  # noqa: PLC0415
+
     s = _finite("std", std)
     if s < 0:
         raise PrivacyError(f"std must be >= 0, got {std!r}")

@@ -10,7 +10,6 @@ from typing import Any
 
 from fedra.config import ConfigError, check_keys, get, require
 from fedra.privacy import RdpAccountant, max_rounds
-from fedra.secagg import share_threshold
 
 
 @dataclass(frozen=True)
@@ -387,6 +386,8 @@ class RunSpec:
                 "that update)",
                 self.quorum,
             )
+            from fedra.secagg import share_threshold  # noqa: PLC0415 - torch, for secagg runs only
+
             t = share_threshold(self.sites_per_round, self.secagg.degree, self.secagg.threshold)
             if self.privacy is not None:
                 # Each site's noise (std z C / sqrt(quorum)) must pass the per-coordinate

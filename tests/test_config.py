@@ -9,6 +9,8 @@ import itertools
 import math
 import random
 import re
+import subprocess
+import sys
 import textwrap
 from dataclasses import replace
 from pathlib import Path
@@ -513,3 +515,20 @@ def test_backoff_after_very_many_failures_stays_at_the_cap() -> None:
     backoff.attempts = 5000
     for _ in range(3):
         assert 15.0 <= backoff.next_delay_s() <= 30.0
+
+
+def test_the_cli_and_run_specs_do_not_import_torch() -> None:
+    """Every `fedra` command started in seconds while torch loaded; submitting, watching or
+    listing needs none of it (a [privacy] spec's accounting is plain math)."""
+    spec = MINIMAL_RUN + "[privacy]\nepsilon = 8\nclip = 1.0\n"
+    code = (
+        "import sys, tomllib\n"
+        "import fedra.cli\n"
+        "from fedra.runspec import runspec_from_toml\n"
+        f"runspec_from_toml(tomllib.loads({spec!r})).validate()\n"
+        "print('torch' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr
