@@ -204,6 +204,10 @@ FINAL_STATES = ("completed", "failed", "cancelled")
 _AWAY = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
 
+def _state_line(status: admin_pb2.RunStatus) -> str:
+    return f"run {status.run_id}: {status.state}" + (f" ({status.reason})" if status.reason else "")
+
+
 def _cmd_watch(args: argparse.Namespace) -> int:
     from fedra.retry import Backoff
 
@@ -225,17 +229,16 @@ def _cmd_watch(args: argparse.Namespace) -> int:
                         print(f"run watch: reconnected after {away:.1f} s", file=sys.stderr)
                     away_since = None
                     backoff.reset()
+                    final = status.state in FINAL_STATES
+                    if status.state != last_state and not final:  # before its rounds
+                        print(_state_line(status), flush=True)
                     for r in status.rounds:
                         if r.status == "committed" and r.number not in shown:
                             shown.add(r.number)
                             print(format_round(r), flush=True)
-                    if status.state != last_state:
-                        last_state = status.state
-                        print(
-                            f"run {status.run_id}: {status.state}"
-                            + (f" ({status.reason})" if status.reason else ""),
-                            flush=True,
-                        )
+                    if status.state != last_state and final:  # after its last rounds
+                        print(_state_line(status), flush=True)
+                    last_state = status.state
             if status is not None and status.state in FINAL_STATES:
                 return 0 if status.state == "completed" else 1
             why = "it closed the stream"  # a daemon stopping ends its watches
@@ -288,8 +291,6 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_sites(args: argparse.Namespace) -> int:
-    import time
-
     with _admin(args) as admin:
         sites = admin.sites()
     if args.json:

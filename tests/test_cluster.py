@@ -246,7 +246,10 @@ def test_coordinator_sigkill_mid_run_then_restart_completes(
     assert committed_rounds(cluster.state_dir, run_id) == list(range(9))
     printed = [line.split()[1] for line in out.read_text().splitlines() if line.startswith("round")]
     assert printed == [str(n) for n in range(9)], "the watch lost or repeated a round"
-    assert "completed" in out.read_text()
+    lines = out.read_text().splitlines()
+    assert lines[-1] == f"run {run_id}: completed"  # after the last round
+    running = lines.index(f"run {run_id}: running")
+    assert all(not line.startswith("round") for line in lines[:running])  # before the first
     assert "reconnecting" in err.read_text() and "reconnected after" in err.read_text()
 
 
