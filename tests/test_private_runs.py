@@ -6,6 +6,7 @@ against Byzantine sites. Real coordinator and site processes, over mTLS, on port
 from __future__ import annotations
 
 import signal
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from fedra.local import LocalCluster
 from fedra.privacy import RdpAccountant
 from fedra.protos.codec import decode_chunks
 from fedra.protos.v1 import admin_pb2
-from fedra.runspec import AggregationSpec, PrivacySpec, SecAggSpec, TrainSpec
+from fedra.runspec import AggregationSpec, PrivacySpec, RunSpec, SecAggSpec, TrainSpec
 from fedra.storage import BlobStore, Store
 from tests.test_cluster import (
     FAST,
@@ -39,6 +40,22 @@ def start_sites(cluster: LocalCluster, n: int, env: dict[str, dict[str, str]]) -
         cluster.start_site(site_id, [SYNTHETIC], data, extra_env=env.get(site_id))
     cluster.wait_for_sites(ids)
     return ids
+
+
+def run_into_fault(
+    cluster: LocalCluster, fault: str, spec: RunSpec, start: Callable[[], object]
+) -> str:
+    """Submit ``spec`` to a coordinator that kills itself at ``fault`` (FEDRA_FAULT_CRASH),
+    wait for that SIGKILL, and start it again on the same state and port; the run's id."""
+    address = cluster.start_coordinator(flags=FAST, extra_env={"FEDRA_FAULT_CRASH": fault})
+    port = int(address.rsplit(":", 1)[1])
+    start()
+    with cluster.admin() as admin:
+        run_id = admin.submit(spec)
+    assert cluster.coordinator is not None
+    assert cluster.coordinator.popen.wait(120) == -signal.SIGKILL
+    cluster.start_coordinator(port=port, flags=FAST)
+    return run_id
 
 
 def mean_eval_loss(r: admin_pb2.RoundStatus, sites: set[str]) -> float:
@@ -126,16 +143,9 @@ def test_differential_privacy_stops_at_the_budget_across_a_coordinator_kill(
     2 again, and then refuse round 3."""
     privacy = PrivacySpec(clip=0.5, noise_multiplier=1.0, epsilon=8.0, delta=1e-5)
     spec = synthetic_spec(rounds=4, strategy="fedavg", train=TRAIN, privacy=privacy)
-    address = cluster.start_coordinator(
-        flags=FAST, extra_env={"FEDRA_FAULT_CRASH": "before_commit:2"}
+    run_id = run_into_fault(
+        cluster, "before_commit:2", spec, lambda: start_synthetic_sites(cluster, 3)
     )
-    port = int(address.rsplit(":", 1)[1])
-    start_synthetic_sites(cluster, 3)
-    with cluster.admin() as admin:
-        run_id = admin.submit(spec)
-    assert cluster.coordinator is not None
-    assert cluster.coordinator.popen.wait(120) == -signal.SIGKILL
-    cluster.start_coordinator(port=port, flags=FAST)
     with cluster.admin() as admin:
         status = wait_until(admin, run_id, finished)
     assert status.state == "completed", status.reason
@@ -220,19 +230,10 @@ def test_a_secure_round_unmasked_but_not_committed_ends_the_run(cluster: LocalCl
     """The coordinator dies right after unmasking round 1's sum. Running that round again
     would unmask a second sum of the same updates over another sample, whose difference
     could expose a site's update: the restarted coordinator ends the run instead."""
-    address = cluster.start_coordinator(
-        flags=FAST, extra_env={"FEDRA_FAULT_CRASH": "after_unmask:1"}
-    )
-    port = int(address.rsplit(":", 1)[1])
-    start_sites(cluster, 3, {})
     spec = synthetic_spec(
         rounds=2, strategy="fedavg", train=TRAIN, secagg=SecAggSpec(clip=8.0, setup_timeout_s=30)
     )
-    with cluster.admin() as admin:
-        run_id = admin.submit(spec)
-    assert cluster.coordinator is not None
-    assert cluster.coordinator.popen.wait(120) == -signal.SIGKILL
-    cluster.start_coordinator(port=port, flags=FAST)
+    run_id = run_into_fault(cluster, "after_unmask:1", spec, lambda: start_sites(cluster, 3, {}))
     with cluster.admin() as admin:
         status = wait_until(admin, run_id, finished, timeout_s=60)
     assert status.state == "failed"
