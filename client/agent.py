@@ -242,8 +242,13 @@ class SiteAgent:
     ) -> dict[str, torch.Tensor]:
         """The task's global model: the held previous model plus the compressed step when
         the coordinator offers one for it; in round 1 the initial model rebuilt from the
-        run's seed when its SHA-256 matches; else the whole model, downloaded."""
+        run's seed when its SHA-256 matches; else the whole model, downloaded. A model held
+        already (the same round's task given again) is not fetched at all."""
         held = self._globals.get(task.run_id)
+        if held is not None and held[0] == task.model_sha256:
+            # This round's model is here already: its task came again (after a coordinator
+            # restart, say) once the step to it had been applied.
+            return held[1]
         model = None
         if held is None and task.round == 1:  # the initial model, built by a site from the seed
             built = self._model(impl, task).state_dict()

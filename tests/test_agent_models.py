@@ -97,3 +97,26 @@ def test_training_a_reused_model_gives_the_update_a_fresh_one_gives() -> None:
     assert any(bool(v.abs().sum() > 0) for v in update_fresh.values())  # it did train
     reused.conn.close()
     fresh.conn.close()
+
+
+def test_a_task_given_again_for_a_model_held_already_downloads_nothing() -> None:
+    """After a coordinator restart a site may get the same round's task again, once it has
+    applied the compressed step to that round's model: neither the step (its base is gone)
+    nor the whole model needs fetching."""
+    task = CountingTask()
+    agent = _agent(task)
+    held = {"w": torch.ones(3)}
+    agent._globals = {"r1": ("sha-of-round-4", held)}
+    again = replace(
+        _assignment("r1", 4),
+        model_sha256="sha-of-round-4",
+        base_sha256="sha-of-round-3",
+        delta_sha256="sha-of-the-step",
+    )
+
+    def no_download(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the held model was fetched again")
+
+    agent.conn.download = no_download  # type: ignore[method-assign]
+    assert agent._global_model(task, again, timeout_s=5.0) is held
+    agent.conn.close()
