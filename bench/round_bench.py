@@ -197,13 +197,14 @@ def make_spec(sites: int, params: int, rounds: int) -> RunSpec:
 
 
 def wait_finished(cluster: LocalCluster, run_id: str, timeout_s: float) -> admin_pb2.RunStatus:
-    """Follow WatchRun until the run ends; the stream's deadline bounds the wait."""
+    """Follow WatchRun until the run ends (the stream's deadline bounds the wait); then the
+    whole status, read once."""
     last: admin_pb2.RunStatus | None = None
     with cluster.admin() as admin:
-        for status in admin.watch(run_id, timeout_s=timeout_s):
+        for status in admin.watch(run_id, timeout_s=timeout_s, changed_rounds_only=True):
             last = status
             if status.state in ("completed", "failed", "cancelled"):
-                return status
+                return admin.status(run_id)
     state = "no status" if last is None else f"{last.state}: {last.reason}"
     raise ClusterError(f"run {run_id} did not finish within {timeout_s:g} s ({state})")
 

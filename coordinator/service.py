@@ -25,7 +25,7 @@ from fedra.coordinator.errors import (
     Unauthenticated,
     Unavailable,
 )
-from fedra.coordinator.status import run_status
+from fedra.coordinator.status import RunWatch, run_status
 from fedra.protos import wire
 from fedra.protos.codec import transfer_chunk_bytes
 from fedra.protos.serde import (
@@ -337,14 +337,12 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
         self.guard.admin(context)
         engine = self.engine
         version = engine.version
-        last = None
+        watch = RunWatch(engine, request.run_id, self.guard.insecure, request.changed_rounds_only)
         while context.is_active():
-            record = engine.get_run_record(request.run_id)
-            status = run_status(engine, record, self.guard.insecure)
-            if status != last:
+            status = watch.look()
+            if status is not None:
                 yield status
-                last = status
-            if record.finished or engine.stopping:
+            if watch.finished or engine.stopping:
                 return
             version = engine.wait_for_change(version, self.watch_interval_s)
 

@@ -6,31 +6,110 @@ from fedra.coordinator.engine import Engine
 from fedra.protos.serde import runspec_to_proto
 from fedra.protos.v1 import admin_pb2
 from fedra.runspec import RunSpec
+from fedra.storage import Store
 from fedra.storage.records import ParticipationRecord, RoundRecord, RunRecord
 
 
 def run_status(engine: Engine, record: RunRecord, insecure: bool = False) -> admin_pb2.RunStatus:
     """The run, every round and every participation, as stored."""
-    store = engine.store
-    rounds = store.list_rounds(record.id)
-    parts = store.list_participations(record.id)
-    ckpts = {c.round_number: c.model_sha256 for c in store.list_checkpoints(record.id)}
+    status = _header(engine, record, insecure)
+    status.rounds.extend(rounds_since(engine.store, record.id, 0)[0].values())
+    return status
+
+
+class RunWatch:
+    """The successive RunStatus messages of one WatchRun stream.
+
+    Each look reads from the database only the rounds that can still change: those from
+    the first round that is not yet final (closed, every participation finished) onwards.
+    Rounds below it were sent already and never change again, so a watch's cost per
+    change stays flat however long the run. With ``changed_rounds_only`` a message holds
+    only the rounds that are new or changed since the one before (the first holds all).
+    """
+
+    def __init__(
+        self, engine: Engine, run_id: str, insecure: bool, changed_rounds_only: bool
+    ) -> None:
+        self.engine, self.run_id, self.insecure = engine, run_id, insecure
+        self.changed_rounds_only = changed_rounds_only
+        self.sent: dict[int, admin_pb2.RoundStatus] = {}  # by number: the rounds to send whole
+        self.floor = 0  # every round numbered below this is final
+        self.header: admin_pb2.RunStatus | None = None  # the last message, without rounds
+        self.finished = False  # the run has ended: nothing follows the last message
+
+    def look(self) -> admin_pb2.RunStatus | None:
+        """The next message, or None when nothing changed since the last one."""
+        record = self.engine.get_run_record(self.run_id)
+        self.finished = record.finished
+        header = _header(self.engine, record, self.insecure, self.header)
+        fresh, final = rounds_since(self.engine.store, self.run_id, self.floor)
+        changed = [r for n, r in fresh.items() if self.sent.get(n) != r]
+        if self.header is not None and not changed and header == self.header:
+            return None
+        first = self.header is None
+        self.header = header
+        self.sent.update(fresh)
+        status = admin_pb2.RunStatus()
+        status.CopyFrom(header)
+        if self.changed_rounds_only and not first:
+            status.rounds.extend(changed)
+        else:
+            status.rounds.extend(self.sent[n] for n in sorted(self.sent))
+        while self.floor in final:  # past the rounds that are final now
+            if self.changed_rounds_only:  # never sent again: no need to keep it
+                del self.sent[self.floor]
+            self.floor += 1
+        return status
+
+
+def _header(
+    engine: Engine,
+    record: RunRecord,
+    insecure: bool,
+    previous: admin_pb2.RunStatus | None = None,
+) -> admin_pb2.RunStatus:
+    """The run's status without its rounds (the spec taken from ``previous`` if given:
+    it never changes)."""
     reason = record.reason
     with engine.lock:
         live = engine.runs.get(record.id)
         if live is not None and live.open_round is None and live.waiting_reason:
             reason = live.waiting_reason
+    if previous is not None:
+        spec = previous.spec
+    else:
+        spec = runspec_to_proto(RunSpec.from_json(record.spec_json))
     return admin_pb2.RunStatus(
         run_id=record.id,
-        spec=runspec_to_proto(RunSpec.from_json(record.spec_json)),
+        spec=spec,
         state=record.state,
         reason=reason,
         rounds_completed=record.rounds_completed,
-        rounds=[_round(r, [p for p in parts if p.round_number == r.number], ckpts) for r in rounds],
         created_unix_s=record.created_at,
         updated_unix_s=record.updated_at,
         coordinator_insecure=insecure,
     )
+
+
+def rounds_since(
+    store: Store, run_id: str, since: int
+) -> tuple[dict[int, admin_pb2.RoundStatus], set[int]]:
+    """The run's rounds numbered ``since`` or higher, by number, and the numbers of those
+    that are final: closed, with every participation finished (an async run's task still
+    training moves on to the next round, so its round is not final until it has)."""
+    rounds = store.list_rounds(run_id, since=since)
+    parts = store.list_participations(run_id, since=since)
+    ckpts = {c.round_number: c.model_sha256 for c in store.list_checkpoints(run_id, since=since)}
+    by_round: dict[int, list[ParticipationRecord]] = {}
+    for p in parts:
+        by_round.setdefault(p.round_number, []).append(p)
+    out, final = {}, set()
+    for r in rounds:
+        mine = by_round.get(r.number, [])
+        if r.state != "open" and all(p.finished for p in mine):
+            final.add(r.number)
+        out[r.number] = _round(r, mine, ckpts)
+    return out, final
 
 
 def _round(

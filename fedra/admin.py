@@ -55,9 +55,29 @@ class AdminClient:
     def runs(self) -> list[admin_pb2.RunStatus]:
         return list(self.stub.ListRuns(admin_pb2.ListRunsRequest(), timeout=self.timeout_s).runs)
 
-    def watch(self, run_id: str, timeout_s: float | None = None) -> Iterator[admin_pb2.RunStatus]:
-        """RunStatus now and after each change, until the run ends."""
-        yield from self.stub.WatchRun(admin_pb2.WatchRunRequest(run_id=run_id), timeout=timeout_s)
+    def watch(
+        self, run_id: str, timeout_s: float | None = None, *, changed_rounds_only: bool = False
+    ) -> Iterator[admin_pb2.RunStatus]:
+        """RunStatus now and after each change, until the run ends.
+
+        The daemon sends only the rounds that changed; each status yielded here holds every
+        round, kept by number. With ``changed_rounds_only`` the statuses are yielded as
+        they come instead: the first with every round, later ones with only the rounds new
+        or changed since the one before (what a follower that prints rounds needs).
+        """
+        request = admin_pb2.WatchRunRequest(run_id=run_id, changed_rounds_only=True)
+        stream = self.stub.WatchRun(request, timeout=timeout_s)
+        if changed_rounds_only:
+            yield from stream
+            return
+        rounds: dict[int, admin_pb2.RoundStatus] = {}
+        for status in stream:  # a daemon that predates the flag sends every round: same result
+            for r in status.rounds:
+                rounds[r.number] = kept = admin_pb2.RoundStatus()
+                kept.CopyFrom(r)
+            del status.rounds[:]
+            status.rounds.extend(rounds[n] for n in sorted(rounds))
+            yield status
 
     def cancel(self, run_id: str) -> str:
         request = admin_pb2.CancelRunRequest(run_id=run_id)

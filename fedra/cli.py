@@ -223,7 +223,7 @@ def _cmd_watch(args: argparse.Namespace) -> int:
             # A fresh client each time: the address is read again (a restarted daemon may
             # listen elsewhere) and no stale connection backoff delays the reconnect.
             with _admin(args) as admin:
-                for status in admin.watch(args.run_id):
+                for status in admin.watch(args.run_id, changed_rounds_only=True):
                     if away_since is not None:
                         away = time.monotonic() - away_since
                         print(f"run watch: reconnected after {away:.1f} s", file=sys.stderr)

@@ -79,7 +79,7 @@ def run_demo(options: DemoOptions) -> int:
             )
             rounds: list[dict[str, Any]] = []
             final = None
-            for status in admin.watch(run_id):
+            for status in admin.watch(run_id, changed_rounds_only=True):
                 final = status
                 for r in status.rounds:
                     if r.status == "committed" and r.number >= len(rounds):

@@ -45,6 +45,10 @@ class RoundRecord:
     stages: dict[str, float] = field(default_factory=dict)  # seconds per stage, once committed
 
 
+# A participation in one of these states never changes again.
+FINAL_PARTICIPATION_STATES = ("accepted", "failed", "expired")
+
+
 @dataclass(frozen=True)
 class ParticipationRecord:
     task_id: str
@@ -66,6 +70,10 @@ class ParticipationRecord:
     nonce: bytes | None = None  # of the accepted update
     issued_round: int | None = None  # the round in the site's task (async: may be earlier)
     base_round: int | None = None  # the round whose global model the site downloaded
+
+    @property
+    def finished(self) -> bool:
+        return self.state in FINAL_PARTICIPATION_STATES
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from fedra.storage import models as m
 from fedra.storage import rows
 from fedra.storage.migrate import upgrade
 from fedra.storage.records import (
+    FINAL_PARTICIPATION_STATES,
     CheckpointRecord,
     EventRecord,
     ParticipationRecord,
@@ -27,8 +28,6 @@ from fedra.storage.records import (
     RunRecord,
     SiteRecord,
 )
-
-_FINAL_PARTICIPATION_STATES = ("accepted", "failed", "expired")
 
 
 class DuplicateError(Exception):
@@ -239,18 +238,27 @@ class Store:
             ).one_or_none()
             return None if row is None else rows.round_record(row)
 
-    def list_rounds(self, run_id: str) -> list[RoundRecord]:
+    def list_rounds(self, run_id: str, *, since: int = 0) -> list[RoundRecord]:
+        """The run's rounds numbered ``since`` or higher, in order."""
         with self._tx() as s:
-            q = select(m.Round).where(m.Round.run_id == run_id).order_by(m.Round.number)
-            return [rows.round_record(r) for r in s.scalars(q).all()]
+            q = select(m.Round).where(m.Round.run_id == run_id, m.Round.number >= since)
+            return [rows.round_record(r) for r in s.scalars(q.order_by(m.Round.number)).all()]
 
     def list_participations(
-        self, run_id: str, round_number: int | None = None, attempt: int | None = None
+        self,
+        run_id: str,
+        round_number: int | None = None,
+        attempt: int | None = None,
+        *,
+        since: int = 0,
     ) -> list[ParticipationRecord]:
+        """Participations of one round (or of rounds numbered ``since`` or higher)."""
         with self._tx() as s:
             q = select(m.Participation).where(m.Participation.run_id == run_id)
             if round_number is not None:
                 q = q.where(m.Participation.round_number == round_number)
+            if since:
+                q = q.where(m.Participation.round_number >= since)
             if attempt is not None:
                 q = q.where(m.Participation.attempt == attempt)
             q = q.order_by(
@@ -299,7 +307,7 @@ class Store:
         try:
             with self._tx() as s:
                 row = self._participation_row(s, task_id)
-                if row.state in _FINAL_PARTICIPATION_STATES:
+                if row.state in FINAL_PARTICIPATION_STATES:
                     raise DuplicateError(f"task {task_id} is already {row.state}")
                 row.state, row.nonce, row.update_sha256 = "accepted", nonce, sha256
                 row.num_samples, row.metrics_json = num_samples, json.dumps(metrics)
@@ -310,7 +318,7 @@ class Store:
     def fail_participation(self, task_id: str, error: str, now: float) -> None:
         with self._tx() as s:
             row = self._participation_row(s, task_id)
-            if row.state not in _FINAL_PARTICIPATION_STATES:
+            if row.state not in FINAL_PARTICIPATION_STATES:
                 row.state, row.error, row.finished_at = "failed", error, now
 
     def expire_attempt(
@@ -426,9 +434,10 @@ class Store:
             ).one_or_none()
             return None if row is None else rows.checkpoint_record(row)
 
-    def list_checkpoints(self, run_id: str) -> list[CheckpointRecord]:
+    def list_checkpoints(self, run_id: str, *, since: int = 0) -> list[CheckpointRecord]:
         with self._tx() as s:
-            q = select(m.Checkpoint).where(m.Checkpoint.run_id == run_id)
+            c = m.Checkpoint
+            q = select(c).where(c.run_id == run_id, c.round_number >= since)
             return [
                 rows.checkpoint_record(r)
                 for r in s.scalars(q.order_by(m.Checkpoint.round_number)).all()

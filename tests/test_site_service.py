@@ -441,3 +441,50 @@ def test_a_retry_of_an_accepted_update_is_answered_as_done(
     again = upload(coordinator, messages(task, site, payload, nonce=nonce))
     assert again.bytes_received == first.bytes_received == len(payload)
     assert round_status(coordinator, run_id, 1).updates == 1  # counted once
+
+
+def test_watch_resends_a_round_only_when_it_changed(coordinator: InProcessCoordinator) -> None:
+    """WatchRun with changed_rounds_only: the first message is whole, later ones carry only
+    the rounds that changed, and together they add up to the status GetRun reports. Without
+    the flag every message holds every round (what a client from before it expects)."""
+    from fedra.admin import AdminClient
+    from fedra.coordinator.status import RunWatch
+
+    run_id, tasks = start_round_one(coordinator)
+    changes = coordinator.admin.WatchRun(
+        admin_pb2.WatchRunRequest(run_id=run_id, changed_rounds_only=True), timeout=30
+    )
+    whole = coordinator.admin.WatchRun(admin_pb2.WatchRunRequest(run_id=run_id), timeout=30)
+    first = next(changes)
+    assert [(r.number, r.status) for r in first.rounds] == [(0, "committed"), (1, "open")]
+    assert first.spec.task == TASK and first.state == "running"
+    assert [r.number for r in next(whole).rounds] == [0, 1]
+    for site, task in sorted(tasks.items()):
+        upload(coordinator, messages(task, site, delta_payload()))
+    kept = {r.number: r for r in first.rounds}
+    later = []
+    for status in changes:  # until round 2 has opened (bounded by the stream's deadline)
+        later.append([r.number for r in status.rounds])
+        kept.update((r.number, r) for r in status.rounds)
+        if 2 in kept:
+            break
+    changes.cancel()
+    assert all(0 not in numbers for numbers in later), later  # round 0 never changed
+    assert [1] in later or [1, 2] in later, later  # round 1's updates and commit
+    assert kept[1].status == "committed" and kept[2].status == "open"
+    status = coordinator.admin.GetRun(admin_pb2.GetRunRequest(run_id=run_id))
+    assert [kept[n] for n in sorted(kept)] == list(status.rounds)
+    for status in whole:  # every message whole
+        assert [r.number for r in status.rounds][:2] == [0, 1]
+        if len(status.rounds) == 3:
+            break
+    whole.cancel()
+    # The typed client merges the changes: each status it yields holds every round.
+    with AdminClient(coordinator.address) as admin:
+        merged = next(iter(admin.watch(run_id, timeout_s=30)))
+    assert list(merged.rounds) == list(status.rounds)
+    # A watch reads only the rounds that can still change: 0 and 1 are final now.
+    watch = RunWatch(coordinator.engine, run_id, insecure=True, changed_rounds_only=True)
+    assert [r.number for r in watch.look().rounds] == [0, 1, 2]  # type: ignore[union-attr]
+    assert (watch.floor, sorted(watch.sent)) == (2, [2])
+    assert watch.look() is None  # nothing changed since

@@ -25,6 +25,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.pool import NullPool
 
+from fedra.coordinator.status import rounds_since
 from fedra.storage import CheckpointRecord, DuplicateError, Store
 from fedra.storage.blobs import BlobDigestError, BlobNotFoundError, BlobStore
 from fedra.storage.migrate import current_revision, head_revision
@@ -611,6 +612,40 @@ def test_checkpoint_queries(run_store: Store) -> None:
     assert run_store.latest_checkpoint("other") is None
     run = run_store.get_run(RUN)
     assert run is not None and run.rounds_completed == 3
+
+
+def test_listings_from_a_round_on(run_store: Store) -> None:
+    """``since``: what a run watch reads, the rounds that can still change, and no others."""
+    for number in (1, 2, 3):
+        _open(run_store, number, 1, ["a", "b"])
+        run_store.commit_round(RUN, number, _checkpoint(number), {}, T0)
+    run_store.create_run("other", "other", "task", "{}", T0)
+    run_store.open_round("other", 3, 1, {"a": "other-3-a"}, T0, T0 + 60)
+    assert [r.number for r in run_store.list_rounds(RUN, since=2)] == [2, 3]
+    parts = run_store.list_participations(RUN, since=2)
+    assert [(p.round_number, p.site_id) for p in parts] == [(2, "a"), (2, "b"), (3, "a"), (3, "b")]
+    assert [c.round_number for c in run_store.list_checkpoints(RUN, since=3)] == [3]
+    assert run_store.list_rounds(RUN, since=4) == []
+    assert len(run_store.list_participations(RUN, since=0)) == 6  # since=0: every round
+
+
+def test_a_round_is_final_once_no_task_of_it_can_change(run_store: Store) -> None:
+    """An async run carries a task still training into the next round: until it has moved,
+    its committed round still changes, so a run watch must keep reading it."""
+    _open(run_store, 1, 1, ["a", "b"])
+    _accept(run_store, _task(1, 1, "a"), b"\x01" * 16)
+    run_store.commit_round(RUN, 1, _checkpoint(1), {}, T0, keep=[_task(1, 1, "b")])
+    rounds, final = rounds_since(run_store, RUN, 0)
+    assert (sorted(rounds), final) == ([1], set())  # committed, but b's task is still open
+    run_store.open_round(
+        RUN, 2, 1, {"a": _task(2, 1, "a")}, T0 + 1, T0 + 60, carry=[_task(1, 1, "b")]
+    )
+    rounds, final = rounds_since(run_store, RUN, 0)
+    assert final == {1}  # b's task moved on: nothing of round 1 can change now
+    assert [p.site_id for p in rounds[1].participations] == ["a"]
+    assert [p.site_id for p in rounds[2].participations] == ["a", "b"]
+    rounds, final = rounds_since(run_store, RUN, 2)
+    assert (sorted(rounds), final) == ([2], set())  # open
 
 
 # -- events -----------------------------------------------------------------------

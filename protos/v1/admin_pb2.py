@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from fedra.protos.v1 import common_pb2 as fedra_dot_protos_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x66\x65\x64ra/protos/v1/admin.proto\x12\x08\x66\x65\x64ra.v1\x1a\x1c\x66\x65\x64ra/protos/v1/common.proto\"\xa7\x04\n\x07RunSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04task\x18\x02 \x01(\t\x12\x0e\n\x06rounds\x18\x03 \x01(\r\x12\x17\n\x0fsites_per_round\x18\x04 \x01(\r\x12\x11\n\tmin_sites\x18\x05 \x01(\r\x12\x18\n\x10round_deadline_s\x18\x06 \x01(\x01\x12\x1a\n\x12max_round_attempts\x18\x07 \x01(\r\x12\x16\n\x0ejoin_timeout_s\x18\x08 \x01(\x01\x12&\n\x05train\x18\t \x01(\x0b\x32\x17.fedra.v1.TrainSettings\x12\x10\n\x08strategy\x18\n \x01(\t\x12>\n\x0fstrategy_params\x18\x0b \x03(\x0b\x32%.fedra.v1.RunSpec.StrategyParamsEntry\x12\x0c\n\x04seed\x18\x0c \x01(\x04\x12\x1e\n\x05\x63odec\x18\r \x01(\x0b\x32\x0f.fedra.v1.Codec\x12*\n\x0b\x61ggregation\x18\x0e \x01(\x0b\x32\x15.fedra.v1.Aggregation\x12\"\n\x07privacy\x18\x0f \x01(\x0b\x32\x11.fedra.v1.Privacy\x12 \n\x06secagg\x18\x10 \x01(\x0b\x32\x10.fedra.v1.SecAgg\x12%\n\x0c\x61synchronous\x18\x11 \x01(\x0b\x32\x0f.fedra.v1.Async\x1a\x35\n\x13StrategyParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"3\n\x10SubmitRunRequest\x12\x1f\n\x04spec\x18\x01 \x01(\x0b\x32\x11.fedra.v1.RunSpec\"#\n\x11SubmitRunResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x1f\n\rGetRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x11\n\x0fListRunsRequest\"5\n\x10ListRunsResponse\x12!\n\x04runs\x18\x01 \x03(\x0b\x32\x13.fedra.v1.RunStatus\"!\n\x0fWatchRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\"\n\x10\x43\x61ncelRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\"\n\x11\x43\x61ncelRunResponse\x12\r\n\x05state\x18\x01 \x01(\t\"\x98\x02\n\rParticipation\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\x12\x0e\n\x06status\x18\x03 \x01(\t\x12\x13\n\x0bnum_samples\x18\x04 \x01(\x04\x12\x12\n\nbytes_down\x18\x05 \x01(\x04\x12\x10\n\x08\x62ytes_up\x18\x06 \x01(\x04\x12\x12\n\ndownload_s\x18\x07 \x01(\x01\x12\x10\n\x08upload_s\x18\x08 \x01(\x01\x12\x35\n\x07metrics\x18\t \x03(\x0b\x32$.fedra.v1.Participation.MetricsEntry\x12\r\n\x05\x65rror\x18\n \x01(\t\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xdc\x03\n\x0bRoundStatus\x12\x0e\n\x06number\x18\x01 \x01(\r\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\x12\x0e\n\x06status\x18\x03 \x01(\t\x12\x15\n\rsampled_sites\x18\x04 \x03(\t\x12\x0f\n\x07updates\x18\x05 \x01(\r\x12\x15\n\ropened_unix_s\x18\x06 \x01(\x01\x12\x15\n\rclosed_unix_s\x18\x07 \x01(\x01\x12\x12\n\nduration_s\x18\x08 \x01(\x01\x12\x12\n\nbytes_down\x18\t \x01(\x04\x12\x10\n\x08\x62ytes_up\x18\n \x01(\x04\x12\x33\n\x07metrics\x18\x0b \x03(\x0b\x32\".fedra.v1.RoundStatus.MetricsEntry\x12\x14\n\x0cmodel_sha256\x18\x0c \x01(\t\x12/\n\x0eparticipations\x18\r \x03(\x0b\x32\x17.fedra.v1.Participation\x12\x31\n\x06stages\x18\x0e \x03(\x0b\x32!.fedra.v1.RoundStatus.StagesEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a-\n\x0bStagesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xea\x01\n\tRunStatus\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x1f\n\x04spec\x18\x02 \x01(\x0b\x32\x11.fedra.v1.RunSpec\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x18\n\x10rounds_completed\x18\x05 \x01(\r\x12%\n\x06rounds\x18\x06 \x03(\x0b\x32\x15.fedra.v1.RoundStatus\x12\x16\n\x0e\x63reated_unix_s\x18\x07 \x01(\x01\x12\x16\n\x0eupdated_unix_s\x18\x08 \x01(\x01\x12\x1c\n\x14\x63oordinator_insecure\x18\t \x01(\x08\"\x12\n\x10ListSitesRequest\"|\n\x04Site\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12\r\n\x05tasks\x18\x02 \x03(\t\x12\x0e\n\x06online\x18\x03 \x01(\x08\x12\x19\n\x11registered_unix_s\x18\x04 \x01(\x01\x12\x18\n\x10last_seen_unix_s\x18\x05 \x01(\x01\x12\x0f\n\x07version\x18\x06 \x01(\t\"2\n\x11ListSitesResponse\x12\x1d\n\x05sites\x18\x01 \x03(\x0b\x32\x0e.fedra.v1.Site\"C\n\x12\x45xportModelRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\r\x12\x0e\n\x06latest\x18\x03 \x01(\x08\x32\xde\x03\n\x0c\x41\x64minService\x12\x44\n\tSubmitRun\x12\x1a.fedra.v1.SubmitRunRequest\x1a\x1b.fedra.v1.SubmitRunResponse\x12\x36\n\x06GetRun\x12\x17.fedra.v1.GetRunRequest\x1a\x13.fedra.v1.RunStatus\x12\x41\n\x08ListRuns\x12\x19.fedra.v1.ListRunsRequest\x1a\x1a.fedra.v1.ListRunsResponse\x12<\n\x08WatchRun\x12\x19.fedra.v1.WatchRunRequest\x1a\x13.fedra.v1.RunStatus0\x01\x12\x44\n\tCancelRun\x12\x1a.fedra.v1.CancelRunRequest\x1a\x1b.fedra.v1.CancelRunResponse\x12\x44\n\tListSites\x12\x1a.fedra.v1.ListSitesRequest\x1a\x1b.fedra.v1.ListSitesResponse\x12\x43\n\x0b\x45xportModel\x12\x1c.fedra.v1.ExportModelRequest\x1a\x14.fedra.v1.ModelChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x66\x65\x64ra/protos/v1/admin.proto\x12\x08\x66\x65\x64ra.v1\x1a\x1c\x66\x65\x64ra/protos/v1/common.proto\"\xa7\x04\n\x07RunSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04task\x18\x02 \x01(\t\x12\x0e\n\x06rounds\x18\x03 \x01(\r\x12\x17\n\x0fsites_per_round\x18\x04 \x01(\r\x12\x11\n\tmin_sites\x18\x05 \x01(\r\x12\x18\n\x10round_deadline_s\x18\x06 \x01(\x01\x12\x1a\n\x12max_round_attempts\x18\x07 \x01(\r\x12\x16\n\x0ejoin_timeout_s\x18\x08 \x01(\x01\x12&\n\x05train\x18\t \x01(\x0b\x32\x17.fedra.v1.TrainSettings\x12\x10\n\x08strategy\x18\n \x01(\t\x12>\n\x0fstrategy_params\x18\x0b \x03(\x0b\x32%.fedra.v1.RunSpec.StrategyParamsEntry\x12\x0c\n\x04seed\x18\x0c \x01(\x04\x12\x1e\n\x05\x63odec\x18\r \x01(\x0b\x32\x0f.fedra.v1.Codec\x12*\n\x0b\x61ggregation\x18\x0e \x01(\x0b\x32\x15.fedra.v1.Aggregation\x12\"\n\x07privacy\x18\x0f \x01(\x0b\x32\x11.fedra.v1.Privacy\x12 \n\x06secagg\x18\x10 \x01(\x0b\x32\x10.fedra.v1.SecAgg\x12%\n\x0c\x61synchronous\x18\x11 \x01(\x0b\x32\x0f.fedra.v1.Async\x1a\x35\n\x13StrategyParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"3\n\x10SubmitRunRequest\x12\x1f\n\x04spec\x18\x01 \x01(\x0b\x32\x11.fedra.v1.RunSpec\"#\n\x11SubmitRunResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x1f\n\rGetRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x11\n\x0fListRunsRequest\"5\n\x10ListRunsResponse\x12!\n\x04runs\x18\x01 \x03(\x0b\x32\x13.fedra.v1.RunStatus\">\n\x0fWatchRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x1b\n\x13\x63hanged_rounds_only\x18\x02 \x01(\x08\"\"\n\x10\x43\x61ncelRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\"\n\x11\x43\x61ncelRunResponse\x12\r\n\x05state\x18\x01 \x01(\t\"\x98\x02\n\rParticipation\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\x12\x0e\n\x06status\x18\x03 \x01(\t\x12\x13\n\x0bnum_samples\x18\x04 \x01(\x04\x12\x12\n\nbytes_down\x18\x05 \x01(\x04\x12\x10\n\x08\x62ytes_up\x18\x06 \x01(\x04\x12\x12\n\ndownload_s\x18\x07 \x01(\x01\x12\x10\n\x08upload_s\x18\x08 \x01(\x01\x12\x35\n\x07metrics\x18\t \x03(\x0b\x32$.fedra.v1.Participation.MetricsEntry\x12\r\n\x05\x65rror\x18\n \x01(\t\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xdc\x03\n\x0bRoundStatus\x12\x0e\n\x06number\x18\x01 \x01(\r\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\x12\x0e\n\x06status\x18\x03 \x01(\t\x12\x15\n\rsampled_sites\x18\x04 \x03(\t\x12\x0f\n\x07updates\x18\x05 \x01(\r\x12\x15\n\ropened_unix_s\x18\x06 \x01(\x01\x12\x15\n\rclosed_unix_s\x18\x07 \x01(\x01\x12\x12\n\nduration_s\x18\x08 \x01(\x01\x12\x12\n\nbytes_down\x18\t \x01(\x04\x12\x10\n\x08\x62ytes_up\x18\n \x01(\x04\x12\x33\n\x07metrics\x18\x0b \x03(\x0b\x32\".fedra.v1.RoundStatus.MetricsEntry\x12\x14\n\x0cmodel_sha256\x18\x0c \x01(\t\x12/\n\x0eparticipations\x18\r \x03(\x0b\x32\x17.fedra.v1.Participation\x12\x31\n\x06stages\x18\x0e \x03(\x0b\x32!.fedra.v1.RoundStatus.StagesEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a-\n\x0bStagesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xea\x01\n\tRunStatus\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x1f\n\x04spec\x18\x02 \x01(\x0b\x32\x11.fedra.v1.RunSpec\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x18\n\x10rounds_completed\x18\x05 \x01(\r\x12%\n\x06rounds\x18\x06 \x03(\x0b\x32\x15.fedra.v1.RoundStatus\x12\x16\n\x0e\x63reated_unix_s\x18\x07 \x01(\x01\x12\x16\n\x0eupdated_unix_s\x18\x08 \x01(\x01\x12\x1c\n\x14\x63oordinator_insecure\x18\t \x01(\x08\"\x12\n\x10ListSitesRequest\"|\n\x04Site\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12\r\n\x05tasks\x18\x02 \x03(\t\x12\x0e\n\x06online\x18\x03 \x01(\x08\x12\x19\n\x11registered_unix_s\x18\x04 \x01(\x01\x12\x18\n\x10last_seen_unix_s\x18\x05 \x01(\x01\x12\x0f\n\x07version\x18\x06 \x01(\t\"2\n\x11ListSitesResponse\x12\x1d\n\x05sites\x18\x01 \x03(\x0b\x32\x0e.fedra.v1.Site\"C\n\x12\x45xportModelRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\r\x12\x0e\n\x06latest\x18\x03 \x01(\x08\x32\xde\x03\n\x0c\x41\x64minService\x12\x44\n\tSubmitRun\x12\x1a.fedra.v1.SubmitRunRequest\x1a\x1b.fedra.v1.SubmitRunResponse\x12\x36\n\x06GetRun\x12\x17.fedra.v1.GetRunRequest\x1a\x13.fedra.v1.RunStatus\x12\x41\n\x08ListRuns\x12\x19.fedra.v1.ListRunsRequest\x1a\x1a.fedra.v1.ListRunsResponse\x12<\n\x08WatchRun\x12\x19.fedra.v1.WatchRunRequest\x1a\x13.fedra.v1.RunStatus0\x01\x12\x44\n\tCancelRun\x12\x1a.fedra.v1.CancelRunRequest\x1a\x1b.fedra.v1.CancelRunResponse\x12\x44\n\tListSites\x12\x1a.fedra.v1.ListSitesRequest\x1a\x1b.fedra.v1.ListSitesResponse\x12\x43\n\x0b\x45xportModel\x12\x1c.fedra.v1.ExportModelRequest\x1a\x14.fedra.v1.ModelChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -55,31 +55,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTRUNSRESPONSE']._serialized_start=767
   _globals['_LISTRUNSRESPONSE']._serialized_end=820
   _globals['_WATCHRUNREQUEST']._serialized_start=822
-  _globals['_WATCHRUNREQUEST']._serialized_end=855
-  _globals['_CANCELRUNREQUEST']._serialized_start=857
-  _globals['_CANCELRUNREQUEST']._serialized_end=891
-  _globals['_CANCELRUNRESPONSE']._serialized_start=893
-  _globals['_CANCELRUNRESPONSE']._serialized_end=927
-  _globals['_PARTICIPATION']._serialized_start=930
-  _globals['_PARTICIPATION']._serialized_end=1210
-  _globals['_PARTICIPATION_METRICSENTRY']._serialized_start=1164
-  _globals['_PARTICIPATION_METRICSENTRY']._serialized_end=1210
-  _globals['_ROUNDSTATUS']._serialized_start=1213
-  _globals['_ROUNDSTATUS']._serialized_end=1689
-  _globals['_ROUNDSTATUS_METRICSENTRY']._serialized_start=1164
-  _globals['_ROUNDSTATUS_METRICSENTRY']._serialized_end=1210
-  _globals['_ROUNDSTATUS_STAGESENTRY']._serialized_start=1644
-  _globals['_ROUNDSTATUS_STAGESENTRY']._serialized_end=1689
-  _globals['_RUNSTATUS']._serialized_start=1692
-  _globals['_RUNSTATUS']._serialized_end=1926
-  _globals['_LISTSITESREQUEST']._serialized_start=1928
-  _globals['_LISTSITESREQUEST']._serialized_end=1946
-  _globals['_SITE']._serialized_start=1948
-  _globals['_SITE']._serialized_end=2072
-  _globals['_LISTSITESRESPONSE']._serialized_start=2074
-  _globals['_LISTSITESRESPONSE']._serialized_end=2124
-  _globals['_EXPORTMODELREQUEST']._serialized_start=2126
-  _globals['_EXPORTMODELREQUEST']._serialized_end=2193
-  _globals['_ADMINSERVICE']._serialized_start=2196
-  _globals['_ADMINSERVICE']._serialized_end=2674
+  _globals['_WATCHRUNREQUEST']._serialized_end=884
+  _globals['_CANCELRUNREQUEST']._serialized_start=886
+  _globals['_CANCELRUNREQUEST']._serialized_end=920
+  _globals['_CANCELRUNRESPONSE']._serialized_start=922
+  _globals['_CANCELRUNRESPONSE']._serialized_end=956
+  _globals['_PARTICIPATION']._serialized_start=959
+  _globals['_PARTICIPATION']._serialized_end=1239
+  _globals['_PARTICIPATION_METRICSENTRY']._serialized_start=1193
+  _globals['_PARTICIPATION_METRICSENTRY']._serialized_end=1239
+  _globals['_ROUNDSTATUS']._serialized_start=1242
+  _globals['_ROUNDSTATUS']._serialized_end=1718
+  _globals['_ROUNDSTATUS_METRICSENTRY']._serialized_start=1193
+  _globals['_ROUNDSTATUS_METRICSENTRY']._serialized_end=1239
+  _globals['_ROUNDSTATUS_STAGESENTRY']._serialized_start=1673
+  _globals['_ROUNDSTATUS_STAGESENTRY']._serialized_end=1718
+  _globals['_RUNSTATUS']._serialized_start=1721
+  _globals['_RUNSTATUS']._serialized_end=1955
+  _globals['_LISTSITESREQUEST']._serialized_start=1957
+  _globals['_LISTSITESREQUEST']._serialized_end=1975
+  _globals['_SITE']._serialized_start=1977
+  _globals['_SITE']._serialized_end=2101
+  _globals['_LISTSITESRESPONSE']._serialized_start=2103
+  _globals['_LISTSITESRESPONSE']._serialized_end=2153
+  _globals['_EXPORTMODELREQUEST']._serialized_start=2155
+  _globals['_EXPORTMODELREQUEST']._serialized_end=2222
+  _globals['_ADMINSERVICE']._serialized_start=2225
+  _globals['_ADMINSERVICE']._serialized_end=2703
 # @@protoc_insertion_point(module_scope)

@@ -225,15 +225,24 @@ class WatchRunRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     RUN_ID_FIELD_NUMBER: _builtins.int
+    CHANGED_ROUNDS_ONLY_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
+    changed_rounds_only: _builtins.bool
+    """When set, the first message is the whole status and each later one holds in
+    `rounds` only the rounds that are new or changed since the message before it
+    (each such round whole); every other field is always whole. A client keeps
+    rounds by number, which also works with a daemon that predates this field and
+    sends every round every time. Unset, every message holds every round.
+    """
     def __init__(
         self,
         *,
         run_id: _builtins.str = ...,
+        changed_rounds_only: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["run_id", b"run_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changed_rounds_only", b"changed_rounds_only", "run_id", b"run_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -94,7 +94,8 @@ class AdminServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def WatchRun(self, request, context):
-        """A RunStatus now and after every change, until the run ends.
+        """A RunStatus now and after every change, until the run ends (see
+        WatchRunRequest.changed_rounds_only for what each message holds).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -36,7 +36,9 @@ class AdminServiceStub:
     GetRun: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetRunRequest, _admin_pb2.RunStatus]
     ListRuns: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListRunsRequest, _admin_pb2.ListRunsResponse]
     WatchRun: _grpc.UnaryStreamMultiCallable[_admin_pb2.WatchRunRequest, _admin_pb2.RunStatus]
-    """A RunStatus now and after every change, until the run ends."""
+    """A RunStatus now and after every change, until the run ends (see
+    WatchRunRequest.changed_rounds_only for what each message holds).
+    """
     CancelRun: _grpc.UnaryUnaryMultiCallable[_admin_pb2.CancelRunRequest, _admin_pb2.CancelRunResponse]
     ListSites: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListSitesRequest, _admin_pb2.ListSitesResponse]
     ExportModel: _grpc.UnaryStreamMultiCallable[_admin_pb2.ExportModelRequest, _common_pb2.ModelChunk]
@@ -49,7 +51,9 @@ class AdminServiceAsyncStub(AdminServiceStub):
     GetRun: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetRunRequest, _admin_pb2.RunStatus]  # type: ignore[assignment]
     ListRuns: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListRunsRequest, _admin_pb2.ListRunsResponse]  # type: ignore[assignment]
     WatchRun: _aio.UnaryStreamMultiCallable[_admin_pb2.WatchRunRequest, _admin_pb2.RunStatus]  # type: ignore[assignment]
-    """A RunStatus now and after every change, until the run ends."""
+    """A RunStatus now and after every change, until the run ends (see
+    WatchRunRequest.changed_rounds_only for what each message holds).
+    """
     CancelRun: _aio.UnaryUnaryMultiCallable[_admin_pb2.CancelRunRequest, _admin_pb2.CancelRunResponse]  # type: ignore[assignment]
     ListSites: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListSitesRequest, _admin_pb2.ListSitesResponse]  # type: ignore[assignment]
     ExportModel: _aio.UnaryStreamMultiCallable[_admin_pb2.ExportModelRequest, _common_pb2.ModelChunk]  # type: ignore[assignment]
@@ -83,7 +87,9 @@ class AdminServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _admin_pb2.WatchRunRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_admin_pb2.RunStatus], _abc.AsyncIterator[_admin_pb2.RunStatus]]:
-        """A RunStatus now and after every change, until the run ends."""
+        """A RunStatus now and after every change, until the run ends (see
+        WatchRunRequest.changed_rounds_only for what each message holds).
+        """
 
     @_abc_1.abstractmethod
     def CancelRun(
