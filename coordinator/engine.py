@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from fedra.config import SITE_ID_RULE, is_valid_site_id
 from fedra.coordinator.aggregation import ServerOptimizer
+from fedra.coordinator.downloads import Download, DownloadLedger
 from fedra.coordinator.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from fedra.coordinator.recovery import restore_run
 from fedra.coordinator.rounds import RoundDriver
@@ -87,6 +88,7 @@ class Engine:
         self._site_tasks: dict[str, tuple[str, ...]] = {}
         self._last_seen: dict[str, float] = {}
         self._polling: Counter[str] = Counter()
+        self.downloads = DownloadLedger(store)
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -111,6 +113,7 @@ class Engine:
             self.notify()
         for thread in list(self._drivers.values()):
             thread.join(timeout_s)
+        self.downloads.close(timeout_s)
         if self._last_seen:
             self.store.touch_sites(dict(self._last_seen))
 
@@ -318,8 +321,8 @@ class Engine:
 
     def record_download(self, task_id: str, nbytes: int, seconds: float, base: int) -> None:
         """Count a finished download of the model of round ``base`` (an async update's
-        staleness counts from it)."""
-        self.store.mark_downloaded(task_id, nbytes, seconds, base)
+        staleness counts from it): at once in memory, in the database in the background."""
+        self.downloads.record(Download(task_id, nbytes, seconds, base))
         with self.lock:
             found = self.find_task(task_id)
             if found is not None and found[1].state == "assigned":

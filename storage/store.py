@@ -7,8 +7,9 @@ and PostgreSQL are both supported through the SQLAlchemy URL.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 from sqlalchemy import case, create_engine, event, select, update
@@ -52,10 +53,17 @@ def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     dbapi_conn.isolation_level = None
 
 
+_READ_ONLY = "fedra_read_only"  # the execution option of the Store's read transactions
+
+
 def _sqlite_begin(conn: Any) -> None:
-    # IMMEDIATE takes the write lock up front: a read-then-write transaction can then
-    # never fail to upgrade its lock, and each Store method is really one transaction.
-    conn.exec_driver_sql("BEGIN IMMEDIATE")
+    # A writing transaction takes the write lock up front (IMMEDIATE): it can then never
+    # fail to upgrade its lock, and each Store method is really one transaction. A read
+    # takes none: with WAL it reads a snapshot while a writer goes on, and never makes a
+    # writer wait (SQLite's busy handler sleeps up to 100 ms at a time while it waits).
+    conn.exec_driver_sql(
+        "BEGIN" if conn.get_execution_options().get(_READ_ONLY) else "BEGIN IMMEDIATE"
+    )
 
 
 def make_engine(url: str) -> Engine:
@@ -81,13 +89,28 @@ class Store:
                 self.engine.dispose()
                 raise
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        reader = self.engine.execution_options(**{_READ_ONLY: True})
+        self._read_sessions = sessionmaker(reader, expire_on_commit=False)
+        # SQLite has one writer at a time, and a writer that finds the lock taken polls
+        # for it, sleeping up to 100 ms between tries: this process's writers queue here
+        # instead and go the moment it is free. (PostgreSQL locks rows; no queue there.)
+        self._write_queue: AbstractContextManager[Any] = (
+            threading.Lock() if self.engine.dialect.name == "sqlite" else nullcontext()
+        )
 
     def close(self) -> None:
         self.engine.dispose()
 
     @contextmanager
     def _tx(self) -> Iterator[Session]:
-        with self._sessions.begin() as session:
+        """One writing transaction."""
+        with self._write_queue, self._sessions.begin() as session:
+            yield session
+
+    @contextmanager
+    def _read(self) -> Iterator[Session]:
+        """One reading transaction: it never holds up a writer."""
+        with self._read_sessions.begin() as session:
             yield session
 
     # -- sites ---------------------------------------------------------------
@@ -116,7 +139,7 @@ class Store:
                 s.execute(update(m.Site).where(m.Site.id == site_id).values(last_seen_at=ts))
 
     def list_sites(self) -> list[SiteRecord]:
-        with self._tx() as s:
+        with self._read() as s:
             found = s.scalars(select(m.Site).order_by(m.Site.id)).all()
             return [rows.site_record(r) for r in found]
 
@@ -142,12 +165,12 @@ class Store:
             return rows.run_record(row)
 
     def get_run(self, run_id: str) -> RunRecord | None:
-        with self._tx() as s:
+        with self._read() as s:
             row = s.get(m.Run, run_id)
             return None if row is None else rows.run_record(row)
 
     def list_runs(self, states: Sequence[str] | None = None) -> list[RunRecord]:
-        with self._tx() as s:
+        with self._read() as s:
             q = select(m.Run).order_by(m.Run.created_at, m.Run.id)
             if states is not None:
                 q = q.where(m.Run.state.in_(list(states)))
@@ -232,7 +255,7 @@ class Store:
             )
 
     def get_open_round(self, run_id: str) -> RoundRecord | None:
-        with self._tx() as s:
+        with self._read() as s:
             row = s.scalars(
                 select(m.Round).where(m.Round.run_id == run_id, m.Round.state == "open")
             ).one_or_none()
@@ -240,7 +263,7 @@ class Store:
 
     def list_rounds(self, run_id: str, *, since: int = 0) -> list[RoundRecord]:
         """The run's rounds numbered ``since`` or higher, in order."""
-        with self._tx() as s:
+        with self._read() as s:
             q = select(m.Round).where(m.Round.run_id == run_id, m.Round.number >= since)
             return [rows.round_record(r) for r in s.scalars(q.order_by(m.Round.number)).all()]
 
@@ -253,7 +276,7 @@ class Store:
         since: int = 0,
     ) -> list[ParticipationRecord]:
         """Participations of one round (or of rounds numbered ``since`` or higher)."""
-        with self._tx() as s:
+        with self._read() as s:
             q = select(m.Participation).where(m.Participation.run_id == run_id)
             if round_number is not None:
                 q = q.where(m.Participation.round_number == round_number)
@@ -267,29 +290,40 @@ class Store:
             return [rows.participation_record(r) for r in s.scalars(q).all()]
 
     def get_participation(self, task_id: str) -> ParticipationRecord | None:
-        with self._tx() as s:
+        with self._read() as s:
             row = s.get(m.Participation, task_id)
             return None if row is None else rows.participation_record(row)
 
     def mark_downloaded(
         self, task_id: str, bytes_down: int, download_s: float, base_round: int | None = None
     ) -> None:
+        if self.mark_downloaded_many([(task_id, bytes_down, download_s, base_round)]):
+            raise NotFoundError(task_id)
+
+    def mark_downloaded_many(
+        self, downloads: Sequence[tuple[str, int, float, int | None]]
+    ) -> list[str]:
+        """Count finished downloads, (task_id, bytes, seconds, base round) each, in one
+        transaction; returns the task ids that do not exist."""
         # Add in the database, not in Python: two downloads of one task recorded at
         # once must both count, and a read-modify-write would lose one of them.
         p = m.Participation
+        missing = []
         with self._tx() as s:
-            result = s.connection().execute(
-                update(p)
-                .where(p.task_id == task_id)
-                .values(
-                    bytes_down=p.bytes_down + bytes_down,
-                    download_s=p.download_s + download_s,
-                    state=case((p.state == "assigned", "downloaded"), else_=p.state),
-                    base_round=p.base_round if base_round is None else base_round,
+            for task_id, bytes_down, download_s, base_round in downloads:
+                result = s.connection().execute(
+                    update(p)
+                    .where(p.task_id == task_id)
+                    .values(
+                        bytes_down=p.bytes_down + bytes_down,
+                        download_s=p.download_s + download_s,
+                        state=case((p.state == "assigned", "downloaded"), else_=p.state),
+                        base_round=p.base_round if base_round is None else base_round,
+                    )
                 )
-            )
-            if result.rowcount == 0:
-                raise NotFoundError(task_id)
+                if result.rowcount == 0:
+                    missing.append(task_id)
+        return missing
 
     def accept_update(
         self,
@@ -416,7 +450,7 @@ class Store:
             return result.rowcount
 
     def latest_checkpoint(self, run_id: str) -> CheckpointRecord | None:
-        with self._tx() as s:
+        with self._read() as s:
             row = s.scalars(
                 select(m.Checkpoint)
                 .where(m.Checkpoint.run_id == run_id)
@@ -426,7 +460,7 @@ class Store:
             return None if row is None else rows.checkpoint_record(row)
 
     def get_checkpoint(self, run_id: str, round_number: int) -> CheckpointRecord | None:
-        with self._tx() as s:
+        with self._read() as s:
             row = s.scalars(
                 select(m.Checkpoint).where(
                     m.Checkpoint.run_id == run_id, m.Checkpoint.round_number == round_number
@@ -435,7 +469,7 @@ class Store:
             return None if row is None else rows.checkpoint_record(row)
 
     def list_checkpoints(self, run_id: str, *, since: int = 0) -> list[CheckpointRecord]:
-        with self._tx() as s:
+        with self._read() as s:
             c = m.Checkpoint
             q = select(c).where(c.run_id == run_id, c.round_number >= since)
             return [
@@ -467,7 +501,7 @@ class Store:
             )
 
     def list_events(self, run_id: str) -> list[EventRecord]:
-        with self._tx() as s:
+        with self._read() as s:
             q = select(m.Event).where(m.Event.run_id == run_id).order_by(m.Event.id)
             return [rows.event_record(r) for r in s.scalars(q).all()]
 

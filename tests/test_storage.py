@@ -369,6 +369,51 @@ def test_mark_downloaded_accumulates(run_store: Store) -> None:
         run_store.mark_downloaded("no-such-task", 1, 0.1)
 
 
+def test_mark_downloaded_many_writes_all_in_one_transaction(run_store: Store) -> None:
+    _open(run_store, 1, 1, ["a", "b"])
+    commits: list[str] = []
+    event.listen(run_store.engine, "commit", lambda _conn: commits.append("commit"))
+    missing = run_store.mark_downloaded_many(
+        [
+            (_task(1, 1, "a"), 10, 0.5, 1),
+            ("no-such-task", 1, 0.1, None),
+            (_task(1, 1, "b"), 20, 1.0, 0),
+        ]
+    )
+    assert missing == ["no-such-task"] and commits == ["commit"]
+    a, b = run_store.list_participations(RUN, 1)
+    assert (a.state, a.bytes_down, a.download_s, a.base_round) == ("downloaded", 10, 0.5, 1)
+    assert (b.state, b.bytes_down, b.base_round) == ("downloaded", 20, 0)
+
+
+def test_reads_do_not_wait_for_a_writer(run_store: Store, db_url: str) -> None:
+    """A status read must neither wait for a write in progress nor hold one up: on SQLite
+    a read that took the write lock as writes do queued behind every writer (and writers
+    behind it), sleeping up to 100 ms at a time in SQLite's busy handler."""
+    _open(run_store, 1, 1, ["a"])
+    other = make_engine(db_url)
+    try:
+        with other.begin() as conn:  # a writer in another connection, mid-transaction
+            conn.execute(
+                text("UPDATE participations SET bytes_down = 7 WHERE task_id = :t"),
+                {"t": _task(1, 1, "a")},
+            )
+            done = threading.Event()
+            seen: list[int] = []
+
+            def _read() -> None:
+                seen.append(run_store.list_participations(RUN, 1)[0].bytes_down)
+                assert run_store.get_run(RUN) is not None
+                done.set()
+
+            reader = threading.Thread(target=_read, daemon=True)
+            reader.start()
+            assert done.wait(5), "a read waited for the writer's transaction"
+        assert seen == [0]  # the snapshot before the write committed
+    finally:
+        other.dispose()
+
+
 def test_mark_downloaded_does_not_lose_concurrent_increments(run_store: Store, db_url: str) -> None:
     """A download recorded while another transaction holds the row adds, not overwrites."""
     _open(run_store, 1, 1, ["a"])
