@@ -56,6 +56,13 @@ _LOUD = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
 
 
 def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
+    if isinstance(exc, grpc.RpcError):  # the call ended under us: the site's to retry
+        log.info(
+            "a call from %s ended before its request stream did (cancelled by the caller, "
+            "past its deadline, or this daemon stopping)",
+            context.peer(),
+        )
+        context.abort(grpc.StatusCode.CANCELLED, "the call ended before its request stream")
     if isinstance(exc, FedraError):
         code = _STATUS.get(type(exc), grpc.StatusCode.INVALID_ARGUMENT)
         level = logging.WARNING if code in _LOUD else logging.INFO

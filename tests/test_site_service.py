@@ -7,6 +7,7 @@ and must change nothing: the task stays open and a correct upload is still accep
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from collections.abc import Iterator
 
@@ -488,3 +489,36 @@ def test_watch_resends_a_round_only_when_it_changed(coordinator: InProcessCoordi
     assert [r.number for r in watch.look().rounds] == [0, 1, 2]  # type: ignore[union-attr]
     assert (watch.floor, sorted(watch.sent)) == (2, [2])
     assert watch.look() is None  # nothing changed since
+
+
+def test_an_upload_cut_off_mid_stream_is_given_back_quietly(
+    coordinator: InProcessCoordinator, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A site that dies or cancels mid-upload (or a daemon stopping under it) is an
+    ordinary event: the task is the site's again at once, and the log says so in one
+    line rather than as an internal error with a traceback."""
+    import threading
+    import time
+
+    caplog.set_level(logging.INFO, logger="fedra.coordinator")
+    _, tasks = start_round_one(coordinator)
+    site, task = sorted(tasks.items())[0]
+    payload = delta_payload()
+    sent_some = threading.Event()
+
+    def _cut_short() -> Iterator[site_pb2.UpdateChunk]:
+        msgs = messages(task, site, payload, chunk=64)
+        yield next(msgs)
+        yield next(msgs)
+        sent_some.set()
+        threading.Event().wait(30)  # never sends the rest: the call is cancelled
+
+    call = coordinator.site.UploadUpdate.future(_cut_short(), timeout=30)
+    assert sent_some.wait(10)
+    call.cancel()
+    deadline = time.monotonic() + 10
+    while "ended before its request stream" not in caplog.text:  # the handler's last act
+        assert time.monotonic() < deadline, caplog.text
+        threading.Event().wait(0.02)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    assert upload(coordinator, messages(task, site, payload)).bytes_received == len(payload)
