@@ -100,7 +100,8 @@ def server_options(chunk_bytes: int, stream_window_mb: float) -> list[tuple[str,
     limit = chunk_bytes + 1024 * 1024  # a chunk plus its envelope
     options = [
         ("grpc.max_receive_message_length", limit),
-        ("grpc.max_send_message_length", limit),
+        # What it sends it builds itself: chunks, and a whole run's status (GetRun).
+        ("grpc.max_send_message_length", max(limit, wire.MAX_STATUS_BYTES)),
     ]
     if stream_window_mb > 0:
         options += [

@@ -25,7 +25,7 @@ from fedra.coordinator.errors import (
     Unauthenticated,
     Unavailable,
 )
-from fedra.coordinator.status import RunWatch, run_status
+from fedra.coordinator.status import RunWatch, run_header, run_status
 from fedra.protos import wire
 from fedra.protos.codec import transfer_chunk_bytes
 from fedra.protos.serde import (
@@ -334,7 +334,7 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
         self.guard.admin(context)
         records = self.engine.store.list_runs()
         return admin_pb2.ListRunsResponse(
-            runs=[run_status(self.engine, r, self.guard.insecure) for r in records]
+            runs=[run_header(self.engine, r, self.guard.insecure) for r in records]
         )
 
     @mapped_stream
@@ -346,9 +346,7 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
         version = engine.version
         watch = RunWatch(engine, request.run_id, self.guard.insecure, request.changed_rounds_only)
         while context.is_active():
-            status = watch.look()
-            if status is not None:
-                yield status
+            yield from watch.look()
             if watch.finished or engine.stopping:
                 return
             version = engine.wait_for_change(version, self.watch_interval_s)

@@ -12,9 +12,13 @@ from fedra.storage.records import ParticipationRecord, RoundRecord, RunRecord
 
 def run_status(engine: Engine, record: RunRecord, insecure: bool = False) -> admin_pb2.RunStatus:
     """The run, every round and every participation, as stored."""
-    status = _header(engine, record, insecure)
+    status = run_header(engine, record, insecure)
     status.rounds.extend(rounds_since(engine.store, record.id, 0)[0].values())
     return status
+
+
+# The rounds of one WatchRun message, at most (one round bigger than this goes alone).
+WATCH_MESSAGE_BYTES = 1 << 20
 
 
 class RunWatch:
@@ -23,53 +27,84 @@ class RunWatch:
     Each look reads from the database only the rounds that can still change: those from
     the first round that is not yet final (closed, every participation finished) onwards.
     Rounds below it were sent already and never change again, so a watch's cost per
-    change stays flat however long the run. With ``changed_rounds_only`` a message holds
-    only the rounds that are new or changed since the one before (the first holds all).
+    change stays flat however long the run. With ``changed_rounds_only`` a look's rounds
+    are only those new or changed since the last look (the first look's: all of them),
+    spread over messages of about ``message_bytes`` each: a long run with many sites
+    never needs one message larger than a client accepts.
     """
 
     def __init__(
-        self, engine: Engine, run_id: str, insecure: bool, changed_rounds_only: bool
+        self,
+        engine: Engine,
+        run_id: str,
+        insecure: bool,
+        changed_rounds_only: bool,
+        message_bytes: int = WATCH_MESSAGE_BYTES,
     ) -> None:
         self.engine, self.run_id, self.insecure = engine, run_id, insecure
         self.changed_rounds_only = changed_rounds_only
+        self.message_bytes = message_bytes
         self.sent: dict[int, admin_pb2.RoundStatus] = {}  # by number: the rounds to send whole
         self.floor = 0  # every round numbered below this is final
         self.header: admin_pb2.RunStatus | None = None  # the last message, without rounds
         self.finished = False  # the run has ended: nothing follows the last message
 
-    def look(self) -> admin_pb2.RunStatus | None:
-        """The next message, or None when nothing changed since the last one."""
+    def look(self) -> list[admin_pb2.RunStatus]:
+        """The next messages: none when nothing changed since the last look."""
         record = self.engine.get_run_record(self.run_id)
         self.finished = record.finished
-        header = _header(self.engine, record, self.insecure, self.header)
+        header = run_header(self.engine, record, self.insecure, self.header)
         fresh, final = rounds_since(self.engine.store, self.run_id, self.floor)
         changed = [r for n, r in fresh.items() if self.sent.get(n) != r]
         if self.header is not None and not changed and header == self.header:
-            return None
+            return []
         first = self.header is None
         self.header = header
         self.sent.update(fresh)
-        status = admin_pb2.RunStatus()
-        status.CopyFrom(header)
-        if self.changed_rounds_only and not first:
-            status.rounds.extend(changed)
+        if self.changed_rounds_only:
+            out = self._batches(header, list(self.sent.values()) if first else changed)
         else:
-            status.rounds.extend(self.sent[n] for n in sorted(self.sent))
+            out = [_with_rounds(header, [self.sent[n] for n in sorted(self.sent)])]
         while self.floor in final:  # past the rounds that are final now
             if self.changed_rounds_only:  # never sent again: no need to keep it
                 del self.sent[self.floor]
             self.floor += 1
-        return status
+        return out
+
+    def _batches(
+        self, header: admin_pb2.RunStatus, rounds: list[admin_pb2.RoundStatus]
+    ) -> list[admin_pb2.RunStatus]:
+        """``rounds`` in order, over as few messages of about ``message_bytes`` as they fit."""
+        out: list[admin_pb2.RunStatus] = []
+        batch: list[admin_pb2.RoundStatus] = []
+        size = 0
+        for r in sorted(rounds, key=lambda r: r.number):
+            if batch and size + r.ByteSize() > self.message_bytes:
+                out.append(_with_rounds(header, batch))
+                batch, size = [], 0
+            batch.append(r)
+            size += r.ByteSize()
+        out.append(_with_rounds(header, batch))  # no rounds changed: the header alone
+        return out
 
 
-def _header(
+def _with_rounds(
+    header: admin_pb2.RunStatus, rounds: list[admin_pb2.RoundStatus]
+) -> admin_pb2.RunStatus:
+    status = admin_pb2.RunStatus()
+    status.CopyFrom(header)
+    status.rounds.extend(rounds)
+    return status
+
+
+def run_header(
     engine: Engine,
     record: RunRecord,
     insecure: bool,
     previous: admin_pb2.RunStatus | None = None,
 ) -> admin_pb2.RunStatus:
     """The run's status without its rounds (the spec taken from ``previous`` if given:
-    it never changes)."""
+    it never changes): what ListRuns sends."""
     reason = record.reason
     with engine.lock:
         live = engine.runs.get(record.id)

@@ -18,12 +18,11 @@ if TYPE_CHECKING:
     import torch
 
 # Admin commands import torch (seconds) only to export a model.
-_MAX_MESSAGE = 5 * 1024 * 1024  # a 4 MiB chunk and its envelope
 
 
 class AdminClient:
     def __init__(self, address: str, tls: TlsFiles | None = None, timeout_s: float = 30.0) -> None:
-        options = [("grpc.max_receive_message_length", _MAX_MESSAGE)]
+        options = [("grpc.max_receive_message_length", wire.MAX_STATUS_BYTES)]
         if tls is None:
             self.channel = grpc.insecure_channel(address, options=options)
         else:
@@ -53,6 +52,7 @@ class AdminClient:
         return self.stub.GetRun(admin_pb2.GetRunRequest(run_id=run_id), timeout=self.timeout_s)
 
     def runs(self) -> list[admin_pb2.RunStatus]:
+        """Every run's status, without its rounds."""
         return list(self.stub.ListRuns(admin_pb2.ListRunsRequest(), timeout=self.timeout_s).runs)
 
     def watch(

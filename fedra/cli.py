@@ -232,14 +232,15 @@ def _cmd_watch(args: argparse.Namespace) -> int:
                     final = status.state in FINAL_STATES
                     if status.state != last_state and not final:  # before its rounds
                         print(_state_line(status), flush=True)
+                        last_state = status.state
                     for r in status.rounds:
                         if r.status == "committed" and r.number not in shown:
                             shown.add(r.number)
                             print(format_round(r), flush=True)
-                    if status.state != last_state and final:  # after its last rounds
-                        print(_state_line(status), flush=True)
-                    last_state = status.state
             if status is not None and status.state in FINAL_STATES:
+                # After the last rounds: the daemon ends the stream after the messages
+                # that hold them (a long run's rounds may span several).
+                print(_state_line(status), flush=True)
                 return 0 if status.state == "completed" else 1
             why = "it closed the stream"  # a daemon stopping ends its watches
         except grpc.RpcError as exc:

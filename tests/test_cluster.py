@@ -136,6 +136,14 @@ def test_full_run_through_the_cli(cluster: LocalCluster, tmp_path: Path) -> None
     )
     assert watched.returncode == 0, watched.stderr
     assert "round   4" in watched.stdout and "completed" in watched.stdout
+    lines = watched.stdout.splitlines()
+    assert [line.split()[1] for line in lines if line.startswith("round")] == list("01234")
+    assert lines[-1] == f"run {run_id}: completed"  # the final state after the last round
+
+    listed = fedra_cli("run", "list", "--state-dir", str(cluster.state_dir))
+    assert listed.returncode == 0, listed.stderr
+    [line] = [x for x in listed.stdout.splitlines() if x.startswith(run_id)]
+    assert line.split()[1:4] == ["completed", "4/4", DIGITS]
 
     shown = fedra_cli("run", "status", run_id, "--json", "--state-dir", str(cluster.state_dir))
     status = json.loads(shown.stdout)

@@ -486,9 +486,15 @@ def test_watch_resends_a_round_only_when_it_changed(coordinator: InProcessCoordi
     assert list(merged.rounds) == list(status.rounds)
     # A watch reads only the rounds that can still change: 0 and 1 are final now.
     watch = RunWatch(coordinator.engine, run_id, insecure=True, changed_rounds_only=True)
-    assert [r.number for r in watch.look().rounds] == [0, 1, 2]  # type: ignore[union-attr]
+    [message] = watch.look()
+    assert [r.number for r in message.rounds] == [0, 1, 2]
     assert (watch.floor, sorted(watch.sent)) == (2, [2])
-    assert watch.look() is None  # nothing changed since
+    assert watch.look() == []  # nothing changed since
+    # However long the run, no message is much larger than message_bytes: here a round each.
+    small = RunWatch(coordinator.engine, run_id, True, True, message_bytes=1)
+    batches = small.look()
+    assert [[r.number for r in m.rounds] for m in batches] == [[0], [1], [2]]
+    assert all(m.state == "running" and m.spec.task == TASK for m in batches)
 
 
 def test_an_upload_cut_off_mid_stream_is_given_back_quietly(
@@ -522,3 +528,41 @@ def test_an_upload_cut_off_mid_stream_is_given_back_quietly(
         threading.Event().wait(0.02)
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
     assert upload(coordinator, messages(task, site, payload)).bytes_received == len(payload)
+
+
+def test_a_long_runs_status_reaches_the_admin_client_and_its_watch_stays_small(
+    coordinator: InProcessCoordinator,
+) -> None:
+    """Six rounds of ten sites with a long error each: about 6 MB of status. GetRun
+    reaches AdminClient whole; a watch spreads it over messages near 1 MiB; run list
+    sends no rounds at all."""
+    from fedra.admin import AdminClient
+    from fedra.coordinator.status import WATCH_MESSAGE_BYTES
+    from fedra.runspec import RunSpec
+
+    store, run_id = coordinator.engine.store, "long-run"
+    spec = RunSpec(name="long", task=TASK, rounds=6, sites_per_round=10, min_sites=1)
+    store.create_run(run_id, "long", TASK, spec.validate().to_json(), 1.0)
+    sites = [f"site-{i}" for i in range(10)]
+    for number in range(6):
+        store.open_round(run_id, number, 1, {s: f"{number}-{s}" for s in sites}, 1.0, 2.0)
+        for s in sites:
+            store.fail_participation(f"{number}-{s}", f"{number}{s} " + "x" * 100_000, 2.0)
+    with AdminClient(coordinator.address) as admin:
+        status = admin.status(run_id)
+        assert status.ByteSize() > 6_000_000
+        assert [r.number for r in status.rounds] == list(range(6))
+        [listed] = [r for r in admin.runs() if r.run_id == run_id]
+    assert (listed.state, listed.spec.name, len(listed.rounds)) == ("pending", "long", 0)
+    watch = coordinator.admin.WatchRun(
+        admin_pb2.WatchRunRequest(run_id=run_id, changed_rounds_only=True), timeout=10
+    )
+    sizes, seen = [], []
+    for message in watch:  # the initial state, in batches; then it waits for a change
+        sizes.append(message.ByteSize())
+        seen += [r.number for r in message.rounds]
+        if len(seen) == 6:
+            break
+    watch.cancel()
+    assert seen == list(range(6)) and len(sizes) >= 5
+    assert max(sizes) < 2 * WATCH_MESSAGE_BYTES

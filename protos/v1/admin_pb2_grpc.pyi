@@ -35,6 +35,7 @@ class AdminServiceStub:
     SubmitRun: _grpc.UnaryUnaryMultiCallable[_admin_pb2.SubmitRunRequest, _admin_pb2.SubmitRunResponse]
     GetRun: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetRunRequest, _admin_pb2.RunStatus]
     ListRuns: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListRunsRequest, _admin_pb2.ListRunsResponse]
+    """Every run's status without its rounds (GetRun and WatchRun have them)."""
     WatchRun: _grpc.UnaryStreamMultiCallable[_admin_pb2.WatchRunRequest, _admin_pb2.RunStatus]
     """A RunStatus now and after every change, until the run ends (see
     WatchRunRequest.changed_rounds_only for what each message holds).
@@ -50,6 +51,7 @@ class AdminServiceAsyncStub(AdminServiceStub):
     SubmitRun: _aio.UnaryUnaryMultiCallable[_admin_pb2.SubmitRunRequest, _admin_pb2.SubmitRunResponse]  # type: ignore[assignment]
     GetRun: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetRunRequest, _admin_pb2.RunStatus]  # type: ignore[assignment]
     ListRuns: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListRunsRequest, _admin_pb2.ListRunsResponse]  # type: ignore[assignment]
+    """Every run's status without its rounds (GetRun and WatchRun have them)."""
     WatchRun: _aio.UnaryStreamMultiCallable[_admin_pb2.WatchRunRequest, _admin_pb2.RunStatus]  # type: ignore[assignment]
     """A RunStatus now and after every change, until the run ends (see
     WatchRunRequest.changed_rounds_only for what each message holds).
@@ -79,7 +81,8 @@ class AdminServiceServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _admin_pb2.ListRunsRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_admin_pb2.ListRunsResponse, _abc.Awaitable[_admin_pb2.ListRunsResponse]]: ...
+    ) -> _typing.Union[_admin_pb2.ListRunsResponse, _abc.Awaitable[_admin_pb2.ListRunsResponse]]:
+        """Every run's status without its rounds (GetRun and WatchRun have them)."""
 
     @_abc_1.abstractmethod
     def WatchRun(
