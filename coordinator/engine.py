@@ -410,6 +410,12 @@ class Engine:
             raise NotFound(f"run {run_id} has no committed checkpoint for {which}")
         return ckpt
 
+    def wait_for_stop(self, timeout_s: float) -> None:
+        """Sleep ``timeout_s`` (if positive), or less if the engine stops meanwhile."""
+        if timeout_s > 0:
+            with self.lock:
+                self.changed.wait_for(lambda: self.stopping, timeout_s)
+
     def wait_for_change(self, version: int, timeout_s: float) -> int:
         """Block until the engine's version moves past ``version`` (or timeout); returns it."""
         with self.lock:

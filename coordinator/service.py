@@ -301,10 +301,21 @@ def _data_chunks(messages: Iterator[site_pb2.UpdateChunk | memoryview]) -> Itera
         del message, data  # not held while the next message is received
 
 
+# The least time between two looks of one watch (each reads the database).
+WATCH_GAP_S = 0.2
+
+
 class AdminService(admin_pb2_grpc.AdminServiceServicer):
-    def __init__(self, engine: Engine, guard: Guard, watch_interval_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        guard: Guard,
+        watch_interval_s: float = 10.0,
+        watch_gap_s: float = WATCH_GAP_S,
+    ) -> None:
         self.engine, self.guard = engine, guard
-        self.watch_interval_s = watch_interval_s
+        self.watch_interval_s = watch_interval_s  # a watch looks at least this often
+        self.watch_gap_s = watch_gap_s  # and at most this often
 
     @mapped
     def SubmitRun(
@@ -323,9 +334,7 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
     @mapped
     def GetRun(self, request: admin_pb2.GetRunRequest, context: Any) -> admin_pb2.RunStatus:
         self.guard.admin(context)
-        return run_status(
-            self.engine, self.engine.get_run_record(request.run_id), self.guard.insecure
-        )
+        return run_status(self.engine, request.run_id, self.guard.insecure)
 
     @mapped
     def ListRuns(
@@ -346,10 +355,14 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
         version = engine.version
         watch = RunWatch(engine, request.run_id, self.guard.insecure, request.changed_rounds_only)
         while context.is_active():
+            looked = time.monotonic()
             yield from watch.look()
             if watch.finished or engine.stopping:
                 return
             version = engine.wait_for_change(version, self.watch_interval_s)
+            # A round brings dozens of changes in bursts (every upload, fold, download):
+            # one look after each burst, not one per change.
+            engine.wait_for_stop(self.watch_gap_s - (time.monotonic() - looked))
 
     @mapped
     def CancelRun(

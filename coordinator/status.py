@@ -3,18 +3,26 @@
 from __future__ import annotations
 
 from fedra.coordinator.engine import Engine
+from fedra.coordinator.errors import NotFound
 from fedra.protos.serde import runspec_to_proto
 from fedra.protos.v1 import admin_pb2
 from fedra.runspec import RunSpec
-from fedra.storage import Store
-from fedra.storage.records import ParticipationRecord, RoundRecord, RunRecord
+from fedra.storage.records import ParticipationRecord, RoundRecord, RunRecord, RunView
 
 
-def run_status(engine: Engine, record: RunRecord, insecure: bool = False) -> admin_pb2.RunStatus:
+def run_status(engine: Engine, run_id: str, insecure: bool = False) -> admin_pb2.RunStatus:
     """The run, every round and every participation, as stored."""
-    status = run_header(engine, record, insecure)
-    status.rounds.extend(rounds_since(engine.store, record.id, 0)[0].values())
+    view = read_run(engine, run_id, 0)
+    status = run_header(engine, view.run, insecure)
+    status.rounds.extend(round_statuses(view)[0].values())
     return status
+
+
+def read_run(engine: Engine, run_id: str, since: int) -> RunView:
+    view = engine.store.read_run(run_id, since=since)
+    if view is None:
+        raise NotFound(f"no run {run_id!r}")
+    return view
 
 
 # The rounds of one WatchRun message, at most (one round bigger than this goes alone).
@@ -51,10 +59,10 @@ class RunWatch:
 
     def look(self) -> list[admin_pb2.RunStatus]:
         """The next messages: none when nothing changed since the last look."""
-        record = self.engine.get_run_record(self.run_id)
-        self.finished = record.finished
-        header = run_header(self.engine, record, self.insecure, self.header)
-        fresh, final = rounds_since(self.engine.store, self.run_id, self.floor)
+        view = read_run(self.engine, self.run_id, self.floor)
+        self.finished = view.run.finished
+        header = run_header(self.engine, view.run, self.insecure, self.header)
+        fresh, final = round_statuses(view)
         changed = [r for n, r in fresh.items() if self.sent.get(n) != r]
         if self.header is not None and not changed and header == self.header:
             return []
@@ -126,20 +134,16 @@ def run_header(
     )
 
 
-def rounds_since(
-    store: Store, run_id: str, since: int
-) -> tuple[dict[int, admin_pb2.RoundStatus], set[int]]:
-    """The run's rounds numbered ``since`` or higher, by number, and the numbers of those
-    that are final: closed, with every participation finished (an async run's task still
-    training moves on to the next round, so its round is not final until it has)."""
-    rounds = store.list_rounds(run_id, since=since)
-    parts = store.list_participations(run_id, since=since)
-    ckpts = {c.round_number: c.model_sha256 for c in store.list_checkpoints(run_id, since=since)}
+def round_statuses(view: RunView) -> tuple[dict[int, admin_pb2.RoundStatus], set[int]]:
+    """The view's rounds by number, and the numbers of those that are final: closed, with
+    every participation finished (an async run's task still training moves on to the
+    next round, so its round is not final until it has)."""
+    ckpts = {c.round_number: c.model_sha256 for c in view.checkpoints}
     by_round: dict[int, list[ParticipationRecord]] = {}
-    for p in parts:
+    for p in view.participations:
         by_round.setdefault(p.round_number, []).append(p)
     out, final = {}, set()
-    for r in rounds:
+    for r in view.rounds:
         mine = by_round.get(r.number, [])
         if r.state != "open" and all(p.finished for p in mine):
             final.add(r.number)

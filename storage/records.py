@@ -96,3 +96,13 @@ class EventRecord:
     message: str
     data: dict[str, float | int | str] = field(default_factory=dict)
     created_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class RunView:
+    """A run and some of its rounds, read at one moment (``Store.read_run``)."""
+
+    run: RunRecord
+    rounds: list[RoundRecord]
+    participations: list[ParticipationRecord]
+    checkpoints: list[CheckpointRecord]

@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
-from sqlalchemy import case, create_engine, event, select, update
+from sqlalchemy import Integer, Select, bindparam, case, create_engine, event, func, select, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
@@ -27,6 +27,7 @@ from fedra.storage.records import (
     ParticipationRecord,
     RoundRecord,
     RunRecord,
+    RunView,
     SiteRecord,
 )
 
@@ -74,6 +75,25 @@ def make_engine(url: str) -> Engine:
         event.listen(engine, "begin", _sqlite_begin)
         return engine
     return create_engine(url, pool_pre_ping=True)
+
+
+def _rounds_since(run_id: str, since: int) -> Select[m.Round]:
+    r = m.Round
+    return select(r).where(r.run_id == run_id, r.number >= since).order_by(r.number)
+
+
+def _participations_since(run_id: str, since: int) -> Select[m.Participation]:
+    p = m.Participation
+    q = select(p).where(p.run_id == run_id)
+    if since:
+        q = q.where(p.round_number >= since)
+    return q.order_by(p.round_number, p.attempt, p.site_id)
+
+
+def _checkpoints_since(run_id: str, since: int) -> Select[m.Checkpoint]:
+    c = m.Checkpoint
+    q = select(c).where(c.run_id == run_id, c.round_number >= since)
+    return q.order_by(c.round_number)
 
 
 class Store:
@@ -264,8 +284,7 @@ class Store:
     def list_rounds(self, run_id: str, *, since: int = 0) -> list[RoundRecord]:
         """The run's rounds numbered ``since`` or higher, in order."""
         with self._read() as s:
-            q = select(m.Round).where(m.Round.run_id == run_id, m.Round.number >= since)
-            return [rows.round_record(r) for r in s.scalars(q.order_by(m.Round.number)).all()]
+            return [rows.round_record(r) for r in s.scalars(_rounds_since(run_id, since)).all()]
 
     def list_participations(
         self,
@@ -277,17 +296,29 @@ class Store:
     ) -> list[ParticipationRecord]:
         """Participations of one round (or of rounds numbered ``since`` or higher)."""
         with self._read() as s:
-            q = select(m.Participation).where(m.Participation.run_id == run_id)
+            q = _participations_since(run_id, since)
             if round_number is not None:
                 q = q.where(m.Participation.round_number == round_number)
-            if since:
-                q = q.where(m.Participation.round_number >= since)
             if attempt is not None:
                 q = q.where(m.Participation.attempt == attempt)
-            q = q.order_by(
-                m.Participation.round_number, m.Participation.attempt, m.Participation.site_id
-            )
             return [rows.participation_record(r) for r in s.scalars(q).all()]
+
+    def read_run(self, run_id: str, *, since: int = 0) -> RunView | None:
+        """The run and its rounds numbered ``since`` or higher, with their participations
+        and checkpoints, in one transaction (one snapshot, on SQLite): what a status needs."""
+        with self._read() as s:
+            run = s.get(m.Run, run_id)
+            if run is None:
+                return None
+            return RunView(
+                rows.run_record(run),
+                [rows.round_record(r) for r in s.scalars(_rounds_since(run_id, since))],
+                [
+                    rows.participation_record(p)
+                    for p in s.scalars(_participations_since(run_id, since))
+                ],
+                [rows.checkpoint_record(c) for c in s.scalars(_checkpoints_since(run_id, since))],
+            )
 
     def get_participation(self, task_id: str) -> ParticipationRecord | None:
         with self._read() as s:
@@ -305,25 +336,31 @@ class Store:
     ) -> list[str]:
         """Count finished downloads, (task_id, bytes, seconds, base round) each, in one
         transaction; returns the task ids that do not exist."""
+        if not downloads:
+            return []
         # Add in the database, not in Python: two downloads of one task recorded at
         # once must both count, and a read-modify-write would lose one of them.
         p = m.Participation
-        missing = []
+        add = (
+            update(p)
+            .where(p.task_id == bindparam("tid"))
+            .values(
+                bytes_down=p.bytes_down + bindparam("nbytes"),
+                download_s=p.download_s + bindparam("seconds"),
+                state=case((p.state == "assigned", "downloaded"), else_=p.state),
+                base_round=func.coalesce(bindparam("base", type_=Integer), p.base_round),
+            )
+        )
+        rows_ = [
+            {"tid": t, "nbytes": n, "seconds": sec, "base": base} for t, n, sec, base in downloads
+        ]
         with self._tx() as s:
-            for task_id, bytes_down, download_s, base_round in downloads:
-                result = s.connection().execute(
-                    update(p)
-                    .where(p.task_id == task_id)
-                    .values(
-                        bytes_down=p.bytes_down + bytes_down,
-                        download_s=p.download_s + download_s,
-                        state=case((p.state == "assigned", "downloaded"), else_=p.state),
-                        base_round=p.base_round if base_round is None else base_round,
-                    )
-                )
-                if result.rowcount == 0:
-                    missing.append(task_id)
-        return missing
+            wanted = select(p.task_id).where(p.task_id.in_([r["tid"] for r in rows_]))
+            found = set(s.scalars(wanted))
+            known = [r for r in rows_ if r["tid"] in found]
+            if known:  # one statement for all of them
+                s.connection().execute(add, known)
+        return [t for t, *_ in downloads if t not in found]
 
     def accept_update(
         self,
@@ -338,14 +375,28 @@ class Store:
         now: float,
     ) -> None:
         """Record an accepted update; DuplicateError on a reused nonce or a final task."""
+        p = m.Participation
         try:
             with self._tx() as s:
-                row = self._participation_row(s, task_id)
-                if row.state in FINAL_PARTICIPATION_STATES:
+                # One statement, no ORM unit of work: this runs once per update, on the
+                # path every site waits on.
+                result = s.connection().execute(
+                    update(p)
+                    .where(p.task_id == task_id, p.state.not_in(FINAL_PARTICIPATION_STATES))
+                    .values(
+                        state="accepted",
+                        nonce=nonce,
+                        update_sha256=sha256,
+                        num_samples=num_samples,
+                        metrics_json=json.dumps(metrics),
+                        bytes_up=bytes_up,
+                        upload_s=upload_s,
+                        finished_at=now,
+                    )
+                )
+                if result.rowcount == 0:
+                    row = self._participation_row(s, task_id)  # NotFoundError if none
                     raise DuplicateError(f"task {task_id} is already {row.state}")
-                row.state, row.nonce, row.update_sha256 = "accepted", nonce, sha256
-                row.num_samples, row.metrics_json = num_samples, json.dumps(metrics)
-                row.bytes_up, row.upload_s, row.finished_at = bytes_up, upload_s, now
         except IntegrityError as exc:
             raise DuplicateError(f"nonce {nonce.hex()} was already used") from exc
 
@@ -470,12 +521,7 @@ class Store:
 
     def list_checkpoints(self, run_id: str, *, since: int = 0) -> list[CheckpointRecord]:
         with self._read() as s:
-            c = m.Checkpoint
-            q = select(c).where(c.run_id == run_id, c.round_number >= since)
-            return [
-                rows.checkpoint_record(r)
-                for r in s.scalars(q.order_by(m.Checkpoint.round_number)).all()
-            ]
+            return [rows.checkpoint_record(r) for r in s.scalars(_checkpoints_since(run_id, since))]
 
     # -- ledger ----------------------------------------------------------------
 

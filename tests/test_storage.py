@@ -16,6 +16,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from alembic.autogenerate import compare_metadata
@@ -25,7 +26,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.pool import NullPool
 
-from fedra.coordinator.status import rounds_since
+from fedra.coordinator.status import round_statuses
 from fedra.storage import CheckpointRecord, DuplicateError, Store
 from fedra.storage.blobs import BlobDigestError, BlobNotFoundError, BlobStore
 from fedra.storage.migrate import current_revision, head_revision
@@ -672,6 +673,20 @@ def test_listings_from_a_round_on(run_store: Store) -> None:
     assert [c.round_number for c in run_store.list_checkpoints(RUN, since=3)] == [3]
     assert run_store.list_rounds(RUN, since=4) == []
     assert len(run_store.list_participations(RUN, since=0)) == 6  # since=0: every round
+    view = run_store.read_run(RUN, since=2)  # the same, in one transaction
+    assert view is not None and view.run.id == RUN
+    assert [r.number for r in view.rounds] == [2, 3]
+    assert [(p.round_number, p.site_id) for p in view.participations] == [
+        (2, "a"), (2, "b"), (3, "a"), (3, "b"),
+    ]  # fmt: skip
+    assert [c.round_number for c in view.checkpoints] == [2, 3]
+    assert run_store.read_run("no-such-run") is None
+
+
+def _rounds(store: Store, since: int) -> tuple[dict[int, Any], set[int]]:
+    view = store.read_run(RUN, since=since)
+    assert view is not None
+    return round_statuses(view)
 
 
 def test_a_round_is_final_once_no_task_of_it_can_change(run_store: Store) -> None:
@@ -680,16 +695,16 @@ def test_a_round_is_final_once_no_task_of_it_can_change(run_store: Store) -> Non
     _open(run_store, 1, 1, ["a", "b"])
     _accept(run_store, _task(1, 1, "a"), b"\x01" * 16)
     run_store.commit_round(RUN, 1, _checkpoint(1), {}, T0, keep=[_task(1, 1, "b")])
-    rounds, final = rounds_since(run_store, RUN, 0)
+    rounds, final = _rounds(run_store, 0)
     assert (sorted(rounds), final) == ([1], set())  # committed, but b's task is still open
     run_store.open_round(
         RUN, 2, 1, {"a": _task(2, 1, "a")}, T0 + 1, T0 + 60, carry=[_task(1, 1, "b")]
     )
-    rounds, final = rounds_since(run_store, RUN, 0)
+    rounds, final = _rounds(run_store, 0)
     assert final == {1}  # b's task moved on: nothing of round 1 can change now
     assert [p.site_id for p in rounds[1].participations] == ["a"]
     assert [p.site_id for p in rounds[2].participations] == ["a", "b"]
-    rounds, final = rounds_since(run_store, RUN, 2)
+    rounds, final = _rounds(run_store, 2)
     assert (sorted(rounds), final) == ([2], set())  # open
 
 
