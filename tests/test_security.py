@@ -265,10 +265,11 @@ def test_uploads_must_be_signed_by_the_site_and_cannot_be_replayed(
         grpc.StatusCode.ALREADY_EXISTS,
         grpc.StatusCode.FAILED_PRECONDITION,
     )
-    runs = secure.admin().ListRuns(admin_pb2.ListRunsRequest(), timeout=10).runs
-    (r0,) = [r for r in runs[0].rounds if r.number == 0]
+    (run,) = secure.admin().ListRuns(admin_pb2.ListRunsRequest(), timeout=10).runs
+    status = secure.admin().GetRun(admin_pb2.GetRunRequest(run_id=run.run_id), timeout=10)
+    (r0,) = [r for r in status.rounds if r.number == 0]
     assert r0.updates == 1
-    assert not runs[0].coordinator_insecure
+    assert not run.coordinator_insecure and not status.coordinator_insecure
 
 
 def test_secure_aggregation_keys_are_signed_and_checked_by_the_neighbours(
