@@ -118,6 +118,7 @@ class SiteAgent:
                 )
                 self.stop.wait(delay)
         self.conn.close()
+        log.info("%s: stopped after %d rounds", self.tag, self.rounds_done)
 
     def _serve(self, session: Session) -> None:
         while not self.stop.is_set():

@@ -301,14 +301,17 @@ def _cmd_sites(args: argparse.Namespace) -> int:
             )
         )
         return 0
-    now = time.time()
+    print(format_sites(sites, time.time()))
+    return 0
+
+
+def format_sites(sites: list[admin_pb2.Site], now: float) -> str:
+    lines = [f"{'site':<20} {'state':<8} {'last seen':>12}  tasks"]
     for s in sites:
         state = "online" if s.online else "offline"
-        print(
-            f"{s.site_id:<20} {state:<8} last seen {now - s.last_seen_unix_s:6.1f} s ago  "
-            f"{', '.join(s.tasks)}"
-        )
-    return 0
+        seen = f"{now - s.last_seen_unix_s:.1f} s ago"
+        lines.append(f"{s.site_id:<20} {state:<8} {seen:>12}  {', '.join(s.tasks)}")
+    return "\n".join(lines)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

@@ -166,6 +166,14 @@ def test_full_run_through_the_cli(cluster: LocalCluster, tmp_path: Path) -> None
         ).stdout
     )
     assert sorted(s["site_id"] for s in sites) == ids and all(s["online"] for s in sites)
+    table = fedra_cli("sites", "--coordinator", address, "--state-dir", str(cluster.state_dir))
+    header, *rows = table.stdout.splitlines()
+    assert header.split() == ["site", "state", "last", "seen", "tasks"]
+    assert [row.split()[:2] for row in rows] == [[i, "online"] for i in ids]
+    assert all(row.split()[-1] == DIGITS for row in rows)
+    site = cluster.sites[ids[0]]
+    assert site.stop() == 0  # SIGTERM: the site stops at once, and says so
+    assert "stopped after" in site.log_tail(3), site.log_tail()
 
     out = tmp_path / "model.safetensors"
     exported = fedra_cli(
