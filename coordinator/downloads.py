@@ -9,20 +9,26 @@ their downloads together the last one started training some 60 ms late (measured
 ``bench/round_bench.py``, 8 sites, 1M parameters).
 
 A round is committed only after every download recorded before it is written
-(``flush``), so a committed round's ledger is whole. A crash in the milliseconds between
-a download and its row loses only that row, of a round that is not committed: its
-updates are requested again after the restart anyway.
+(``flush``), so a committed round's ledger is whole; and the ledger knows which tasks
+have a download under way or not yet written (``pending``), so that a run watch never
+takes a round for final while a row of it can still change. A crash in the
+milliseconds between a download and its row loses that row: the task resumes as not
+yet downloaded (its site downloads again if it needs to), and an async run counts its
+staleness from the round it was issued in rather than the one it downloaded.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from fedra.storage import Store
 
 log = logging.getLogger("fedra.coordinator")
+_RETRY_DELAYS_S = (0.1, 0.5, 2.0)  # a failed write is tried again after these, then dropped
 
 
 @dataclass(frozen=True)
@@ -34,26 +40,55 @@ class Download:
 
 
 class DownloadLedger:
-    """Writes finished downloads to the store in the background, in order."""
+    """Writes finished downloads to the store in the background, in order.
 
-    def __init__(self, store: Store) -> None:
-        self.store = store
+    A download is ``started`` when a site may begin it, then either ``record``-ed (all
+    its bytes sent; written here soon after) or ``abandoned`` (the call ended early).
+    ``on_written`` is called after each batch is written, so watchers can look again.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        on_written: Callable[[], None] = lambda: None,
+        retry_delays_s: tuple[float, ...] = _RETRY_DELAYS_S,
+    ) -> None:
+        self.store, self.on_written = store, on_written
+        self.retry_delays_s = retry_delays_s
         self._cond = threading.Condition()
         self._queue: list[Download] = []
         self._queued = 0  # downloads ever queued
         self._written = 0  # of those, written (or given up on)
+        self._pending: Counter[str] = Counter()  # task -> downloads under way or queued
         self._closing = False
+        self._stopped = threading.Event()  # wakes a retry's wait at close
         self._thread = threading.Thread(target=self._run, name="download-ledger", daemon=True)
         self._thread.start()
 
+    def started(self, task_id: str) -> None:
+        with self._cond:
+            self._pending[task_id] += 1
+
+    def abandoned(self, task_id: str) -> None:
+        with self._cond:
+            self._release([task_id])
+
     def record(self, download: Download) -> None:
         with self._cond:
-            if self._closing:  # after close: write it here, nothing is lost
-                self._write([download])
+            if not self._closing:
+                self._queue.append(download)
+                self._queued += 1
+                self._cond.notify_all()
                 return
-            self._queue.append(download)
-            self._queued += 1
-            self._cond.notify_all()
+        self._write([download])  # after close: write it here, nothing is lost
+        with self._cond:
+            self._release([download.task_id])
+        self.on_written()
+
+    def pending(self) -> set[str]:
+        """The tasks with a download under way, or finished but not yet written."""
+        with self._cond:
+            return set(self._pending)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until every download recorded so far is written; False on timeout."""
@@ -66,7 +101,14 @@ class DownloadLedger:
         with self._cond:
             self._closing = True
             self._cond.notify_all()
+        self._stopped.set()
         self._thread.join(timeout_s)
+
+    def _release(self, task_ids: list[str]) -> None:
+        for task_id in task_ids:  # the caller holds the lock
+            self._pending[task_id] -= 1
+            if self._pending[task_id] <= 0:
+                del self._pending[task_id]
 
     def _run(self) -> None:
         while True:
@@ -78,15 +120,26 @@ class DownloadLedger:
             self._write(batch)
             with self._cond:
                 self._written += len(batch)
+                self._release([d.task_id for d in batch])
                 self._cond.notify_all()
+            self.on_written()
 
     def _write(self, batch: list[Download]) -> None:
-        try:
-            missing = self.store.mark_downloaded_many(
-                [(d.task_id, d.nbytes, d.seconds, d.base_round) for d in batch]
-            )
-        except Exception:  # the database is away: the ledger misses these, nothing else
-            log.exception("could not record %d finished downloads", len(batch))
-            return
+        rows = [(d.task_id, d.nbytes, d.seconds, d.base_round) for d in batch]
+        for attempt, delay in enumerate((*self.retry_delays_s, None)):
+            try:
+                missing = self.store.mark_downloaded_many(rows)
+                break
+            except Exception:  # the database is away for a moment: try again, then give up
+                if delay is None or self._stopped.is_set():
+                    log.exception(
+                        "could not record %d finished downloads after %d tries; the ledger "
+                        "misses them",
+                        len(batch),
+                        attempt + 1,
+                    )
+                    return
+                log.warning("recording %d finished downloads failed; retrying", len(batch))
+                self._stopped.wait(delay)
         for task_id in missing:
             log.warning("a finished download of unknown task %s was not recorded", task_id)

@@ -88,7 +88,7 @@ class Engine:
         self._site_tasks: dict[str, tuple[str, ...]] = {}
         self._last_seen: dict[str, float] = {}
         self._polling: Counter[str] = Counter()
-        self.downloads = DownloadLedger(store)
+        self.downloads = DownloadLedger(store, on_written=self._notify_now)
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -136,6 +136,10 @@ class Engine:
             for run in self.runs.values()
             for a in run.assignments.values()
         )
+
+    def _notify_now(self) -> None:
+        with self.lock:
+            self.notify()
 
     def notify(self) -> None:
         """Wake drivers, long polls and watchers (call with the lock held)."""
@@ -316,8 +320,12 @@ class Engine:
                         f"round {run.open_round} of run {run.run_id} has no compressed step; "
                         "download the whole model"
                     )
-                return run.delta_sha256, run.delta_bytes, run.open_round or 0
-            return run.model_sha256, run.model_bytes, run.open_round or 0
+                found = run.delta_sha256, run.delta_bytes, run.open_round or 0
+            else:
+                found = run.model_sha256, run.model_bytes, run.open_round or 0
+            # Under way until record_download, or downloads.abandoned if the call ends early.
+            self.downloads.started(task_id)
+            return found
 
     def record_download(self, task_id: str, nbytes: int, seconds: float, base: int) -> None:
         """Count a finished download of the model of round ``base`` (an async update's

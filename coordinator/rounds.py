@@ -305,7 +305,9 @@ class RoundDriver:
             opt_state[ACCOUNTANT_KEY] = accountant.to_tensor()
         opt_sha = engine.models.put_chunks(encode_chunks(opt_state)) if opt_state else None
         now = engine.clock()
-        engine.downloads.flush()  # a committed round's ledger holds all its downloads
+        if not engine.downloads.flush():  # a committed round's ledger holds all its downloads
+            why = "committing before its downloads are counted (the database is slow)"
+            log.warning("%s round %d: %s", self.tag, number, why)
         parts = engine.store.list_participations(run.run_id, number, run.attempt)
         metrics = weighted_metrics([p for p in parts if p.state == "accepted"])
         if accountant is not None and spec.privacy is not None:

@@ -200,7 +200,11 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
             request.site_id, request.task_id, request.delta
         )
         started = time.monotonic()
-        yield from _model_chunks(self.engine, digest, size)
+        try:
+            yield from _model_chunks(self.engine, digest, size)
+        except BaseException:  # cancelled, failed, or closed by gRPC: nothing to count
+            self.engine.downloads.abandoned(request.task_id)
+            raise
         self.engine.record_download(request.task_id, size, time.monotonic() - started, base)
 
     @mapped

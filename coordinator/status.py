@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from fedra.coordinator.engine import Engine
 from fedra.coordinator.errors import NotFound
 from fedra.protos.serde import runspec_to_proto
@@ -53,30 +55,37 @@ class RunWatch:
         self.changed_rounds_only = changed_rounds_only
         self.message_bytes = message_bytes
         self.sent: dict[int, admin_pb2.RoundStatus] = {}  # by number: the rounds to send whole
-        self.floor = 0  # every round numbered below this is final
+        self.floor = 0  # every round numbered below this is final, and was sent as such
+        self.settled: set[int] = set()  # final at the last look, with no download pending
         self.header: admin_pb2.RunStatus | None = None  # the last message, without rounds
         self.finished = False  # the run has ended: nothing follows the last message
 
     def look(self) -> list[admin_pb2.RunStatus]:
         """The next messages: none when nothing changed since the last look."""
         view = read_run(self.engine, self.run_id, self.floor)
+        # A finished download is written a moment later (DownloadLedger): a round with a
+        # download pending may change yet. Asked after the read, so that a round settled
+        # now was read after its last write; it is passed over at the next look, once
+        # this look has sent it.
+        pending = self.engine.downloads.pending()
         self.finished = view.run.finished
         header = run_header(self.engine, view.run, self.insecure, self.header)
-        fresh, final = round_statuses(view)
+        fresh, final = round_statuses(view, pending)
         changed = [r for n, r in fresh.items() if self.sent.get(n) != r]
-        if self.header is not None and not changed and header == self.header:
-            return []
-        first = self.header is None
-        self.header = header
-        self.sent.update(fresh)
-        if self.changed_rounds_only:
-            out = self._batches(header, list(self.sent.values()) if first else changed)
-        else:
-            out = [_with_rounds(header, [self.sent[n] for n in sorted(self.sent)])]
-        while self.floor in final:  # past the rounds that are final now
-            if self.changed_rounds_only:  # never sent again: no need to keep it
+        out: list[admin_pb2.RunStatus] = []
+        if self.header is None or changed or header != self.header:
+            first = self.header is None
+            self.header = header
+            self.sent.update(fresh)
+            if self.changed_rounds_only:
+                out = self._batches(header, list(self.sent.values()) if first else changed)
+            else:
+                out = [_with_rounds(header, [self.sent[n] for n in sorted(self.sent)])]
+        while self.floor in self.settled:  # sent as final already: never read again
+            if self.changed_rounds_only:  # nor sent: no need to keep it
                 del self.sent[self.floor]
             self.floor += 1
+        self.settled = final
         return out
 
     def _batches(
@@ -88,7 +97,7 @@ class RunWatch:
         size = 0
         for r in sorted(rounds, key=lambda r: r.number):
             if batch and size + r.ByteSize() > self.message_bytes:
-                out.append(_with_rounds(header, batch))
+                out.append(_with_rounds(header, batch, more_rounds_follow=True))
                 batch, size = [], 0
             batch.append(r)
             size += r.ByteSize()
@@ -97,11 +106,14 @@ class RunWatch:
 
 
 def _with_rounds(
-    header: admin_pb2.RunStatus, rounds: list[admin_pb2.RoundStatus]
+    header: admin_pb2.RunStatus,
+    rounds: list[admin_pb2.RoundStatus],
+    more_rounds_follow: bool = False,
 ) -> admin_pb2.RunStatus:
     status = admin_pb2.RunStatus()
     status.CopyFrom(header)
     status.rounds.extend(rounds)
+    status.more_rounds_follow = more_rounds_follow
     return status
 
 
@@ -134,10 +146,13 @@ def run_header(
     )
 
 
-def round_statuses(view: RunView) -> tuple[dict[int, admin_pb2.RoundStatus], set[int]]:
+def round_statuses(
+    view: RunView, pending: Collection[str] = ()
+) -> tuple[dict[int, admin_pb2.RoundStatus], set[int]]:
     """The view's rounds by number, and the numbers of those that are final: closed, with
     every participation finished (an async run's task still training moves on to the
-    next round, so its round is not final until it has)."""
+    next round, so its round is not final until it has) and none of its tasks in
+    ``pending`` (a download whose row is still to be written)."""
     ckpts = {c.round_number: c.model_sha256 for c in view.checkpoints}
     by_round: dict[int, list[ParticipationRecord]] = {}
     for p in view.participations:
@@ -145,7 +160,7 @@ def round_statuses(view: RunView) -> tuple[dict[int, admin_pb2.RoundStatus], set
     out, final = {}, set()
     for r in view.rounds:
         mine = by_round.get(r.number, [])
-        if r.state != "open" and all(p.finished for p in mine):
+        if r.state != "open" and all(p.finished and p.task_id not in pending for p in mine):
             final.add(r.number)
         out[r.number] = _round(r, mine, ckpts)
     return out, final

@@ -75,6 +75,8 @@ class AdminClient:
             for r in status.rounds:
                 rounds[r.number] = kept = admin_pb2.RoundStatus()
                 kept.CopyFrom(r)
+            if status.more_rounds_follow:  # the same look goes on in the next message
+                continue
             del status.rounds[:]
             status.rounds.extend(rounds[n] for n in sorted(rounds))
             yield status

@@ -83,27 +83,70 @@ def test_close_writes_what_is_queued_and_later_downloads_directly(store: Store) 
     assert _downloads(store)["b"] == ("downloaded", 20, 1)
 
 
-def test_a_failed_write_is_logged_and_the_ledger_goes_on(
+def test_a_write_that_fails_is_tried_again_then_given_up_and_the_ledger_goes_on(
     store: Store, caplog: pytest.LogCaptureFixture
 ) -> None:
-    ledger = DownloadLedger(store)
+    ledger = DownloadLedger(store, retry_delays_s=(0.01, 0.01))
     try:
         ledger.record(Download("no-such-task", 1, 0.1, 1))
         assert ledger.flush(10)
         assert "no-such-task was not recorded" in caplog.text
         original = store.mark_downloaded_many
+        calls: list[int] = []
+
+        def _fail_once(rows: list[tuple[str, int, float, int | None]]) -> list[str]:
+            calls.append(len(rows))
+            if len(calls) == 1:
+                raise RuntimeError("database away for a moment")
+            return original(rows)
+
+        store.mark_downloaded_many = _fail_once  # type: ignore[method-assign]
+        ledger.record(Download("t-a", 7, 0.1, 1))
+        assert ledger.flush(10)
+        assert calls == [1, 1] and _downloads(store)["a"] == ("downloaded", 7, 1)
 
         def _fail(*_args: object) -> list[str]:
             raise RuntimeError("database away")
 
         store.mark_downloaded_many = _fail  # type: ignore[method-assign]
-        ledger.record(Download("t-a", 1, 0.1, 1))
-        assert ledger.flush(10)  # given up on, not waited for forever
-        assert "could not record 1 finished downloads" in caplog.text
+        ledger.record(Download("t-b", 1, 0.1, 1))
+        assert ledger.flush(10)  # given up on after its tries, not waited for forever
+        assert "could not record 1 finished downloads after 3 tries" in caplog.text
         store.mark_downloaded_many = original  # type: ignore[method-assign]
-        ledger.record(Download("t-b", 5, 0.1, 1))
+        ledger.record(Download("t-c", 5, 0.1, 1))
         assert ledger.flush(10)
-        assert _downloads(store)["b"] == ("downloaded", 5, 1)
-        assert _downloads(store)["a"] == ("assigned", 0, None)
+        assert _downloads(store)["c"] == ("downloaded", 5, 1)
+        assert _downloads(store)["b"] == ("assigned", 0, None)
     finally:
+        ledger.close()
+
+
+def test_a_download_is_pending_from_its_start_until_its_row_is_written(store: Store) -> None:
+    """What a run watch asks before it takes a round for final: a download under way, or
+    finished but not yet written, may still change the round's rows."""
+    written = threading.Event()
+    hold = threading.Event()
+    original = store.mark_downloaded_many
+
+    def _held(rows: list[tuple[str, int, float, int | None]]) -> list[str]:
+        hold.wait(10)
+        return original(rows)
+
+    store.mark_downloaded_many = _held  # type: ignore[method-assign]
+    ledger = DownloadLedger(store, on_written=written.set)
+    try:
+        ledger.started("t-a")
+        ledger.started("t-b")
+        ledger.started("t-b")  # a site may download its task twice
+        assert ledger.pending() == {"t-a", "t-b"}
+        ledger.abandoned("t-b")  # one call ended early: nothing to write
+        ledger.record(Download("t-a", 1, 0.1, 1))
+        ledger.record(Download("t-b", 1, 0.1, 1))
+        assert ledger.pending() == {"t-a", "t-b"}  # finished, not yet written
+        assert not written.is_set()
+        hold.set()
+        assert ledger.flush(10) and written.wait(10)  # and watchers are told
+        assert ledger.pending() == set()
+    finally:
+        hold.set()
         ledger.close()

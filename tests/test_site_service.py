@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
 from collections.abc import Iterator
 
 import grpc
@@ -488,13 +489,76 @@ def test_watch_resends_a_round_only_when_it_changed(coordinator: InProcessCoordi
     watch = RunWatch(coordinator.engine, run_id, insecure=True, changed_rounds_only=True)
     [message] = watch.look()
     assert [r.number for r in message.rounds] == [0, 1, 2]
-    assert (watch.floor, sorted(watch.sent)) == (2, [2])
+    assert watch.floor == 0  # rounds 0 and 1 are final, but only sent once so far
     assert watch.look() == []  # nothing changed since
-    # However long the run, no message is much larger than message_bytes: here a round each.
+    assert (watch.floor, sorted(watch.sent)) == (2, [2])  # not read again from here on
+    # However long the run, no message is much larger than message_bytes: here a round each,
+    # all but the last saying that more of the same look follows.
     small = RunWatch(coordinator.engine, run_id, True, True, message_bytes=1)
     batches = small.look()
     assert [[r.number for r in m.rounds] for m in batches] == [[0], [1], [2]]
+    assert [m.more_rounds_follow for m in batches] == [True, True, False]
     assert all(m.state == "running" and m.spec.task == TASK for m in batches)
+
+
+def test_a_watch_shows_a_download_and_keeps_reading_its_round_until_it_is_written(
+    coordinator: InProcessCoordinator,
+) -> None:
+    """A download is counted in the database a moment after it ends: the watch is told
+    when it is, and a closed round with a download still under way is not taken for final
+    (its bytes would be missed for good)."""
+    from fedra.coordinator.status import RunWatch
+
+    run_id, tasks = start_round_one(
+        coordinator, sites_per_round=3, min_sites=2, round_deadline_s=3.0
+    )
+    (s1, t1), (s2, t2), (slow, slow_task) = sorted(tasks.items())
+    # The stream ends before the round's deadline and long before the watch's own look
+    # every 10 s: only the ledger's notice can bring the download's row in time.
+    changes = coordinator.admin.WatchRun(
+        admin_pb2.WatchRunRequest(run_id=run_id, changed_rounds_only=True), timeout=2
+    )
+    next(changes)
+    store = coordinator.engine.store
+    original, release = store.mark_downloaded_many, threading.Event()
+
+    def _late(rows: list[tuple[str, int, float, int | None]]) -> list[str]:
+        release.wait(10)  # written after the watch's look at the download's own notice
+        return original(rows)
+
+    store.mark_downloaded_many = _late  # type: ignore[method-assign]
+    threading.Timer(0.5, release.set).start()
+    payload = b"".join(
+        m.data
+        for m in coordinator.site.DownloadModel(
+            site_pb2.DownloadModelRequest(site_id=s1, task_id=t1.task_id), timeout=10
+        )
+    )
+    for status in changes:  # the download's row, sent without any other change
+        [r1] = [r for r in status.rounds if r.number == 1] or [None]
+        if r1 is not None and r1.bytes_down == len(payload):
+            break
+    changes.cancel()
+    store.mark_downloaded_many = original  # type: ignore[method-assign]
+    # The slow site's download is under way (its call open) while the round closes.
+    engine = coordinator.engine
+    engine.open_download(slow, slow_task.task_id)
+    upload(coordinator, messages(t1, s1, delta_payload()))
+    upload(coordinator, messages(t2, s2, delta_payload()))
+    wait_round(coordinator, run_id, 1, "committed")  # at its deadline, with 2 of 3
+    watch = RunWatch(engine, run_id, insecure=True, changed_rounds_only=True)
+    for _ in range(3):
+        watch.look()
+    assert watch.floor == 1  # round 0 passed over; round 1 still read
+    before = {p.site_id: p.bytes_down for p in round_status(coordinator, run_id, 1).participations}
+    assert before[slow] == 0
+    engine.record_download(slow_task.task_id, 1234, 0.5, 1)
+    assert engine.downloads.flush(10)
+    [message] = watch.look()
+    [r1] = [r for r in message.rounds if r.number == 1]
+    assert {p.site_id: p.bytes_down for p in r1.participations}[slow] == 1234
+    watch.look()
+    assert watch.floor == 2  # now it can change no more
 
 
 def test_an_upload_cut_off_mid_stream_is_given_back_quietly(
@@ -552,6 +616,8 @@ def test_a_long_runs_status_reaches_the_admin_client_and_its_watch_stays_small(
         status = admin.status(run_id)
         assert status.ByteSize() > 6_000_000
         assert [r.number for r in status.rounds] == list(range(6))
+        whole = next(iter(admin.watch(run_id, timeout_s=10)))  # merged from several messages
+        assert list(whole.rounds) == list(status.rounds)
         [listed] = [r for r in admin.runs() if r.run_id == run_id]
     assert (listed.state, listed.spec.name, len(listed.rounds)) == ("pending", "long", 0)
     watch = coordinator.admin.WatchRun(
@@ -566,3 +632,33 @@ def test_a_long_runs_status_reaches_the_admin_client_and_its_watch_stays_small(
     watch.cancel()
     assert seen == list(range(6)) and len(sizes) >= 5
     assert max(sizes) < 2 * WATCH_MESSAGE_BYTES
+
+
+def test_a_round_commits_only_once_its_downloads_are_counted(
+    coordinator: InProcessCoordinator,
+) -> None:
+    """Downloads are written in the background; the round's commit waits for them, so a
+    committed round's ledger (bytes, the distribute stage) is whole."""
+    run_id, tasks = start_round_one(coordinator)
+    store = coordinator.engine.store
+    original, release = store.mark_downloaded_many, threading.Event()
+
+    def _held(rows: list[tuple[str, int, float, int | None]]) -> list[str]:
+        release.wait(10)
+        return original(rows)
+
+    store.mark_downloaded_many = _held  # type: ignore[method-assign]
+    try:
+        for site, task in sorted(tasks.items()):
+            request = site_pb2.DownloadModelRequest(site_id=site, task_id=task.task_id)
+            assert b"".join(m.data for m in coordinator.site.DownloadModel(request, timeout=10))
+            upload(coordinator, messages(task, site, delta_payload()))
+        r1 = round_status(coordinator, run_id, 1)
+        assert (r1.status, r1.updates) == ("open", 2)  # every update in; the rows are not
+        release.set()
+        r1 = wait_round(coordinator, run_id, 1, "committed")
+    finally:
+        release.set()
+        store.mark_downloaded_many = original  # type: ignore[method-assign]
+    assert r1.stages["distribute_s"] > 0
+    assert all(p.bytes_down > 0 and p.download_s > 0 for p in r1.participations)

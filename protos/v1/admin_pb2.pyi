@@ -477,6 +477,7 @@ class RunStatus(_message.Message):
     CREATED_UNIX_S_FIELD_NUMBER: _builtins.int
     UPDATED_UNIX_S_FIELD_NUMBER: _builtins.int
     COORDINATOR_INSECURE_FIELD_NUMBER: _builtins.int
+    MORE_ROUNDS_FOLLOW_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     state: _builtins.str
     """pending | running | completed | failed | cancelled"""
@@ -486,6 +487,11 @@ class RunStatus(_message.Message):
     updated_unix_s: _builtins.float
     coordinator_insecure: _builtins.bool
     """the coordinator serves without TLS: development only"""
+    more_rounds_follow: _builtins.bool
+    """WatchRun with changed_rounds_only: the rounds of one look did not fit one message,
+    and the rest follow at once; a client that wants whole statuses waits for the
+    message without it.
+    """
     @_builtins.property
     def spec(self) -> Global___RunSpec: ...
     @_builtins.property
@@ -502,10 +508,11 @@ class RunStatus(_message.Message):
         created_unix_s: _builtins.float = ...,
         updated_unix_s: _builtins.float = ...,
         coordinator_insecure: _builtins.bool = ...,
+        more_rounds_follow: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinator_insecure", b"coordinator_insecure", "created_unix_s", b"created_unix_s", "reason", b"reason", "rounds", b"rounds", "rounds_completed", b"rounds_completed", "run_id", b"run_id", "spec", b"spec", "state", b"state", "updated_unix_s", b"updated_unix_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinator_insecure", b"coordinator_insecure", "created_unix_s", b"created_unix_s", "more_rounds_follow", b"more_rounds_follow", "reason", b"reason", "rounds", b"rounds", "rounds_completed", b"rounds_completed", "run_id", b"run_id", "spec", b"spec", "state", b"state", "updated_unix_s", b"updated_unix_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

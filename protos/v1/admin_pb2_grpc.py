@@ -88,7 +88,8 @@ class AdminServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListRuns(self, request, context):
-        """Every run's status without its rounds (GetRun and WatchRun have them).
+        """Every run's status without its rounds (GetRun and WatchRun have them; before
+        WatchRunRequest.changed_rounds_only existed, ListRuns sent every round too).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -35,7 +35,9 @@ class AdminServiceStub:
     SubmitRun: _grpc.UnaryUnaryMultiCallable[_admin_pb2.SubmitRunRequest, _admin_pb2.SubmitRunResponse]
     GetRun: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetRunRequest, _admin_pb2.RunStatus]
     ListRuns: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListRunsRequest, _admin_pb2.ListRunsResponse]
-    """Every run's status without its rounds (GetRun and WatchRun have them)."""
+    """Every run's status without its rounds (GetRun and WatchRun have them; before
+    WatchRunRequest.changed_rounds_only existed, ListRuns sent every round too).
+    """
     WatchRun: _grpc.UnaryStreamMultiCallable[_admin_pb2.WatchRunRequest, _admin_pb2.RunStatus]
     """A RunStatus now and after every change, until the run ends (see
     WatchRunRequest.changed_rounds_only for what each message holds).
@@ -51,7 +53,9 @@ class AdminServiceAsyncStub(AdminServiceStub):
     SubmitRun: _aio.UnaryUnaryMultiCallable[_admin_pb2.SubmitRunRequest, _admin_pb2.SubmitRunResponse]  # type: ignore[assignment]
     GetRun: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetRunRequest, _admin_pb2.RunStatus]  # type: ignore[assignment]
     ListRuns: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListRunsRequest, _admin_pb2.ListRunsResponse]  # type: ignore[assignment]
-    """Every run's status without its rounds (GetRun and WatchRun have them)."""
+    """Every run's status without its rounds (GetRun and WatchRun have them; before
+    WatchRunRequest.changed_rounds_only existed, ListRuns sent every round too).
+    """
     WatchRun: _aio.UnaryStreamMultiCallable[_admin_pb2.WatchRunRequest, _admin_pb2.RunStatus]  # type: ignore[assignment]
     """A RunStatus now and after every change, until the run ends (see
     WatchRunRequest.changed_rounds_only for what each message holds).
@@ -82,7 +86,9 @@ class AdminServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _admin_pb2.ListRunsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_admin_pb2.ListRunsResponse, _abc.Awaitable[_admin_pb2.ListRunsResponse]]:
-        """Every run's status without its rounds (GetRun and WatchRun have them)."""
+        """Every run's status without its rounds (GetRun and WatchRun have them; before
+        WatchRunRequest.changed_rounds_only existed, ListRuns sent every round too).
+        """
 
     @_abc_1.abstractmethod
     def WatchRun(
