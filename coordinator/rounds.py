@@ -153,14 +153,12 @@ class RoundDriver:
             now = engine.clock()
             deadline = now + spec.round_deadline_s
             carry = [a.task_id for a in run.carried.values()]
+            opened = ("round_opened", f"attempt {attempt}: {', '.join(sampled)}")
             engine.store.open_round(
-                run.run_id, number, attempt, assignments, now, deadline, carry=carry
+                run.run_id, number, attempt, assignments, now, deadline, carry=carry, event=opened
             )
             if number == INIT_ROUND and attempt == 1:
                 engine.store.set_run_state(run.run_id, "running", "", now)
-            engine.store.add_event(
-                run.run_id, "round_opened", f"attempt {attempt}: {', '.join(sampled)}", now, number
-            )
             run.set_open(number, attempt, assignments, now, deadline)
             if not init:
                 start_aggregate(engine, run)
@@ -324,8 +322,8 @@ class RoundDriver:
         engine.store.commit_round(
             run.run_id, number, ckpt, metrics, now, final, stages,
             keep=[] if final else self._carry_on(),
+            event=("round_committed", _summary(parts, metrics)),
         )  # fmt: skip
-        engine.store.add_event(run.run_id, "round_committed", _summary(parts, metrics), now, number)
         with engine.lock:
             run.model_specs = spec_of(model)
             run.base_sha256 = run.model_sha256 if delta_sha else ""

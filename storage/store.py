@@ -96,6 +96,24 @@ def _checkpoints_since(run_id: str, since: int) -> Select[m.Checkpoint]:
     return q.order_by(c.round_number)
 
 
+def _event_row(
+    run_id: str,
+    kind: str,
+    message: str,
+    now: float,
+    round_number: int | None = None,
+    data: dict[str, float | int | str] | None = None,
+) -> m.Event:
+    return m.Event(
+        run_id=run_id,
+        round_number=round_number,
+        kind=kind,
+        message=message,
+        data_json=json.dumps(data or {}),
+        created_at=now,
+    )
+
+
 class Store:
     """Runs, sites, rounds, participations, checkpoints and the event ledger."""
 
@@ -214,8 +232,10 @@ class Store:
         opened_at: float,
         deadline_at: float,
         carry: Sequence[str] = (),
+        event: tuple[str, str] | None = None,
     ) -> None:
-        """Open (or re-open for a new attempt) a round and assign tasks: site_id -> task_id.
+        """Open (or re-open for a new attempt) a round and assign tasks: site_id -> task_id;
+        ``event`` (kind, message): a ledger event written in the same transaction.
 
         ``carry``: unfinished tasks of the previous attempt or round that move into this
         one (async runs: sites still training when a new global model was committed).
@@ -265,6 +285,8 @@ class Store:
                     )
                     .values(round_number=number, attempt=attempt)
                 )
+            if event is not None:
+                s.add(_event_row(run_id, *event, opened_at, number))
 
     def extend_deadline(self, run_id: str, number: int, deadline_at: float) -> None:
         with self._tx() as s:
@@ -440,8 +462,10 @@ class Store:
         final_state: str | None = None,
         stages: dict[str, float] | None = None,
         keep: Sequence[str] = (),
+        event: tuple[str, str] | None = None,
     ) -> None:
-        """Atomically: record the checkpoint, close the round, advance the run.
+        """Atomically: record the checkpoint, close the round, advance the run (and write
+        ``event``, (kind, message), to the ledger).
 
         Call only once the checkpoint's blobs are durable. Unfinished tasks expire,
         except those in ``keep`` (an async run carries them into the next round).
@@ -482,6 +506,8 @@ class Store:
             run.rounds_completed, run.updated_at = number, now
             if final_state is not None:
                 run.state = final_state
+            if event is not None:
+                s.add(_event_row(run_id, *event, now, number))
 
     # -- checkpoints -----------------------------------------------------------
 
@@ -535,16 +561,7 @@ class Store:
         data: dict[str, float | int | str] | None = None,
     ) -> None:
         with self._tx() as s:
-            s.add(
-                m.Event(
-                    run_id=run_id,
-                    round_number=round_number,
-                    kind=kind,
-                    message=message,
-                    data_json=json.dumps(data or {}),
-                    created_at=now,
-                )
-            )
+            s.add(_event_row(run_id, kind, message, now, round_number, data))
 
     def list_events(self, run_id: str) -> list[EventRecord]:
         with self._read() as s:

@@ -732,6 +732,24 @@ def test_events_keep_order_and_data(run_store: Store) -> None:
     assert [e.message for e in run_store.list_events("other")] == ["not mine"]
 
 
+def test_opening_and_committing_a_round_write_their_event_in_the_same_transaction(
+    run_store: Store,
+) -> None:
+    run_store.open_round(
+        RUN, 1, 1, {"a": _task(1, 1, "a")}, T0, T0 + 60, event=("round_opened", "with a")
+    )
+    run_store.commit_round(RUN, 1, _checkpoint(1), {}, T0 + 5, event=("round_committed", "1/1"))
+    with pytest.raises(DuplicateError):  # refused: nothing of it is written, its event neither
+        run_store.commit_round(RUN, 1, _checkpoint(1), {}, T0 + 6, event=("round_committed", "x"))
+    with pytest.raises(DuplicateError):
+        run_store.open_round(RUN, 1, 2, {"b": "t-b"}, T0 + 7, T0 + 60, event=("round_opened", "x"))
+    events = [(e.kind, e.message, e.round_number, e.created_at) for e in run_store.list_events(RUN)]
+    assert events == [
+        ("round_opened", "with a", 1, T0),
+        ("round_committed", "1/1", 1, T0 + 5),
+    ]
+
+
 # -- durability -------------------------------------------------------------------
 
 _CHILD = """
