@@ -31,6 +31,8 @@ from fedra.storage.records import CheckpointRecord, RunRecord, SiteRecord
 
 log = logging.getLogger("fedra.coordinator")
 _CARRY_GRACE_S = 30.0  # beyond join_timeout_s, how long a carried task's call waits
+CROWDED_POLL_S = 1.0  # the longest a poll waits while waiting_polls others already do
+_CROWDED_WARNING_S = 60.0  # at most one warning about it this often
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,10 @@ class EngineSettings:
     site_timeout_s: float = 20.0
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     max_init_model_bytes: int = 16 * 2**30
+    # Each waiting long poll holds one of the server's worker threads: past this many
+    # at once (0: no bound) a poll waits at most CROWDED_POLL_S, so that uploads and
+    # downloads queued behind the polls get a worker within a second, not a poll timeout.
+    waiting_polls: int = 0
 
 
 @dataclass(frozen=True)
@@ -88,6 +94,7 @@ class Engine:
         self._site_tasks: dict[str, tuple[str, ...]] = {}
         self._last_seen: dict[str, float] = {}
         self._polling: Counter[str] = Counter()
+        self._crowded_warned_at = -_CROWDED_WARNING_S
         self.downloads = DownloadLedger(store, on_written=self._notify_now)
 
     # -- lifecycle -------------------------------------------------------------
@@ -208,8 +215,13 @@ class Engine:
 
     def poll(self, site_id: str, timeout_s: float) -> TaskView | None:
         """Long poll: the site's current task, waiting up to ``timeout_s`` for one."""
-        deadline = time.monotonic() + max(0.0, min(timeout_s, self.settings.poll_timeout_s))
+        wait = max(0.0, min(timeout_s, self.settings.poll_timeout_s))
         with self.lock:
+            limit = self.settings.waiting_polls
+            if limit and sum(self._polling.values()) >= limit:
+                wait = min(wait, CROWDED_POLL_S)
+                self._warn_crowded(limit)
+            deadline = time.monotonic() + wait
             self.seen(site_id)
             self._polling[site_id] += 1
             self.notify()  # a site coming online may complete a round's sample
@@ -224,6 +236,19 @@ class Engine:
             finally:
                 self._polling[site_id] -= 1
                 self._last_seen[site_id] = self.clock()
+
+    def _warn_crowded(self, limit: int) -> None:
+        now = time.monotonic()
+        if now - self._crowded_warned_at < _CROWDED_WARNING_S:
+            return
+        self._crowded_warned_at = now
+        log.warning(
+            "%d long polls are waiting, as many as this daemon lets wait at once (each holds "
+            "a worker thread): further polls return within %g s; start the coordinator "
+            "with more --workers for this many sites",
+            limit,
+            CROWDED_POLL_S,
+        )
 
     def _task_for(self, site_id: str) -> TaskView | None:
         for run in self.runs.values():

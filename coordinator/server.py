@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import grpc
@@ -34,6 +34,7 @@ DENY_LIST = "revoked.json"  # `fedra revoke` writes it; read on every call
 # 8 MiB: a site 50 ms away uploads at up to 168 MB/s (1.3 Gbit/s).
 DEFAULT_STREAM_WINDOW_MB = 8.0
 MAX_STREAM_WINDOW_MB = 1024.0  # HTTP/2 windows stop at 2 GiB - 1
+DEFAULT_WORKERS, MIN_WORKERS, MAX_WORKERS = 128, 16, 4096  # the server's worker threads
 SERVICE_NAMES = (
     site_pb2.DESCRIPTOR.services_by_name["SiteService"].full_name,
     admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name,
@@ -46,8 +47,8 @@ class CoordinatorConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     db_url: str = ""  # empty: SQLite file in the state directory
-    # Each connected site holds one worker during its long poll.
-    max_workers: int = 128
+    # Each connected site holds one worker during its long poll (see poll_slots).
+    max_workers: int = DEFAULT_WORKERS
     # Each upload's HTTP/2 receive window, MiB; 0: sized by gRPC's BDP probing (server_options).
     stream_window_mb: float = DEFAULT_STREAM_WINDOW_MB
     grace_s: float = 5.0
@@ -60,6 +61,10 @@ class CoordinatorConfig:
             raise ConfigError(
                 "--tls-dir: give the coordinator's folder from `fedra provision`, "
                 "or --insecure for localhost development (not both)"
+            )
+        if not MIN_WORKERS <= self.max_workers <= MAX_WORKERS:
+            raise ConfigError(
+                f"--workers: must be from {MIN_WORKERS} to {MAX_WORKERS}, got {self.max_workers}"
             )
         window = self.stream_window_mb
         if not (math.isfinite(window) and 0 <= window <= MAX_STREAM_WINDOW_MB):
@@ -77,14 +82,23 @@ class CoordinatorConfig:
         return self.db_url or f"sqlite:///{self.state_dir / 'fedra.db'}"
 
 
+def poll_slots(workers: int) -> int:
+    """How many long polls may wait at once: the workers less a quarter (at least 8) kept
+    for the calls that move data, register and heartbeat."""
+    return workers - max(8, workers // 4)
+
+
 def build_engine(config: CoordinatorConfig) -> Engine:
     config.state_dir.mkdir(parents=True, exist_ok=True)
     store = Store(config.database_url)
+    settings = config.engine
+    if not settings.waiting_polls:
+        settings = replace(settings, waiting_polls=poll_slots(config.max_workers))
     return Engine(
         store,
         models=BlobStore(config.state_dir / "blobs"),
         updates=BlobStore(config.state_dir / "updates"),
-        settings=config.engine,
+        settings=settings,
     )
 
 
@@ -114,7 +128,7 @@ def server_options(chunk_bytes: int, stream_window_mb: float) -> list[tuple[str,
 def create_server(
     engine: Engine,
     address: str,
-    max_workers: int = 128,
+    max_workers: int = DEFAULT_WORKERS,
     tls: pki.TlsFiles | None = None,
     deny_list: Path | None = None,
     stream_window_mb: float = DEFAULT_STREAM_WINDOW_MB,

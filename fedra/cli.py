@@ -58,6 +58,7 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         db_url=args.db or "",
+        max_workers=args.workers,
         engine=settings,
         tls_dir=Path(args.tls_dir) if args.tls_dir else None,
         insecure=args.insecure,
@@ -443,6 +444,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--site-timeout-s", type=float, default=20.0, help="a site silent this long is offline"
     )
     c.add_argument("--poll-timeout-s", type=float, default=20.0, help="longest long poll")
+    c.add_argument(
+        "--workers",
+        type=int,
+        default=128,
+        help="server threads; each connected site holds one while it waits for work: "
+        "give at least the number of sites plus a third",
+    )
     c.add_argument(
         "--stream-window-mb",
         type=float,

@@ -3,6 +3,7 @@ weights of async rounds, DP-FedAvg's clipping and noise, and retries after a com
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -203,3 +204,63 @@ def test_a_small_model_travels_in_chunks_sized_to_it(coordinator: InProcessCoord
     export = admin_pb2.ExportModelRequest(run_id=run_id, round=0)
     exported = [m.data for m in c.admin.ExportModel(export)]
     assert [len(d) for d in exported] == sizes and b"".join(exported) == payload
+
+
+def test_past_its_waiting_polls_a_poll_returns_within_a_second(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each waiting long poll holds a server thread: past ``waiting_polls`` of them a poll
+    returns within CROWDED_POLL_S, so calls queued behind the polls get a thread soon, and
+    the operator is told to give the daemon more --workers."""
+    import threading
+    import time
+
+    from fedra.coordinator.engine import CROWDED_POLL_S
+
+    settings = EngineSettings(poll_timeout_s=30.0, site_timeout_s=60.0, waiting_polls=2)
+    c = InProcessCoordinator(tmp_path / "state", settings)
+    waiting: list[threading.Thread] = []
+    try:
+        register(c, *SITES)
+
+        def _wait(site: str) -> None:
+            with contextlib.suppress(grpc.RpcError):  # the daemon stopping under it, at the end
+                c.site.PollTask(site_pb2.PollTaskRequest(site_id=site), timeout=60)
+
+        for site in SITES[:2]:  # two polls wait their full 30 s: nothing to do
+            t = threading.Thread(target=_wait, args=(site,))
+            t.start()
+            waiting.append(t)
+        deadline = time.monotonic() + 10
+        while sum(c.engine._polling.values()) < 2:  # both are waiting in the engine
+            assert time.monotonic() < deadline
+            threading.Event().wait(0.01)
+        started = time.monotonic()
+        reply = c.site.PollTask(site_pb2.PollTaskRequest(site_id=SITES[2]), timeout=60)
+        took = time.monotonic() - started
+        assert not reply.HasField("task")
+        assert CROWDED_POLL_S * 0.5 <= took < 10, took  # not the 30 s a poll may wait
+        assert "long polls are waiting" in caplog.text and "--workers" in caplog.text
+        assert all(t.is_alive() for t in waiting)  # the first two still wait
+    finally:
+        c.close()  # the daemon stopping ends the waiting polls
+        for t in waiting:
+            t.join(30)
+    assert not any(t.is_alive() for t in waiting)
+
+
+def test_the_daemon_lets_a_quarter_of_its_workers_serve_data_while_sites_poll(
+    tmp_path: Path,
+) -> None:
+    from fedra.config import ConfigError
+    from fedra.coordinator.server import CoordinatorConfig, build_engine, poll_slots
+
+    assert (poll_slots(16), poll_slots(128), poll_slots(400)) == (8, 96, 300)
+    config = CoordinatorConfig(state_dir=tmp_path / "s", insecure=True, max_workers=64)
+    engine = build_engine(config)
+    try:
+        assert engine.settings.waiting_polls == 48
+    finally:
+        engine.store.close()
+    with pytest.raises(ConfigError, match="--workers: must be from 16 to 4096, got 4"):
+        CoordinatorConfig(state_dir=tmp_path / "s", insecure=True, max_workers=4)
