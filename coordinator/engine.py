@@ -32,6 +32,7 @@ from fedra.storage.records import CheckpointRecord, RunRecord, SiteRecord
 log = logging.getLogger("fedra.coordinator")
 _CARRY_GRACE_S = 30.0  # beyond join_timeout_s, how long a carried task's call waits
 CROWDED_POLL_S = 1.0  # the longest a poll waits while waiting_polls others already do
+_HANG_UP_CHECK_S = 1.0  # how often a waiting poll checks that its caller is still there
 _CROWDED_WARNING_S = 60.0  # at most one warning about it this often
 
 
@@ -94,6 +95,7 @@ class Engine:
         self._site_tasks: dict[str, tuple[str, ...]] = {}
         self._last_seen: dict[str, float] = {}
         self._polling: Counter[str] = Counter()
+        self._left: set[str] = set()  # sites that hung up on their poll, not heard from since
         self._crowded_warned_at = -_CROWDED_WARNING_S
         self.downloads = DownloadLedger(store, on_written=self._notify_now)
 
@@ -178,15 +180,20 @@ class Engine:
         if site_id not in self._site_tasks:
             raise NotFound(f"site {site_id!r} is not registered; call Register first")
         self._last_seen[site_id] = self.clock()
+        self._left.discard(site_id)
 
     def mark_seen_for_recovery(self, site_id: str, now: float) -> None:
         """Give a site sampled before a restart one liveness timeout to come back."""
         self._last_seen.setdefault(site_id, now)
 
+    def hung_up(self, site_id: str) -> bool:
+        """Whether the site hung up on its poll (it stopped) and has not been heard since."""
+        return site_id in self._left and not self._polling[site_id]
+
     def is_online(self, site_id: str, now: float) -> bool:
         last = self._last_seen.get(site_id)
         recent = last is not None and now - last <= self.settings.site_timeout_s
-        return self._polling[site_id] > 0 or recent
+        return self._polling[site_id] > 0 or (recent and site_id not in self._left)
 
     def eligible_sites(self, run: ActiveRun, now: float) -> list[str]:
         """Online sites serving the run's task and not busy with another run's task."""
@@ -213,8 +220,14 @@ class Engine:
             found = self.find_task(task_id)
             return found is not None and found[1].site_id == site_id and not found[1].final
 
-    def poll(self, site_id: str, timeout_s: float) -> TaskView | None:
-        """Long poll: the site's current task, waiting up to ``timeout_s`` for one."""
+    def poll(
+        self, site_id: str, timeout_s: float, active: Callable[[], bool] = lambda: True
+    ) -> TaskView | None:
+        """Long poll: the site's current task, waiting up to ``timeout_s`` for one.
+
+        ``active`` says whether the caller is still there: a site that hangs up on its
+        poll (it stopped) is offline at once, not when its poll would have timed out.
+        """
         wait = max(0.0, min(timeout_s, self.settings.poll_timeout_s))
         with self.lock:
             limit = self.settings.waiting_polls
@@ -225,17 +238,24 @@ class Engine:
             self.seen(site_id)
             self._polling[site_id] += 1
             self.notify()  # a site coming online may complete a round's sample
+            gone = False
             try:
                 while not self.stopping:
+                    if not active():
+                        gone = True
+                        return None
                     view = self._task_for(site_id)
                     remaining = deadline - time.monotonic()
                     if view is not None or remaining <= 0:
                         return view
-                    self.changed.wait(remaining)
+                    self.changed.wait(min(remaining, _HANG_UP_CHECK_S))
                 return None
             finally:
                 self._polling[site_id] -= 1
-                self._last_seen[site_id] = self.clock()
+                if gone:
+                    self._left.add(site_id)
+                else:
+                    self._last_seen[site_id] = self.clock()
 
     def _warn_crowded(self, limit: int) -> None:
         now = time.monotonic()

@@ -237,7 +237,11 @@ class RoundDriver:
         engine, run = self.engine, self.run_state
         for a in run.assignments.values():
             if a.pending and not engine.is_online(a.site_id, now):
-                reason = f"site went silent for more than {engine.settings.site_timeout_s:g} s"
+                reason = (
+                    "site hung up (it stopped) before taking its task"
+                    if engine.hung_up(a.site_id)
+                    else f"site went silent for more than {engine.settings.site_timeout_s:g} s"
+                )
                 engine.store.fail_participation(a.task_id, reason, now)
                 a.state = "failed"
                 log.warning("%s round %s: %s: %s", self.tag, run.open_round, a.site_id, reason)

@@ -20,7 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from fedra import pki
-from fedra.config import ConfigError
+from fedra.config import READY_FILE, ConfigError
 from fedra.coordinator.auth import Guard
 from fedra.coordinator.engine import Engine, EngineSettings
 from fedra.coordinator.service import AdminService, SiteService
@@ -29,7 +29,6 @@ from fedra.protos.v1 import admin_pb2, admin_pb2_grpc, site_pb2, site_pb2_grpc
 from fedra.storage import BlobStore, Store
 
 log = logging.getLogger("fedra.coordinator")
-READY_FILE = "coordinator.json"
 DENY_LIST = "revoked.json"  # `fedra revoke` writes it; read on every call
 # 8 MiB: a site 50 ms away uploads at up to 168 MB/s (1.3 Gbit/s).
 DEFAULT_STREAM_WINDOW_MB = 8.0

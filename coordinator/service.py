@@ -186,7 +186,7 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
         timeout = self.engine.settings.poll_timeout_s
         if remaining is not None:
             timeout = min(timeout, max(0.0, remaining - 1.0))
-        task = self.engine.poll(request.site_id, timeout)
+        task = self.engine.poll(request.site_id, timeout, active=context.is_active)
         if task is None:
             return site_pb2.PollTaskResponse()
         return site_pb2.PollTaskResponse(task=_task_to_proto(task))

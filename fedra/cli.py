@@ -20,7 +20,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
-from fedra.config import ConfigError, load_toml
+from fedra.config import READY_FILE, ConfigError, load_toml
 
 if TYPE_CHECKING:
     from fedra.pki import TlsFiles
@@ -103,12 +103,21 @@ def _address(args: argparse.Namespace) -> str:
     if args.coordinator:
         return str(args.coordinator)
     if args.state_dir:
-        ready = Path(args.state_dir) / "coordinator.json"
+        ready = Path(args.state_dir) / READY_FILE
         try:
             return str(json.loads(ready.read_text())["address"])
         except FileNotFoundError as exc:
             raise NotRunning(f"{ready}: not found; is the coordinator running?") from exc
     return os.environ.get("FEDRA_COORDINATOR", DEFAULT_ADDRESS)
+
+
+def _serves_insecure(state_dir: Path) -> bool:
+    """Whether the coordinator running on ``state_dir`` says it serves without TLS."""
+    try:
+        ready = json.loads((state_dir / READY_FILE).read_text())
+    except (FileNotFoundError, ValueError):
+        return False
+    return isinstance(ready, dict) and ready.get("insecure") is True
 
 
 def _admin_tls(args: argparse.Namespace) -> TlsFiles | None:
@@ -121,6 +130,8 @@ def _admin_tls(args: argparse.Namespace) -> TlsFiles | None:
     if not folder and args.state_dir:
         local = Path(args.state_dir) / "pki" / "admins" / "admin"  # what LocalCluster provisions
         folder = str(local) if local.is_dir() else None
+        if folder is None and _serves_insecure(Path(args.state_dir)):
+            return None  # the daemon there says it serves without TLS (localhost development)
     if not folder:
         raise ConfigError(
             "--tls-dir: give an admin folder from `fedra provision` "
@@ -277,12 +288,20 @@ def _cmd_cancel(args: argparse.Namespace) -> int:
 def _cmd_list(args: argparse.Namespace) -> int:
     with _admin(args) as admin:
         runs = admin.runs()
-    for r in runs:
-        print(
-            f"{r.run_id}  {r.state:<10} {r.rounds_completed:>4}/{r.spec.rounds:<4} "
-            f"{r.spec.task}  {r.spec.name}"
-        )
+    print(format_runs(runs))
     return 0
+
+
+def format_runs(runs: list[admin_pb2.RunStatus]) -> str:
+    width = max([len("run"), *(len(r.run_id) for r in runs)])
+    tasks = max([len("task"), *(len(r.spec.task) for r in runs)])
+    lines = [f"{'run':<{width}}  {'state':<10} {'rounds':>9}  {'task':<{tasks}}  name"]
+    for r in runs:
+        done = f"{r.rounds_completed}/{r.spec.rounds}"
+        lines.append(
+            f"{r.run_id:<{width}}  {r.state:<10} {done:>9}  {r.spec.task:<{tasks}}  {r.spec.name}"
+        )
+    return "\n".join(lines)
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
@@ -358,7 +377,9 @@ def _cmd_bench_compare(args: argparse.Namespace) -> int:
 def status_to_dict(status: admin_pb2.RunStatus) -> dict[str, Any]:
     """The status as JSON-ready data; 64-bit integers stay numbers (protobuf's JSON makes
     them strings)."""
-    return _int64_as_int(status, _message_dict(status))
+    data = _int64_as_int(status, _message_dict(status))
+    data.pop("more_rounds_follow", None)  # how a watch's stream is cut, not about the run
+    return data
 
 
 _INT64_TYPES = {

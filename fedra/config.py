@@ -14,6 +14,8 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 T = TypeVar("T")
+# The coordinator's readiness file in its state directory: address, port, pid, insecure.
+READY_FILE = "coordinator.json"
 
 
 class ConfigError(ValueError):

@@ -19,6 +19,7 @@ from typing import Any
 
 from fedra import pki
 from fedra.admin import AdminClient
+from fedra.config import READY_FILE
 
 
 class ClusterError(RuntimeError):
@@ -126,7 +127,7 @@ class LocalCluster:
         flags: Sequence[str] = (),
     ) -> str:
         """Start the daemon and wait for its readiness file; returns its address."""
-        ready = self.state_dir / "coordinator.json"
+        ready = self.state_dir / READY_FILE
         ready.unlink(missing_ok=True)
         args = ["coordinator", "--state-dir", str(self.state_dir), "--port", str(port), *flags]
         args += (

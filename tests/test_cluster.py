@@ -145,8 +145,10 @@ def test_full_run_through_the_cli(cluster: LocalCluster, tmp_path: Path) -> None
 
     listed = fedra_cli("run", "list", "--state-dir", str(cluster.state_dir))
     assert listed.returncode == 0, listed.stderr
-    [line] = [x for x in listed.stdout.splitlines() if x.startswith(run_id)]
-    assert line.split()[1:4] == ["completed", "4/4", DIGITS]
+    header, *lines = listed.stdout.splitlines()
+    assert header.split() == ["run", "state", "rounds", "task", "name"]
+    [line] = [x for x in lines if x.startswith(run_id)]
+    assert line.split() == [run_id, "completed", "4/4", DIGITS, "cli"]
 
     shown = fedra_cli("run", "status", run_id, "--json", "--state-dir", str(cluster.state_dir))
     status = json.loads(shown.stdout)
@@ -473,3 +475,19 @@ def test_run_watch_gives_up_on_an_absent_coordinator_after_its_reconnect_time(
     assert stopped.returncode == 2 and "coordinator.json: not found" in stopped.stderr
     bad = fedra_cli("run", "watch", "r1", "--insecure", "--reconnect-s", "-1")
     assert bad.returncode != 0 and "--reconnect-s: must be >= 0" in bad.stderr
+
+
+def test_an_insecure_coordinators_state_dir_is_all_its_admin_commands_need(
+    tmp_path: Path,
+) -> None:
+    """Its coordinator.json says it serves without TLS: no --insecure to repeat."""
+    with LocalCluster(tmp_path / "plain", secure=False) as cluster:
+        cluster.start_coordinator(flags=FAST)
+        listed = fedra_cli("run", "list", "--state-dir", str(cluster.state_dir))
+        assert listed.returncode == 0, listed.stderr
+        assert listed.stdout.split() == ["run", "state", "rounds", "task", "name"]  # none yet
+    # A state dir with neither an admin identity nor an insecure daemon still asks for one.
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "coordinator.json").write_text('{"address": "127.0.0.1:1"}')
+    refused = fedra_cli("run", "list", "--state-dir", str(tmp_path / "other"))
+    assert refused.returncode == 2 and "--tls-dir" in refused.stderr, refused.stderr

@@ -264,3 +264,36 @@ def test_the_daemon_lets_a_quarter_of_its_workers_serve_data_while_sites_poll(
         engine.store.close()
     with pytest.raises(ConfigError, match="--workers: must be from 16 to 4096, got 4"):
         CoordinatorConfig(state_dir=tmp_path / "s", insecure=True, max_workers=4)
+
+
+def test_a_site_that_hangs_up_on_its_poll_is_offline_at_once(tmp_path: Path) -> None:
+    """A stopped site cancels its poll: the coordinator neither counts it online until the
+    poll would have timed out nor samples it, and it is back the moment it polls again."""
+    import time
+
+    settings = EngineSettings(poll_timeout_s=30.0, site_timeout_s=60.0)
+    c = InProcessCoordinator(tmp_path / "state", settings)
+    try:
+        register(c, SITES[0])
+
+        def online() -> bool:
+            [site] = c.admin.ListSites(admin_pb2.ListSitesRequest(), timeout=10).sites
+            return site.online
+
+        call = c.site.PollTask.future(site_pb2.PollTaskRequest(site_id=SITES[0]), timeout=60)
+        deadline = time.monotonic() + 10
+        while not c.engine._polling[SITES[0]]:  # waiting in the engine
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert online()
+        call.cancel()
+        deadline = time.monotonic() + 10  # the engine looks every second: well within this
+        while online():
+            assert time.monotonic() < deadline, "still online after hanging up"
+            time.sleep(0.05)
+        assert c.engine.hung_up(SITES[0])
+        reply = c.site.PollTask(site_pb2.PollTaskRequest(site_id=SITES[0]), timeout=2)
+        assert not reply.HasField("task")  # it waited the 1 s its own deadline leaves
+        assert online() and not c.engine.hung_up(SITES[0])  # heard from again
+    finally:
+        c.close()
