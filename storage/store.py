@@ -98,19 +98,20 @@ def _checkpoints_since(run_id: str, since: int) -> Select[m.Checkpoint]:
 
 def _event_row(
     run_id: str,
-    kind: str,
-    message: str,
-    now: float,
-    round_number: int | None = None,
+    round_number: int | None,
+    at: float,
+    event: tuple[str, str],
     data: dict[str, float | int | str] | None = None,
 ) -> m.Event:
+    """A ledger row: ``event`` is (kind, message)."""
+    kind, message = event
     return m.Event(
         run_id=run_id,
         round_number=round_number,
         kind=kind,
         message=message,
         data_json=json.dumps(data or {}),
-        created_at=now,
+        created_at=at,
     )
 
 
@@ -286,7 +287,7 @@ class Store:
                     .values(round_number=number, attempt=attempt)
                 )
             if event is not None:
-                s.add(_event_row(run_id, *event, opened_at, number))
+                s.add(_event_row(run_id, number, opened_at, event))
 
     def extend_deadline(self, run_id: str, number: int, deadline_at: float) -> None:
         with self._tx() as s:
@@ -507,7 +508,7 @@ class Store:
             if final_state is not None:
                 run.state = final_state
             if event is not None:
-                s.add(_event_row(run_id, *event, now, number))
+                s.add(_event_row(run_id, number, now, event))
 
     # -- checkpoints -----------------------------------------------------------
 
@@ -561,7 +562,7 @@ class Store:
         data: dict[str, float | int | str] | None = None,
     ) -> None:
         with self._tx() as s:
-            s.add(_event_row(run_id, kind, message, now, round_number, data))
+            s.add(_event_row(run_id, round_number, now, (kind, message), data))
 
     def list_events(self, run_id: str) -> list[EventRecord]:
         with self._read() as s:
