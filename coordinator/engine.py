@@ -173,6 +173,7 @@ class Engine:
         with self.lock:
             self._site_tasks[site_id] = tuple(tasks)
             self._last_seen[site_id] = now
+            self._left.discard(site_id)
             self.notify()
         log.info("site %s: registered, serves %s", site_id, ", ".join(tasks))
 
@@ -235,27 +236,34 @@ class Engine:
                 wait = min(wait, CROWDED_POLL_S)
                 self._warn_crowded(limit)
             deadline = time.monotonic() + wait
+            was_online = self.is_online(site_id, self.clock())
             self.seen(site_id)
+            began = self._last_seen[site_id]  # a newer call of the site's moves it on
             self._polling[site_id] += 1
-            self.notify()  # a site coming online may complete a round's sample
+            if not was_online:  # a site coming online may complete a round's sample
+                self.notify()
             gone = False
             try:
                 while not self.stopping:
-                    if not active():
-                        gone = True
-                        return None
                     view = self._task_for(site_id)
                     remaining = deadline - time.monotonic()
                     if view is not None or remaining <= 0:
                         return view
+                    if not active():
+                        gone = True
+                        return None
                     self.changed.wait(min(remaining, _HANG_UP_CHECK_S))
                 return None
             finally:
                 self._polling[site_id] -= 1
-                if gone:
+                # Hung up, and not heard from since this poll began (by a newer connection
+                # of the same site, say): gone. Any other end of a poll says it is there.
+                last = self._last_seen.get(site_id, began)
+                if gone and last <= began and not self._polling[site_id]:
                     self._left.add(site_id)
-                else:
+                elif not gone:
                     self._last_seen[site_id] = self.clock()
+                    self._left.discard(site_id)
 
     def _warn_crowded(self, limit: int) -> None:
         now = time.monotonic()

@@ -238,7 +238,7 @@ class RoundDriver:
         for a in run.assignments.values():
             if a.pending and not engine.is_online(a.site_id, now):
                 reason = (
-                    "site hung up (it stopped) before taking its task"
+                    "site hung up on its poll (it stopped) and has not come back"
                     if engine.hung_up(a.site_id)
                     else f"site went silent for more than {engine.settings.site_timeout_s:g} s"
                 )

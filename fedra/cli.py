@@ -115,7 +115,7 @@ def _serves_insecure(state_dir: Path) -> bool:
     """Whether the coordinator running on ``state_dir`` says it serves without TLS."""
     try:
         ready = json.loads((state_dir / READY_FILE).read_text())
-    except (FileNotFoundError, ValueError):
+    except (OSError, ValueError):
         return False
     return isinstance(ready, dict) and ready.get("insecure") is True
 
@@ -130,7 +130,7 @@ def _admin_tls(args: argparse.Namespace) -> TlsFiles | None:
     if not folder and args.state_dir:
         local = Path(args.state_dir) / "pki" / "admins" / "admin"  # what LocalCluster provisions
         folder = str(local) if local.is_dir() else None
-        if folder is None and _serves_insecure(Path(args.state_dir)):
+        if folder is None and not args.coordinator and _serves_insecure(Path(args.state_dir)):
             return None  # the daemon there says it serves without TLS (localhost development)
     if not folder:
         raise ConfigError(

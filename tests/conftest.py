@@ -33,10 +33,14 @@ class InProcessCoordinator:
     """The real engine and gRPC server in this process, bound to port 0."""
 
     def __init__(self, state_dir: Path, settings: EngineSettings) -> None:
-        config = CoordinatorConfig(state_dir=state_dir, engine=settings, insecure=True)
+        config = CoordinatorConfig(
+            state_dir=state_dir, engine=settings, insecure=True, max_workers=32
+        )
         self.engine: Engine = build_engine(config)
         self.engine.start()
-        self.server, port = create_server(self.engine, "127.0.0.1:0", max_workers=32)
+        self.server, port = create_server(
+            self.engine, "127.0.0.1:0", max_workers=config.max_workers
+        )
         self.server.start()
         self.address = f"127.0.0.1:{port}"
         self.channel = grpc.insecure_channel(self.address)

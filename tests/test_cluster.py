@@ -486,6 +486,11 @@ def test_an_insecure_coordinators_state_dir_is_all_its_admin_commands_need(
         listed = fedra_cli("run", "list", "--state-dir", str(cluster.state_dir))
         assert listed.returncode == 0, listed.stderr
         assert listed.stdout.split() == ["run", "state", "rounds", "task", "name"]  # none yet
+        # Told another address, it trusts no file about that daemon: it asks for identity.
+        elsewhere = fedra_cli(
+            "run", "list", "--state-dir", str(cluster.state_dir), "--coordinator", cluster.address
+        )
+        assert elsewhere.returncode == 2 and "--tls-dir" in elsewhere.stderr, elsewhere.stderr
     # A state dir with neither an admin identity nor an insecure daemon still asks for one.
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "coordinator.json").write_text('{"address": "127.0.0.1:1"}')

@@ -297,3 +297,51 @@ def test_a_site_that_hangs_up_on_its_poll_is_offline_at_once(tmp_path: Path) -> 
         assert online() and not c.engine.hung_up(SITES[0])  # heard from again
     finally:
         c.close()
+
+
+def test_a_hang_up_of_an_old_connection_leaves_a_site_with_a_newer_one_online(
+    tmp_path: Path,
+) -> None:
+    """A site that reconnects polls again before the coordinator notices its old poll is
+    gone: that old poll must not mark it offline, nor must a hang-up outlive the site's
+    next normal poll or its registering again. And a site already online polling again
+    wakes nobody."""
+    import time
+
+    settings = EngineSettings(poll_timeout_s=30.0, site_timeout_s=60.0)
+    c = InProcessCoordinator(tmp_path / "state", settings)
+    site = SITES[0]
+    try:
+        register(c, site)
+        engine = c.engine
+
+        def online() -> bool:
+            return engine.is_online(site, engine.clock())
+
+        def wait_polling(n: int) -> None:
+            deadline = time.monotonic() + 10
+            while engine._polling[site] != n:
+                assert time.monotonic() < deadline, engine._polling[site]
+                time.sleep(0.01)
+
+        version = engine.version
+        old = c.site.PollTask.future(site_pb2.PollTaskRequest(site_id=site), timeout=60)
+        wait_polling(1)
+        assert engine.version == version  # online since it registered: no one to wake
+        new = c.site.PollTask.future(site_pb2.PollTaskRequest(site_id=site), timeout=3)
+        wait_polling(2)
+        old.cancel()
+        wait_polling(1)  # the old poll is noticed gone (within a second)
+        assert online() and not engine.hung_up(site)
+        assert not new.result(timeout=10).HasField("task")  # the new poll ends normally
+        assert online() and not engine.hung_up(site)
+
+        lone = c.site.PollTask.future(site_pb2.PollTaskRequest(site_id=site), timeout=60)
+        wait_polling(1)
+        lone.cancel()
+        wait_polling(0)
+        assert not online() and engine.hung_up(site)
+        register(c, site)  # it comes back
+        assert online() and not engine.hung_up(site)
+    finally:
+        c.close()

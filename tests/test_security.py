@@ -35,11 +35,15 @@ class SecureCoordinator:
         )
         state = root / "state"
         tls = pki.load_folder(self.pki / "coordinator")
-        config = CoordinatorConfig(state_dir=state, tls_dir=self.pki / "coordinator")
+        config = CoordinatorConfig(
+            state_dir=state, tls_dir=self.pki / "coordinator", max_workers=16
+        )
         self.engine = build_engine(config)
         self.engine.start()
         self.deny_list = config.deny_list_path
-        self.server, port = create_server(self.engine, "127.0.0.1:0", 16, tls, self.deny_list)
+        self.server, port = create_server(
+            self.engine, "127.0.0.1:0", config.max_workers, tls, self.deny_list
+        )
         self.server.start()
         self.address = f"localhost:{port}"
         self._channels: list[grpc.Channel] = []
