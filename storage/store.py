@@ -304,22 +304,18 @@ class Store:
             ).one_or_none()
             return None if row is None else rows.round_record(row)
 
-    def list_rounds(self, run_id: str, *, since: int = 0) -> list[RoundRecord]:
-        """The run's rounds numbered ``since`` or higher, in order."""
+    def list_rounds(self, run_id: str) -> list[RoundRecord]:
         with self._read() as s:
-            return [rows.round_record(r) for r in s.scalars(_rounds_since(run_id, since)).all()]
+            return [rows.round_record(r) for r in s.scalars(_rounds_since(run_id, 0)).all()]
 
     def list_participations(
         self,
         run_id: str,
         round_number: int | None = None,
         attempt: int | None = None,
-        *,
-        since: int = 0,
     ) -> list[ParticipationRecord]:
-        """Participations of one round (or of rounds numbered ``since`` or higher)."""
         with self._read() as s:
-            q = _participations_since(run_id, since)
+            q = _participations_since(run_id, 0)
             if round_number is not None:
                 q = q.where(m.Participation.round_number == round_number)
             if attempt is not None:
@@ -546,9 +542,9 @@ class Store:
             ).one_or_none()
             return None if row is None else rows.checkpoint_record(row)
 
-    def list_checkpoints(self, run_id: str, *, since: int = 0) -> list[CheckpointRecord]:
+    def list_checkpoints(self, run_id: str) -> list[CheckpointRecord]:
         with self._read() as s:
-            return [rows.checkpoint_record(r) for r in s.scalars(_checkpoints_since(run_id, since))]
+            return [rows.checkpoint_record(r) for r in s.scalars(_checkpoints_since(run_id, 0))]
 
     # -- ledger ----------------------------------------------------------------
 

@@ -660,20 +660,14 @@ def test_checkpoint_queries(run_store: Store) -> None:
     assert run is not None and run.rounds_completed == 3
 
 
-def test_listings_from_a_round_on(run_store: Store) -> None:
+def test_read_run_from_a_round_on(run_store: Store) -> None:
     """``since``: what a run watch reads, the rounds that can still change, and no others."""
     for number in (1, 2, 3):
         _open(run_store, number, 1, ["a", "b"])
         run_store.commit_round(RUN, number, _checkpoint(number), {}, T0)
     run_store.create_run("other", "other", "task", "{}", T0)
     run_store.open_round("other", 3, 1, {"a": "other-3-a"}, T0, T0 + 60)
-    assert [r.number for r in run_store.list_rounds(RUN, since=2)] == [2, 3]
-    parts = run_store.list_participations(RUN, since=2)
-    assert [(p.round_number, p.site_id) for p in parts] == [(2, "a"), (2, "b"), (3, "a"), (3, "b")]
-    assert [c.round_number for c in run_store.list_checkpoints(RUN, since=3)] == [3]
-    assert run_store.list_rounds(RUN, since=4) == []
-    assert len(run_store.list_participations(RUN, since=0)) == 6  # since=0: every round
-    view = run_store.read_run(RUN, since=2)  # the same, in one transaction
+    view = run_store.read_run(RUN, since=2)  # one transaction
     assert view is not None and view.run.id == RUN
     assert [r.number for r in view.rounds] == [2, 3]
     assert [(p.round_number, p.site_id) for p in view.participations] == [
@@ -681,6 +675,10 @@ def test_listings_from_a_round_on(run_store: Store) -> None:
     ]  # fmt: skip
     assert [c.round_number for c in view.checkpoints] == [2, 3]
     assert run_store.read_run("no-such-run") is None
+    whole, past = run_store.read_run(RUN), run_store.read_run(RUN, since=4)
+    assert whole is not None and [r.number for r in whole.rounds] == [1, 2, 3]
+    assert len(whole.participations) == 6 and len(whole.checkpoints) == 3
+    assert past is not None and (past.rounds, past.participations, past.checkpoints) == ([], [], [])
 
 
 def _rounds(store: Store, since: int) -> tuple[dict[int, Any], set[int]]:
