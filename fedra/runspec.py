@@ -455,6 +455,26 @@ _TOP_KEYS = {
 _TRAIN_KEYS = {"local_steps", "local_epochs", "batch_size", "learning_rate", "params"}
 
 
+def param_text(name: str, value: object) -> str:
+    """A ``[train.params]`` value as the text a task receives (params travel as strings):
+    a string as it is, a number in its TOML form, a boolean as ``true``/``false``."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ConfigError(f"{name}: must be finite, got {value!r}")
+        return repr(value)
+    kind = {list: "array", dict: "table"}.get(type(value), type(value).__name__)
+    raise ConfigError(
+        f"{name}: must be a string, number or boolean (a task receives its params as "
+        f"text), got {kind} {value!r}"
+    )
+
+
 def runspec_from_toml(doc: Mapping[str, Any]) -> RunSpec:
     """Build and validate a RunSpec from a parsed run.toml."""
     check_keys(doc, _TOP_KEYS, "")
@@ -466,7 +486,7 @@ def runspec_from_toml(doc: Mapping[str, Any]) -> RunSpec:
         local_epochs=get(train_t, "local_epochs", int, "train", 1),
         batch_size=get(train_t, "batch_size", int, "train", 32),
         learning_rate=get(train_t, "learning_rate", float, "train", 0.05),
-        params={str(k): str(v) for k, v in params_t.items()},
+        params={str(k): param_text(f"train.params.{k}", v) for k, v in params_t.items()},
     )
     strategy_t = dict(get(doc, "strategy", dict, "", {"name": "fedavg"}))
     strategy_name = get(strategy_t, "name", str, "strategy", "fedavg")

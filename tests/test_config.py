@@ -105,6 +105,25 @@ def test_full_run_toml(tmp_path: Path) -> None:
     assert spec.strategy_param("momentum") == 0.5
 
 
+def test_train_params_reach_the_task_as_text(tmp_path: Path) -> None:
+    spec = _run_from_text(
+        tmp_path,
+        MINIMAL_RUN
+        + '[train.params]\nname = "mlp"\nhidden = 64\nscale = 0.5\ntiny = 1e-05\n'
+        + "big = 12345678901234\nfused = true\nnesterov = false\n",
+    )
+    assert spec.train.params == {
+        "name": "mlp",
+        "hidden": "64",
+        "scale": "0.5",
+        "tiny": "1e-05",
+        "big": "12345678901234",
+        "fused": "true",
+        "nesterov": "false",
+    }
+    assert float(spec.train.params["tiny"]) == 1e-05
+
+
 def test_run_spec_json_round_trip(tmp_path: Path) -> None:
     spec = _run_from_text(tmp_path, FULL_RUN)
     text = spec.to_json()
@@ -159,6 +178,10 @@ BAD_RUNS = [
     (MINIMAL_RUN + "join_timeout_s = 0", "join_timeout_s", "finite number > 0"),
     (MINIMAL_RUN + "seed = -1", "seed", "must be in [0, 2**63)"),
     ('task = "m:t"\nrounds = 3\nround = 3', "round", "unknown key"),
+    (MINIMAL_RUN + "[train.params]\nsizes = [1, 2]", "train.params.sizes", "got array [1, 2]"),
+    (MINIMAL_RUN + "[train.params.model]\nhidden = 4", "train.params.model", "got table"),
+    (MINIMAL_RUN + "[train.params]\nday = 2026-11-30", "train.params.day", "got date"),
+    (MINIMAL_RUN + "[train.params]\nlr = nan", "train.params.lr", "must be finite"),
     (MINIMAL_RUN + "[train]\nbatchsize = 8", "train.batchsize", "unknown key"),
     (MINIMAL_RUN + "[train]\nbatch_size = 0", "train.batch_size", "must be > 0"),
     (MINIMAL_RUN + "[train]\nlearning_rate = -1", "train.learning_rate", "finite number > 0"),
