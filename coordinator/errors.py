@@ -29,7 +29,8 @@ class PermissionDenied(FedraError):
 
 
 class ResourceExhausted(FedraError):
-    """A payload larger than the model it claims to update."""
+    """Too large: a payload larger than the model it claims to update, a reply larger
+    than a message may be."""
 
 
 class Unauthenticated(FedraError):

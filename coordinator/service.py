@@ -25,7 +25,7 @@ from fedra.coordinator.errors import (
     Unauthenticated,
     Unavailable,
 )
-from fedra.coordinator.status import RunWatch, run_header, run_status
+from fedra.coordinator.status import RunWatch, run_header, run_page, run_status
 from fedra.protos import wire
 from fedra.protos.codec import transfer_chunk_bytes
 from fedra.protos.serde import (
@@ -338,7 +338,9 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
     @mapped
     def GetRun(self, request: admin_pb2.GetRunRequest, context: Any) -> admin_pb2.RunStatus:
         self.guard.admin(context)
-        return run_status(self.engine, request.run_id, self.guard.insecure)
+        if request.page:
+            return run_page(self.engine, request.run_id, self.guard.insecure, request.first_round)
+        return run_status(self.engine, request.run_id, self.guard.insecure, request.first_round)
 
     @mapped
     def ListRuns(

@@ -5,26 +5,74 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from fedra.coordinator.engine import Engine
-from fedra.coordinator.errors import NotFound
+from fedra.coordinator.errors import NotFound, ResourceExhausted
+from fedra.protos import wire
 from fedra.protos.serde import runspec_to_proto
 from fedra.protos.v1 import admin_pb2
 from fedra.runspec import RunSpec
 from fedra.storage.records import ParticipationRecord, RoundRecord, RunRecord, RunView
 
 
-def run_status(engine: Engine, run_id: str, insecure: bool = False) -> admin_pb2.RunStatus:
-    """The run, every round and every participation, as stored."""
-    view = read_run(engine, run_id, 0)
+def run_status(
+    engine: Engine, run_id: str, insecure: bool = False, first_round: int = 0
+) -> admin_pb2.RunStatus:
+    """The run, every round numbered ``first_round`` or higher and every participation of
+    them, as stored; fails with RESOURCE_EXHAUSTED if that is more than one reply holds."""
+    view = read_run(engine, run_id, first_round)
     status = run_header(engine, view.run, insecure)
     status.rounds.extend(round_statuses(view)[0].values())
+    size = status.ByteSize()
+    if size > wire.MAX_STATUS_BYTES:
+        raise ResourceExhausted(
+            f"the status of run {run_id} is {size / 2**20:.0f} MiB, more than the "
+            f"{wire.MAX_STATUS_BYTES / 2**20:.0f} MiB one reply holds: ask for it in pages "
+            "(GetRunRequest.page; fedra's admin client and CLI do)"
+        )
     return status
 
 
-def read_run(engine: Engine, run_id: str, since: int) -> RunView:
-    view = engine.store.read_run(run_id, since=since)
+def read_run(engine: Engine, run_id: str, since: int, limit: int | None = None) -> RunView:
+    view = engine.store.read_run(run_id, since=since, limit=limit)
     if view is None:
         raise NotFound(f"no run {run_id!r}")
     return view
+
+
+# The rounds of one GetRun page, about (a round bigger than this goes alone).
+PAGE_BYTES = 1 << 20
+_FIRST_READ_ROUNDS = 16  # a page reads rounds in batches from this many, doubling
+_MAX_READ_ROUNDS = 1024
+
+
+def run_page(
+    engine: Engine,
+    run_id: str,
+    insecure: bool,
+    first_round: int,
+    page_bytes: int = PAGE_BYTES,
+) -> admin_pb2.RunStatus:
+    """One page of a run's status: whole rounds from ``first_round`` on, about
+    ``page_bytes`` of them (at least one), ``more_rounds_follow`` set if more remain.
+
+    Rounds are read in batches that double in size, so a page costs about what it holds
+    however long the run, and a walk through every page reads each round about once.
+    """
+    status: admin_pb2.RunStatus | None = None
+    size, since, batch = 0, first_round, _FIRST_READ_ROUNDS
+    while True:
+        view = read_run(engine, run_id, since, batch)
+        if status is None:
+            status = run_header(engine, view.run, insecure)
+        for r in round_statuses(view)[0].values():
+            if status.rounds and size + r.ByteSize() > page_bytes:
+                status.more_rounds_follow = True
+                return status
+            status.rounds.append(r)
+            size += r.ByteSize()
+        if not view.more_rounds:
+            return status
+        since = view.rounds[-1].number + 1
+        batch = min(2 * batch, _MAX_READ_ROUNDS)
 
 
 # The rounds of one WatchRun message, at most (one round bigger than this goes alone).

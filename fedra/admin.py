@@ -48,8 +48,21 @@ class AdminClient:
         request = admin_pb2.SubmitRunRequest(spec=runspec_to_proto(spec))
         return self.stub.SubmitRun(request, timeout=self.timeout_s).run_id
 
-    def status(self, run_id: str) -> admin_pb2.RunStatus:
-        return self.stub.GetRun(admin_pb2.GetRunRequest(run_id=run_id), timeout=self.timeout_s)
+    def status(self, run_id: str, first_round: int = 0) -> admin_pb2.RunStatus:
+        """The run and its rounds from ``first_round`` on, asked for in pages of about
+        1 MiB, so that no run is too long to read (a daemon that predates paging sends
+        every round in one reply)."""
+        request = admin_pb2.GetRunRequest(run_id=run_id, first_round=first_round, page=True)
+        status = self.stub.GetRun(request, timeout=self.timeout_s)
+        rounds = list(status.rounds)
+        while status.more_rounds_follow and status.rounds:
+            request.first_round = status.rounds[-1].number + 1
+            status = self.stub.GetRun(request, timeout=self.timeout_s)
+            rounds.extend(status.rounds)
+        del status.rounds[:]
+        status.rounds.extend(rounds)
+        status.more_rounds_follow = False
+        return status
 
     def runs(self) -> list[admin_pb2.RunStatus]:
         """Every run's status, without its rounds."""

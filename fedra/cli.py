@@ -202,8 +202,10 @@ def _cmd_submit(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
+    if not 0 <= args.from_round < 2**32:
+        raise ConfigError(f"--from-round: must be a round number >= 0, got {args.from_round}")
     with _admin(args) as admin:
-        status = admin.status(args.run_id)
+        status = admin.status(args.run_id, first_round=args.from_round)
     if args.json:
         print(json.dumps(status_to_dict(status), indent=2))
     else:
@@ -504,6 +506,7 @@ def build_parser() -> argparse.ArgumentParser:
     q = rsub.add_parser("status", help="a run's state and rounds")
     q.add_argument("run_id")
     q.add_argument("--json", action="store_true")
+    q.add_argument("--from-round", type=int, default=0, metavar="N", help="only rounds N and later")
     q.set_defaults(func=_cmd_status)
     q = rsub.add_parser("watch", help="print rounds as they commit until the run ends")
     q.add_argument("run_id")

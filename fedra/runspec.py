@@ -468,7 +468,8 @@ def param_text(name: str, value: object) -> str:
         if not math.isfinite(value):
             raise ConfigError(f"{name}: must be finite, got {value!r}")
         return repr(value)
-    kind = {list: "array", dict: "table"}.get(type(value), type(value).__name__)
+    kind = "array" if isinstance(value, list) else "table" if isinstance(value, dict) else ""
+    kind = kind or type(value).__name__
     raise ConfigError(
         f"{name}: must be a string, number or boolean (a task receives its params as "
         f"text), got {kind} {value!r}"

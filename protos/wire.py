@@ -29,9 +29,9 @@ ADMIN_SERVICE = "fedra.v1.AdminService"
 DOWNLOAD_MODEL = f"/{SITE_SERVICE}/DownloadModel"
 UPLOAD_UPDATE = f"/{SITE_SERVICE}/UploadUpdate"
 EXPORT_MODEL = f"/{ADMIN_SERVICE}/ExportModel"
-# The largest message the coordinator sends, and the admin client accepts: GetRun
-# answers with a whole run, about 220 bytes per participation, so 64 MiB holds some
-# 300,000 (WatchRun's messages stay near 1 MiB however long the run).
+# The largest message the coordinator sends, and the admin client accepts: an unpaged
+# GetRun answers with a whole run, about 220 bytes per participation, so 64 MiB holds
+# some 300,000 (paged GetRun and WatchRun messages stay near 1 MiB however long the run).
 MAX_STATUS_BYTES = 64 * 2**20
 
 

@@ -106,3 +106,4 @@ class RunView:
     rounds: list[RoundRecord]
     participations: list[ParticipationRecord]
     checkpoints: list[CheckpointRecord]
+    more_rounds: bool = False  # rounds after these exist (a read with a limit)

@@ -82,17 +82,21 @@ def _rounds_since(run_id: str, since: int) -> Select[m.Round]:
     return select(r).where(r.run_id == run_id, r.number >= since).order_by(r.number)
 
 
-def _participations_since(run_id: str, since: int) -> Select[m.Participation]:
+def _participations_between(run_id: str, since: int, until: int | None) -> Select[m.Participation]:
     p = m.Participation
     q = select(p).where(p.run_id == run_id)
     if since:
         q = q.where(p.round_number >= since)
+    if until is not None:
+        q = q.where(p.round_number < until)
     return q.order_by(p.round_number, p.attempt, p.site_id)
 
 
-def _checkpoints_since(run_id: str, since: int) -> Select[m.Checkpoint]:
+def _checkpoints_between(run_id: str, since: int, until: int | None) -> Select[m.Checkpoint]:
     c = m.Checkpoint
     q = select(c).where(c.run_id == run_id, c.round_number >= since)
+    if until is not None:
+        q = q.where(c.round_number < until)
     return q.order_by(c.round_number)
 
 
@@ -315,28 +319,44 @@ class Store:
         attempt: int | None = None,
     ) -> list[ParticipationRecord]:
         with self._read() as s:
-            q = _participations_since(run_id, 0)
+            q = _participations_between(run_id, 0, None)
             if round_number is not None:
                 q = q.where(m.Participation.round_number == round_number)
             if attempt is not None:
                 q = q.where(m.Participation.attempt == attempt)
             return [rows.participation_record(r) for r in s.scalars(q).all()]
 
-    def read_run(self, run_id: str, *, since: int = 0) -> RunView | None:
-        """The run and its rounds numbered ``since`` or higher, with their participations
-        and checkpoints, in one transaction (one snapshot, on SQLite): what a status needs."""
+    def read_run(self, run_id: str, *, since: int = 0, limit: int | None = None) -> RunView | None:
+        """The run and its rounds numbered ``since`` or higher (at most ``limit`` of them),
+        with their participations and checkpoints, in one transaction (one snapshot, on
+        SQLite): what a status needs."""
+        if limit is not None and limit < 1:
+            raise ValueError(f"limit must be >= 1, got {limit}")
         with self._read() as s:
             run = s.get(m.Run, run_id)
             if run is None:
                 return None
+            rounds_q = _rounds_since(run_id, since)
+            if limit is not None:
+                rounds_q = rounds_q.limit(limit + 1)  # one more says whether more follow
+            rounds = list(s.scalars(rounds_q))
+            more = limit is not None and len(rounds) > limit
+            until = None
+            if more:
+                del rounds[limit:]
+                until = rounds[-1].number + 1
             return RunView(
                 rows.run_record(run),
-                [rows.round_record(r) for r in s.scalars(_rounds_since(run_id, since))],
+                [rows.round_record(r) for r in rounds],
                 [
                     rows.participation_record(p)
-                    for p in s.scalars(_participations_since(run_id, since))
+                    for p in s.scalars(_participations_between(run_id, since, until))
                 ],
-                [rows.checkpoint_record(c) for c in s.scalars(_checkpoints_since(run_id, since))],
+                [
+                    rows.checkpoint_record(c)
+                    for c in s.scalars(_checkpoints_between(run_id, since, until))
+                ],
+                more_rounds=more,
             )
 
     def get_participation(self, task_id: str) -> ParticipationRecord | None:
@@ -544,7 +564,8 @@ class Store:
 
     def list_checkpoints(self, run_id: str) -> list[CheckpointRecord]:
         with self._read() as s:
-            return [rows.checkpoint_record(r) for r in s.scalars(_checkpoints_since(run_id, 0))]
+            q = _checkpoints_between(run_id, 0, None)
+            return [rows.checkpoint_record(r) for r in s.scalars(q)]
 
     # -- ledger ----------------------------------------------------------------
 

@@ -164,6 +164,17 @@ def test_full_run_through_the_cli(cluster: LocalCluster, tmp_path: Path) -> None
     # instead of downloading it; later rounds download the new global model.
     assert int(rounds[1]["bytes_down"]) == 0
     assert all(int(r["bytes_down"]) > 0 for r in rounds[2:])
+    later = fedra_cli(
+        "run", "status", run_id, "--from-round", "3", "--state-dir", str(cluster.state_dir)
+    )
+    assert later.returncode == 0, later.stderr
+    assert [line.split()[1] for line in later.stdout.splitlines() if line.startswith("round")] == [
+        "3", "4",
+    ]  # fmt: skip
+    negative = fedra_cli(
+        "run", "status", run_id, "--from-round", "-1", "--state-dir", str(cluster.state_dir)
+    )
+    assert negative.returncode != 0 and "--from-round" in negative.stderr
 
     sites = json.loads(
         fedra_cli(

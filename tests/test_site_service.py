@@ -594,6 +594,97 @@ def test_an_upload_cut_off_mid_stream_is_given_back_quietly(
     assert upload(coordinator, messages(task, site, payload)).bytes_received == len(payload)
 
 
+def _long_run(coordinator: InProcessCoordinator, run_id: str = "long-run") -> str:
+    """Six rounds of ten sites with a long error each: about 1 MB of status per round."""
+    from fedra.runspec import RunSpec
+
+    store = coordinator.engine.store
+    spec = RunSpec(name="long", task=TASK, rounds=6, sites_per_round=10, min_sites=1)
+    store.create_run(run_id, "long", TASK, spec.validate().to_json(), 1.0)
+    sites = [f"site-{i}" for i in range(10)]
+    for number in range(6):
+        store.open_round(run_id, number, 1, {s: f"{number}-{s}" for s in sites}, 1.0, 2.0)
+        for s in sites:
+            store.fail_participation(f"{number}-{s}", f"{number}{s} " + "x" * 100_000, 2.0)
+    return run_id
+
+
+def test_get_run_pages_a_run_too_long_for_one_reply(
+    coordinator: InProcessCoordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Paged, GetRun sends whole rounds about 1 MiB at a time, each once, in order, and
+    says whether more follow; unpaged, a status over the reply limit is refused saying
+    to page, and the admin client (which pages) still reads it whole."""
+    from fedra.admin import AdminClient
+    from fedra.coordinator.status import PAGE_BYTES
+    from fedra.protos import wire
+
+    run_id = _long_run(coordinator)
+    request = admin_pb2.GetRunRequest(run_id=run_id, page=True)
+    numbers, sizes, follows = [], [], []
+    while True:
+        page = coordinator.admin.GetRun(request, timeout=10)
+        numbers += [r.number for r in page.rounds]
+        sizes.append(page.ByteSize())
+        follows.append(page.more_rounds_follow)
+        assert page.state == "pending" and page.spec.name == "long"  # each page has the run
+        if not page.more_rounds_follow:
+            break
+        request.first_round = page.rounds[-1].number + 1
+    assert numbers == list(range(6))
+    assert len(sizes) >= 3 and follows[-1] is False and all(follows[:-1])
+    assert max(sizes) < 2 * PAGE_BYTES
+    past = coordinator.admin.GetRun(
+        admin_pb2.GetRunRequest(run_id=run_id, first_round=6, page=True), timeout=10
+    )
+    assert (list(past.rounds), past.more_rounds_follow) == ([], False)
+    tail = coordinator.admin.GetRun(
+        admin_pb2.GetRunRequest(run_id=run_id, first_round=4), timeout=10
+    )  # unpaged, from a round on
+    assert [r.number for r in tail.rounds] == [4, 5] and not tail.more_rounds_follow
+
+    monkeypatch.setattr(wire, "MAX_STATUS_BYTES", 3 * 2**20)
+    with pytest.raises(grpc.RpcError) as info:
+        coordinator.admin.GetRun(admin_pb2.GetRunRequest(run_id=run_id), timeout=10)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert f"status of run {run_id} is" in str(info.value.details())
+    assert "GetRunRequest.page" in str(info.value.details())
+    with AdminClient(coordinator.address) as admin:
+        whole = admin.status(run_id)
+        assert [r.number for r in whole.rounds] == list(range(6))
+        assert whole.ByteSize() > 6_000_000 and not whole.more_rounds_follow
+        assert [r.number for r in admin.status(run_id, first_round=3).rounds] == [3, 4, 5]
+    with pytest.raises(grpc.RpcError) as missing:
+        coordinator.admin.GetRun(admin_pb2.GetRunRequest(run_id="nope", page=True), timeout=10)
+    assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_page_reads_rounds_in_batches_until_it_is_full(
+    coordinator: InProcessCoordinator,
+) -> None:
+    """Rounds come in whole and in order across the batches a page reads (16, then 32,
+    ...), and a round larger than the page goes alone."""
+    from fedra.coordinator.status import run_page, run_status
+    from fedra.runspec import RunSpec
+
+    store, run_id = coordinator.engine.store, "many-rounds"
+    spec = RunSpec(name="many", task=TASK, rounds=40, sites_per_round=2, min_sites=1)
+    store.create_run(run_id, "many", TASK, spec.validate().to_json(), 1.0)
+    for number in range(40):
+        store.open_round(run_id, number, 1, {s: f"{number}-{s}" for s in "ab"}, 1.0, 2.0)
+        store.fail_participation(f"{number}-a", "gone", 2.0)
+        store.fail_participation(f"{number}-b", "gone", 2.0)
+    whole = run_page(coordinator.engine, run_id, False, 0)
+    assert [r.number for r in whole.rounds] == list(range(40)) and not whole.more_rounds_follow
+    assert [len(r.participations) for r in whole.rounds] == [2] * 40
+    assert list(whole.rounds) == list(run_status(coordinator.engine, run_id).rounds)
+    one = run_page(coordinator.engine, run_id, False, 17, page_bytes=1)
+    assert [r.number for r in one.rounds] == [17] and one.more_rounds_follow
+    three = sum(r.ByteSize() for r in whole.rounds[30:33])
+    some = run_page(coordinator.engine, run_id, False, 30, page_bytes=three)
+    assert [r.number for r in some.rounds] == [30, 31, 32] and some.more_rounds_follow
+
+
 def test_a_long_runs_status_reaches_the_admin_client_and_its_watch_stays_small(
     coordinator: InProcessCoordinator,
 ) -> None:
@@ -602,16 +693,8 @@ def test_a_long_runs_status_reaches_the_admin_client_and_its_watch_stays_small(
     sends no rounds at all."""
     from fedra.admin import AdminClient
     from fedra.coordinator.status import WATCH_MESSAGE_BYTES
-    from fedra.runspec import RunSpec
 
-    store, run_id = coordinator.engine.store, "long-run"
-    spec = RunSpec(name="long", task=TASK, rounds=6, sites_per_round=10, min_sites=1)
-    store.create_run(run_id, "long", TASK, spec.validate().to_json(), 1.0)
-    sites = [f"site-{i}" for i in range(10)]
-    for number in range(6):
-        store.open_round(run_id, number, 1, {s: f"{number}-{s}" for s in sites}, 1.0, 2.0)
-        for s in sites:
-            store.fail_participation(f"{number}-{s}", f"{number}{s} " + "x" * 100_000, 2.0)
+    run_id = _long_run(coordinator)
     with AdminClient(coordinator.address) as admin:
         status = admin.status(run_id)
         assert status.ByteSize() > 6_000_000

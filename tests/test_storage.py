@@ -681,6 +681,29 @@ def test_read_run_from_a_round_on(run_store: Store) -> None:
     assert past is not None and (past.rounds, past.participations, past.checkpoints) == ([], [], [])
 
 
+def test_read_run_at_most_limit_rounds(run_store: Store) -> None:
+    """``limit``: a page of a long run's status; the rest of the run is not read."""
+    for number in (1, 2, 3, 4):
+        _open(run_store, number, 1, ["a", "b"])
+        run_store.commit_round(RUN, number, _checkpoint(number), {}, T0)
+    page = run_store.read_run(RUN, since=2, limit=2)
+    assert page is not None and page.more_rounds
+    assert [r.number for r in page.rounds] == [2, 3]
+    assert sorted({p.round_number for p in page.participations}) == [2, 3]
+    assert [c.round_number for c in page.checkpoints] == [2, 3]
+    last = run_store.read_run(RUN, since=4, limit=2)
+    assert last is not None and not last.more_rounds
+    assert [r.number for r in last.rounds] == [4] and len(last.participations) == 2
+    exact = run_store.read_run(RUN, since=1, limit=4)  # no round after the fourth
+    assert exact is not None and not exact.more_rounds and len(exact.rounds) == 4
+    past = run_store.read_run(RUN, since=9, limit=1)
+    assert past is not None and not past.more_rounds and past.rounds == []
+    whole = run_store.read_run(RUN)
+    assert whole is not None and not whole.more_rounds and len(whole.rounds) == 4
+    with pytest.raises(ValueError, match="limit"):
+        run_store.read_run(RUN, limit=0)
+
+
 def _rounds(store: Store, since: int) -> tuple[dict[int, Any], set[int]]:
     view = store.read_run(RUN, since=since)
     assert view is not None

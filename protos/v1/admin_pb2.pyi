@@ -171,15 +171,29 @@ class GetRunRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     RUN_ID_FIELD_NUMBER: _builtins.int
+    FIRST_ROUND_FIELD_NUMBER: _builtins.int
+    PAGE_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
+    first_round: _builtins.int
+    """Only the rounds numbered first_round and up (0: from the initial model)."""
+    page: _builtins.bool
+    """Page the rounds, for a run too long for one message (a reply holds at most 64 MiB,
+    about 300,000 participations): the reply then holds whole rounds from first_round
+    on, about 1 MiB of them (a larger round alone), with RunStatus.more_rounds_follow
+    set while later rounds remain; ask again from the round after its last one. Each
+    page is read at its own moment. Unset, every round comes in one reply, or the call
+    fails with RESOURCE_EXHAUSTED when they do not fit.
+    """
     def __init__(
         self,
         *,
         run_id: _builtins.str = ...,
+        first_round: _builtins.int = ...,
+        page: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["run_id", b"run_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_round", b"first_round", "page", b"page", "run_id", b"run_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -490,7 +504,7 @@ class RunStatus(_message.Message):
     more_rounds_follow: _builtins.bool
     """WatchRun with changed_rounds_only: the rounds of one look did not fit one message,
     and the rest follow at once; a client that wants whole statuses waits for the
-    message without it.
+    message without it. GetRun with page: later rounds remain to be asked for.
     """
     @_builtins.property
     def spec(self) -> Global___RunSpec: ...
