@@ -13,7 +13,8 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from fedra.config import SITE_ID_RULE, is_valid_site_id
@@ -32,7 +33,7 @@ from fedra.storage.records import CheckpointRecord, RunRecord, SiteRecord
 log = logging.getLogger("fedra.coordinator")
 _CARRY_GRACE_S = 30.0  # beyond join_timeout_s, how long a carried task's call waits
 CROWDED_POLL_S = 1.0  # the longest a poll waits while waiting_polls others already do
-_HANG_UP_CHECK_S = 1.0  # how often a waiting poll checks that its caller is still there
+HANG_UP_CHECK_S = 1.0  # how often a waiting call checks that its caller is still there
 _CROWDED_WARNING_S = 60.0  # at most one warning about it this often
 
 
@@ -44,9 +45,10 @@ class EngineSettings:
     site_timeout_s: float = 20.0
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     max_init_model_bytes: int = 16 * 2**30
-    # Each waiting long poll holds one of the server's worker threads: past this many
-    # at once (0: no bound) a poll waits at most CROWDED_POLL_S, so that uploads and
-    # downloads queued behind the polls get a worker within a second, not a poll timeout.
+    # Each waiting call (a long poll for a task, a secure aggregation stage, a run watch)
+    # holds one of the server's worker threads: past this many at once (0: no bound) a
+    # poll or stage call waits at most CROWDED_POLL_S, so that uploads and downloads
+    # queued behind them get a worker within a second, not a poll timeout.
     waiting_polls: int = 0
 
 
@@ -95,6 +97,7 @@ class Engine:
         self._site_tasks: dict[str, tuple[str, ...]] = {}
         self._last_seen: dict[str, float] = {}
         self._polling: Counter[str] = Counter()
+        self._waiting_others = 0  # waiting calls that are not task polls (waiting_calls)
         self._left: set[str] = set()  # sites that hung up on their poll, not heard from since
         self._crowded_warned_at = -_CROWDED_WARNING_S
         self.downloads = DownloadLedger(store, on_written=self._notify_now)
@@ -231,10 +234,7 @@ class Engine:
         """
         wait = max(0.0, min(timeout_s, self.settings.poll_timeout_s))
         with self.lock:
-            limit = self.settings.waiting_polls
-            if limit and sum(self._polling.values()) >= limit:
-                wait = min(wait, CROWDED_POLL_S)
-                self._warn_crowded(limit)
+            wait = self.crowded_wait(wait)
             deadline = time.monotonic() + wait
             was_online = self.is_online(site_id, self.clock())
             self.seen(site_id)
@@ -252,7 +252,7 @@ class Engine:
                     if not active():
                         gone = True
                         return None
-                    self.changed.wait(min(remaining, _HANG_UP_CHECK_S))
+                    self.changed.wait(min(remaining, HANG_UP_CHECK_S))
                 return None
             finally:
                 self._polling[site_id] -= 1
@@ -265,15 +265,42 @@ class Engine:
                     self._last_seen[site_id] = self.clock()
                     self._left.discard(site_id)
 
+    def waiting_calls(self) -> int:
+        """Calls holding a worker thread while they wait: task polls, secure aggregation
+        stage calls and run watches."""
+        with self.lock:
+            return sum(self._polling.values()) + self._waiting_others
+
+    def crowded_wait(self, wait_s: float) -> float:
+        """How long a call about to wait may: ``wait_s``, or at most CROWDED_POLL_S while
+        ``waiting_polls`` calls already wait (and the operator is told, now and then)."""
+        limit = self.settings.waiting_polls
+        if limit and self.waiting_calls() >= limit:
+            self._warn_crowded(limit)
+            return min(wait_s, CROWDED_POLL_S)
+        return wait_s
+
+    @contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Count a call that is not a task poll among the waiting calls while it waits."""
+        with self.lock:
+            self._waiting_others += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self._waiting_others -= 1
+
     def _warn_crowded(self, limit: int) -> None:
         now = time.monotonic()
         if now - self._crowded_warned_at < _CROWDED_WARNING_S:
             return
         self._crowded_warned_at = now
         log.warning(
-            "%d long polls are waiting, as many as this daemon lets wait at once (each holds "
-            "a worker thread): further polls return within %g s; start the coordinator "
-            "with more --workers for this many sites",
+            "%d calls are waiting (long polls, secure aggregation stages, run watches), as "
+            "many as this daemon lets wait at once (each holds a worker thread): further "
+            "polls return within %g s; start the coordinator with more --workers for "
+            "this many sites",
             limit,
             CROWDED_POLL_S,
         )

@@ -160,14 +160,16 @@ def _wait_for(
     done: Callable[[SecureRound], bool],
     wait_s: float,
 ) -> tuple[ActiveRun, SecureRound, bool]:
-    """Wait (lock held) until ``done`` or ``wait_s``; the task must stay current."""
-    limit = time.monotonic() + max(0.0, min(wait_s, _WAIT_CAP_S))
-    while True:
-        run, sec = _secure_task(engine, site_id, task_id)
-        remaining = limit - time.monotonic()
-        if done(sec) or remaining <= 0 or engine.stopping:
-            return run, sec, done(sec)
-        engine.changed.wait(remaining)
+    """Wait (lock held) until ``done`` or ``wait_s``; the task must stay current. The wait
+    counts among the daemon's waiting calls, and is short while too many others wait."""
+    limit = time.monotonic() + engine.crowded_wait(max(0.0, min(wait_s, _WAIT_CAP_S)))
+    with engine.waiting():
+        while True:
+            run, sec = _secure_task(engine, site_id, task_id)
+            remaining = limit - time.monotonic()
+            if done(sec) or remaining <= 0 or engine.stopping:
+                return run, sec, done(sec)
+            engine.changed.wait(remaining)
 
 
 def keys(

@@ -13,7 +13,7 @@ import grpc
 from fedra import pki
 from fedra.coordinator import secure, uploads
 from fedra.coordinator.auth import Guard
-from fedra.coordinator.engine import Engine, TaskView
+from fedra.coordinator.engine import HANG_UP_CHECK_S, Engine, TaskView
 from fedra.coordinator.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -360,15 +360,24 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
         engine = self.engine
         version = engine.version
         watch = RunWatch(engine, request.run_id, self.guard.insecure, request.changed_rounds_only)
-        while context.is_active():
-            looked = time.monotonic()
-            yield from watch.look()
-            if watch.finished or engine.stopping:
-                return
-            version = engine.wait_for_change(version, self.watch_interval_s)
-            # A round brings dozens of changes in bursts (every upload, fold, download):
-            # one look after each burst, not one per change.
-            engine.wait_for_stop(self.watch_gap_s - (time.monotonic() - looked))
+        with engine.waiting():  # it holds a worker thread for as long as it lasts
+            while context.is_active():
+                looked = time.monotonic()
+                yield from watch.look()
+                if watch.finished or engine.stopping:
+                    return
+                # Woken by a change, or after watch_interval_s; a client that hung up is
+                # noticed within HANG_UP_CHECK_S, so its thread is not held for nothing.
+                until = time.monotonic() + self.watch_interval_s
+                while context.is_active() and not engine.stopping:
+                    remaining = until - time.monotonic()
+                    new = engine.wait_for_change(version, min(remaining, HANG_UP_CHECK_S))
+                    if new != version or remaining <= HANG_UP_CHECK_S:
+                        version = new
+                        break
+                # A round brings dozens of changes in bursts (every upload, fold, download):
+                # one look after each burst, not one per change.
+                engine.wait_for_stop(self.watch_gap_s - (time.monotonic() - looked))
 
     @mapped
     def CancelRun(

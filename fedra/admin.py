@@ -59,8 +59,8 @@ class AdminClient:
             request.first_round = status.rounds[-1].number + 1
             status = self.stub.GetRun(request, timeout=self.timeout_s)
             rounds.extend(status.rounds)
-        del status.rounds[:]
-        status.rounds.extend(rounds)
+        del status.rounds[:]  # (a daemon that predates first_round sends them all)
+        status.rounds.extend(r for r in rounds if r.number >= first_round)
         status.more_rounds_follow = False
         return status
 

@@ -19,6 +19,7 @@ from fedra.protos.v1 import admin_pb2, common_pb2, site_pb2, site_pb2_grpc
 from tests.conftest import InProcessCoordinator
 from tests.test_site_service import (
     SITES,
+    TASK,
     messages,
     model_state,
     register,
@@ -240,13 +241,49 @@ def test_past_its_waiting_polls_a_poll_returns_within_a_second(
         took = time.monotonic() - started
         assert not reply.HasField("task")
         assert CROWDED_POLL_S * 0.5 <= took < 10, took  # not the 30 s a poll may wait
-        assert "long polls are waiting" in caplog.text and "--workers" in caplog.text
+        assert "calls are waiting" in caplog.text and "--workers" in caplog.text
         assert all(t.is_alive() for t in waiting)  # the first two still wait
     finally:
         c.close()  # the daemon stopping ends the waiting polls
         for t in waiting:
             t.join(30)
     assert not any(t.is_alive() for t in waiting)
+
+
+def test_a_run_watch_counts_among_the_waiting_calls(tmp_path: Path) -> None:
+    """A watch holds a worker thread for as long as it lasts: with one open and room for
+    one waiting call, a poll returns within CROWDED_POLL_S, not its 30 s. A watch whose
+    client hung up lets its thread go within HANG_UP_CHECK_S, and polls may wait again."""
+    import time
+
+    from fedra.coordinator.engine import CROWDED_POLL_S, HANG_UP_CHECK_S
+    from fedra.runspec import RunSpec
+
+    settings = EngineSettings(poll_timeout_s=30.0, site_timeout_s=60.0, waiting_polls=1)
+    c = InProcessCoordinator(tmp_path / "state", settings)
+    try:
+        register(c, SITES[0])
+        spec = RunSpec(name="watched", task=TASK, rounds=1).validate()
+        c.engine.store.create_run("watched", "watched", TASK, spec.to_json(), 1.0)
+        watch = c.admin.WatchRun(admin_pb2.WatchRunRequest(run_id="watched"), timeout=60)
+        assert next(watch).state == "pending"  # the run has not ended: the watch stays
+        deadline = time.monotonic() + 10
+        while c.engine.waiting_calls() < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        started = time.monotonic()
+        reply = c.site.PollTask(site_pb2.PollTaskRequest(site_id=SITES[0]), timeout=60)
+        assert not reply.HasField("task")
+        assert CROWDED_POLL_S * 0.5 <= time.monotonic() - started < 10
+        watch.cancel()  # nothing changes meanwhile: the handler notices the hang-up itself
+        hung_up = time.monotonic()
+        while c.engine.waiting_calls() > 0:
+            assert time.monotonic() < hung_up + 15
+            time.sleep(0.01)
+        assert time.monotonic() - hung_up < 3 * HANG_UP_CHECK_S  # not the 10 s watch interval
+        assert c.engine.crowded_wait(30.0) == 30.0
+    finally:
+        c.close()
 
 
 def test_the_daemon_lets_a_quarter_of_its_workers_serve_data_while_sites_poll(

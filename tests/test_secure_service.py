@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
@@ -173,3 +174,36 @@ def test_a_secure_task_is_refused_by_a_plain_run(coordinator: InProcessCoordinat
         "does not use secure aggregation",
     )
     assert round_status(coordinator, run_id, 1).status == "open"
+
+
+def test_a_stage_call_counts_among_the_waiting_calls(tmp_path: Path) -> None:
+    """Each site waiting for a stage to close holds a worker thread, as a poll does: past
+    ``waiting_polls`` of them a stage call answers not ready within CROWDED_POLL_S and
+    the site asks again, so uploads and downloads are not left without a thread."""
+    from fedra.coordinator.engine import CROWDED_POLL_S, EngineSettings
+
+    settings = EngineSettings(poll_timeout_s=30.0, site_timeout_s=60.0, waiting_polls=1)
+    c = InProcessCoordinator(tmp_path / "state", settings)
+    try:
+        _, tasks = start_round_one(c, sites_per_round=3, min_sites=2, secagg=SECAGG)
+        a, b, s3 = sorted(tasks)
+        maskers = {s: SiteSecAgg(s, t.secagg.threshold, t.secagg.context) for s, t in tasks.items()}
+        assert not c.site.SecAggKeys(keys_request(a, tasks[a], maskers[a].public_keys())).ready
+        deadline = time.monotonic() + 10
+        while c.engine.waiting_calls():  # the helpers' watches have seen their callers leave
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(c.site.SecAggKeys, keys_request(a, tasks[a], b"", wait_s=20))
+            while c.engine.waiting_calls() < 1:  # a waits for the stage to close
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            started = time.monotonic()
+            second = c.site.SecAggKeys(keys_request(b, tasks[b], maskers[b].public_keys(), 20))
+            assert not second.ready  # s3's keys are still missing
+            assert CROWDED_POLL_S * 0.5 <= time.monotonic() - started < 10
+            assert not waiting.done()  # a, the first to wait, still may
+            last = c.site.SecAggKeys(keys_request(s3, tasks[s3], maskers[s3].public_keys(), 20))
+            assert last.ready and waiting.result(timeout=15).ready  # the stage closed
+    finally:
+        c.close()
