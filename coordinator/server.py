@@ -24,12 +24,15 @@ from fedra.config import READY_FILE, ConfigError
 from fedra.coordinator.auth import Guard
 from fedra.coordinator.engine import Engine, EngineSettings
 from fedra.coordinator.service import AdminService, SiteService
+from fedra.files import LockHeld, ProcessLock
 from fedra.protos import wire
 from fedra.protos.v1 import admin_pb2, admin_pb2_grpc, site_pb2, site_pb2_grpc
 from fedra.storage import BlobStore, Store
+from fedra.storage.store import InUseError
 
 log = logging.getLogger("fedra.coordinator")
 DENY_LIST = "revoked.json"  # `fedra revoke` writes it; read on every call
+STATE_LOCK_FILE = "coordinator.lock"  # held by the daemon serving the state directory
 # 8 MiB: a site 50 ms away uploads at up to 168 MB/s (1.3 Gbit/s).
 DEFAULT_STREAM_WINDOW_MB = 8.0
 MAX_STREAM_WINDOW_MB = 1024.0  # HTTP/2 windows stop at 2 GiB - 1
@@ -196,8 +199,41 @@ _M_ARENA_MAX = -8  # from glibc's <malloc.h>
 def serve(config: CoordinatorConfig) -> None:
     """Run the daemon until SIGTERM or SIGINT."""
     _fewer_malloc_arenas()
-    tls = pki.load_folder(config.tls_dir) if config.tls_dir is not None else None
+    tls = None
+    if config.tls_dir is not None:
+        try:
+            tls = pki.load_folder(config.tls_dir, role="coordinator")
+        except ValueError as exc:
+            raise ConfigError(f"--tls-dir: {exc}") from None
+    state_lock = claim_state_dir(config.state_dir)
+    try:
+        _serve(config, tls)
+    finally:
+        state_lock.release()
+
+
+def claim_state_dir(state_dir: Path) -> ProcessLock:
+    """Hold ``state_dir`` for this process: a second coordinator on it (which would drive
+    the same runs, clear the first's temporary files and take its readiness file) fails
+    at once, naming the first's pid."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return ProcessLock(state_dir / STATE_LOCK_FILE)
+    except LockHeld as exc:
+        holder = f" (pid {exc.holder})" if exc.holder else ""
+        raise ConfigError(
+            f"--state-dir {state_dir}: in use by another coordinator{holder}; stop it "
+            "first, or give this one another directory"
+        ) from None
+
+
+def _serve(config: CoordinatorConfig, tls: pki.TlsFiles | None) -> None:
     engine = build_engine(config)
+    try:
+        engine.store.claim()
+    except InUseError as exc:
+        engine.store.close()
+        raise ConfigError(f"--db {_redact(config.database_url)}: {exc}") from None
     engine.start()
     address = f"{config.host}:{config.port}"
     server, port = create_server(

@@ -1,7 +1,9 @@
-"""Durable file writes: what must survive a crash is written whole or not at all."""
+"""Durable file writes (what must survive a crash is written whole or not at all), and
+locks that end with the process that holds them."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import tempfile
 from collections.abc import Iterable
@@ -34,3 +36,38 @@ def write_atomic(path: Path, chunks: Iterable[bytes], mode: int | None = None) -
         Path(tmp).unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+class LockHeld(Exception):
+    """Another process holds the lock; ``holder`` is the pid it wrote, or ''."""
+
+    def __init__(self, path: Path, holder: str) -> None:
+        super().__init__(f"{path} is locked by {f'pid {holder}' if holder else 'another process'}")
+        self.path, self.holder = path, holder
+
+
+class ProcessLock:
+    """An exclusive lock on ``path`` for as long as this process holds it open.
+
+    The kernel lets it go when the process exits however it exits, SIGKILL included, so
+    a lock left behind never needs clearing. The holder's pid is written into the file,
+    for the message another process gets.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+            os.close(fd)
+            raise LockHeld(path, holder) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor lets the lock go
+            self._fd = None

@@ -310,8 +310,9 @@ def _read(path: Path) -> bytes:
         raise FileNotFoundError(f"missing TLS file: {path}") from None
 
 
-def load_folder(folder: Path) -> TlsFiles:
-    """Read ca.pem, cert.pem and key.pem and check that the key belongs to the certificate."""
+def load_folder(folder: Path, role: str | None = None) -> TlsFiles:
+    """Read ca.pem, cert.pem and key.pem and check that the key belongs to the certificate
+    (and, given ``role``, that the certificate is one of that role's)."""
     folder = Path(folder)
     files = TlsFiles(*(_read(folder / n) for n in ("ca.pem", "cert.pem", "key.pem")))
     try:
@@ -323,6 +324,14 @@ def load_folder(folder: Path) -> TlsFiles:
     # A mismatched pair only shows up later as an opaque handshake failure.
     if cert.public_key() != key.public_key():
         raise ValueError(f"{folder}: key.pem does not belong to cert.pem")
+    if role is not None:
+        who = _identity_from_pem(files.cert)
+        if who is None or who.role != role:
+            what = "not one of fedra's" if who is None else f"the {who.role} {who.name!r}'s"
+            raise ValueError(
+                f"{folder}: cert.pem is {what}, not a {role}'s: give the {role}'s folder "
+                "from `fedra provision`"
+            )
     return files
 
 

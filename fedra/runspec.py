@@ -495,6 +495,10 @@ def runspec_from_toml(doc: Mapping[str, Any]) -> RunSpec:
     strategy_params = {k: get(strategy_t, k, float, "strategy") for k in strategy_t}
     codec_t = get(doc, "codec", dict, "", {})
     check_keys(codec_t, {"name", "block", "fraction", "download"}, "codec")
+    codec_name = codec_t.get("name", "none")
+    for key, owner in (("block", "int8"), ("fraction", "topk")):
+        if key in codec_t and codec_name != owner:  # a leftover of another codec's set-up
+            raise ConfigError(f"codec.{key}: only the {owner} codec uses it, not {codec_name!r}")
     codec = CodecSpec(
         name=get(codec_t, "name", str, "codec", "none"),
         block=get(codec_t, "block", int, "codec", 256),

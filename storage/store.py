@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Integer, Select, bindparam, case, create_engine, event, func, select, update
@@ -17,6 +18,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
+from fedra.files import LockHeld, ProcessLock
 from fedra.storage import models as m
 from fedra.storage import rows
 from fedra.storage.migrate import upgrade
@@ -38,6 +40,14 @@ class DuplicateError(Exception):
 
 class NotFoundError(KeyError):
     """The row a write needs does not exist."""
+
+
+class InUseError(Exception):
+    """Another coordinator holds the database (``Store.claim``)."""
+
+
+# The PostgreSQL advisory lock a coordinator holds on its database: b"fedra-co" as an int.
+_CLAIM_KEY = int.from_bytes(b"fedra-co", "big", signed=True)
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
@@ -137,11 +147,53 @@ class Store:
         # SQLite has one writer at a time, and a writer that finds the lock taken polls
         # for it, sleeping up to 100 ms between tries: this process's writers queue here
         # instead and go the moment it is free. (PostgreSQL locks rows; no queue there.)
+        self._claim: Callable[[], None] | None = None  # lets go of ``claim``'s hold
         self._write_queue: AbstractContextManager[Any] = (
             threading.Lock() if self.engine.dialect.name == "sqlite" else nullcontext()
         )
 
+    def claim(self) -> None:
+        """Hold the database for this process until ``close``: one coordinator drives a
+        database's runs, and a second one started on it raises InUseError instead of
+        driving the same runs beside it. PostgreSQL: a session advisory lock on a
+        connection kept for it (the server lets it go if this process dies). SQLite: a
+        lock on a file beside the database file (the kernel lets it go likewise)."""
+        if self._claim is not None:
+            return
+        if self.engine.dialect.name == "postgresql":
+            conn = self.engine.connect()
+            try:
+                held = conn.execute(select(func.pg_try_advisory_lock(_CLAIM_KEY))).scalar()
+                conn.commit()  # the lock outlives the transaction; the connection idles
+            except BaseException:
+                conn.close()
+                raise
+            if not held:
+                conn.close()
+                raise InUseError(
+                    "the database is in use by another coordinator (it holds fedra's "
+                    "PostgreSQL advisory lock); stop it first, or give each coordinator "
+                    "its own database"
+                )
+            self._claim = conn.close
+        elif self.engine.dialect.name == "sqlite" and self.engine.url.database not in (
+            None, "", ":memory:",
+        ):  # fmt: skip
+            path = Path(f"{self.engine.url.database}.coordinator-lock")
+            try:
+                lock = ProcessLock(path)
+            except LockHeld as exc:
+                holder = f" (pid {exc.holder})" if exc.holder else ""
+                raise InUseError(
+                    f"the database is in use by another coordinator{holder}; stop it first, "
+                    "or give each coordinator its own database"
+                ) from None
+            self._claim = lock.release
+
     def close(self) -> None:
+        if self._claim is not None:
+            self._claim()
+            self._claim = None
         self.engine.dispose()
 
     @contextmanager

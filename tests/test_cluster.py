@@ -217,6 +217,41 @@ def test_full_run_through_the_cli(cluster: LocalCluster, tmp_path: Path) -> None
     assert bad.returncode == 1 and "NOT_FOUND" in bad.stderr and "nope" in bad.stderr
 
 
+def test_a_second_coordinator_on_the_same_state_or_database_is_refused(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """Two daemons on one state directory (or one database) would drive the same runs,
+    and the second would take the first's readiness file: it exits at once instead,
+    naming the first's pid, and the first serves on untouched."""
+    cluster.start_coordinator(flags=FAST)
+    assert cluster.coordinator is not None
+    ready = cluster.state_dir / "coordinator.json"
+    before = ready.read_text()
+    second = fedra_cli(
+        "coordinator", "--state-dir", str(cluster.state_dir), "--insecure", "--port", "0",
+        timeout_s=60,
+    )  # fmt: skip
+    assert second.returncode == 2, second.stderr
+    assert (
+        f"--state-dir {cluster.state_dir}: in use by another coordinator "
+        f"(pid {cluster.coordinator.pid})" in second.stderr
+    )
+    assert "Traceback" not in second.stderr
+    db = f"sqlite:///{cluster.state_dir / 'fedra.db'}"
+    elsewhere = fedra_cli(
+        "coordinator", "--state-dir", str(tmp_path / "other"), "--db", db, "--insecure",
+        "--port", "0", timeout_s=60,
+    )  # fmt: skip
+    assert elsewhere.returncode == 2, elsewhere.stderr
+    assert "--db" in elsewhere.stderr and "database is in use by another coordinator" in (
+        elsewhere.stderr
+    )
+    assert not (tmp_path / "other" / "coordinator.json").exists()
+    assert ready.read_text() == before
+    with cluster.admin() as admin:
+        assert admin.runs() == []  # the first still serves
+
+
 @pytest.mark.postgres
 def test_a_run_on_postgresql_survives_a_coordinator_kill(cluster: LocalCluster) -> None:
     """The production set-up: the daemon's state in PostgreSQL, killed and restarted."""

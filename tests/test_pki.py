@@ -246,6 +246,15 @@ def test_load_folder_errors(out: Path, tmp_path: Path) -> None:
         pki.load_folder(tmp_path)
 
 
+def test_load_folder_checks_the_role_it_is_asked_for(out: Path) -> None:
+    assert pki.load_folder(out / "coordinator", role="coordinator").cert
+    assert pki.load_folder(out / "sites" / "site-a", role="site").cert
+    with pytest.raises(ValueError, match="the site 'site-a''s, not a coordinator's"):
+        pki.load_folder(out / "sites" / "site-a", role="coordinator")
+    with pytest.raises(ValueError, match="the admin 'alice''s, not a site's"):
+        pki.load_folder(out / "admins" / "alice", role="site")
+
+
 # --- revocation -------------------------------------------------------------------------
 
 

@@ -387,3 +387,24 @@ def _upload_as(stub, site: str, task, payload: bytes, key: bytes):  # type: igno
     )  # fmt: skip
     msgs = [site_pb2.UpdateChunk(header=header), site_pb2.UpdateChunk(data=payload)]
     return stub.UploadUpdate(iter(msgs), timeout=30)
+
+
+def test_the_daemon_refuses_a_certificate_that_is_not_a_coordinators(tmp_path: Path) -> None:
+    """Started with a site's folder, it would serve, and every client's handshake would
+    fail with 'unsupported certificate purpose': it refuses at start instead."""
+    import subprocess
+    import sys
+
+    pki.provision(tmp_path / "pki", coordinator_hosts=["localhost"], sites=["site-a"], admins=[])
+    started = subprocess.run(
+        [
+            sys.executable, "-m", "fedra", "coordinator", "--state-dir", str(tmp_path / "state"),
+            "--tls-dir", str(tmp_path / "pki" / "sites" / "site-a"), "--port", "0",
+        ],
+        capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL, check=False,
+    )  # fmt: skip
+    assert started.returncode == 2, started.stderr
+    assert "--tls-dir:" in started.stderr and "the site 'site-a''s, not a coordinator's" in (
+        started.stderr
+    )
+    assert not (tmp_path / "state" / "coordinator.json").exists()

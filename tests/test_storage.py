@@ -972,3 +972,26 @@ def test_upgrading_from_the_first_revision_keeps_existing_rounds(tmp_path: Path)
         assert rnd.stages == {} and rnd.state == "open"
     finally:
         store.close()
+
+
+def test_one_coordinator_holds_a_database_at_a_time(db_url: str, store: Store) -> None:
+    """A second coordinator on the same database would drive the same runs: its claim
+    fails, naming why, until the first lets go (close; the end of its process)."""
+    from fedra.storage.store import InUseError
+
+    store.claim()
+    store.claim()  # claiming again is a no-op
+    second = Store(db_url)
+    try:
+        with pytest.raises(InUseError, match="in use by another coordinator"):
+            second.claim()
+        assert second.get_run("nothing") is None  # refused to claim, it still reads
+        store.close()
+        second.claim()
+    finally:
+        second.close()
+    third = Store(db_url)
+    try:
+        third.claim()  # closing let it go
+    finally:
+        third.close()
