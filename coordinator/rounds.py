@@ -422,12 +422,21 @@ class RoundDriver:
         run, engine, spec = self.run_state, self.engine, self.run_state.spec
         number, attempt = run.open_round, run.attempt
         assert number is not None
-        reason = f"round {number} attempt {attempt}: " + (
-            why
-            or f"{accepted} of the {run.required_updates} required updates arrived within "
-            f"the {spec.round_deadline_s:g} s deadline"
-        )
         now = engine.clock()
+        if not why:
+            failed = [a for a in run.assignments.values() if a.state == "failed"]
+            if now < run.deadline_at and len(failed) == len(run.assignments) - accepted:
+                why = (
+                    f"{accepted} of the {run.required_updates} required updates arrived, "
+                    "and the other sampled sites failed"
+                )
+            else:
+                why = (
+                    f"{accepted} of the {run.required_updates} required updates arrived "
+                    f"within the {spec.round_deadline_s:g} s deadline"
+                )
+            why += self._failures(number, attempt)
+        reason = f"round {number} attempt {attempt}: {why}"
         engine.store.expire_attempt(run.run_id, number, attempt, reason, now, self._carry_on())
         engine.store.add_event(run.run_id, "attempt_failed", reason, now, number)
         log.warning("%s: %s", self.tag, reason)
@@ -439,6 +448,17 @@ class RoundDriver:
             engine.notify()
         self._drop_round_updates(number)  # after set_closed: nothing of ours refers to them
         return True
+
+    def _failures(self, number: int, attempt: int, shown: int = 3) -> str:
+        """'; failed: site: error, ...' for the attempt's failed tasks, the first few of
+        them, each error cut short: why a round came up short, in its own reason."""
+        parts = self.engine.store.list_participations(self.run_state.run_id, number, attempt)
+        failed = [p for p in parts if p.state == "failed"]
+        if not failed:
+            return ""
+        listed = "; ".join(f"{p.site_id}: {_shorten(p.error)}" for p in failed[:shown])
+        more = f" (and {len(failed) - shown} more)" if len(failed) > shown else ""
+        return f"; failed: {listed}{more}"
 
     def _drop_round_updates(self, number: int) -> None:
         parts = self.engine.store.list_participations(self.run_state.run_id, number)
@@ -534,6 +554,11 @@ def ledger(accepted: list[ParticipationRecord], aggregate_s: float) -> dict[str,
         "transfer_s": max((p.upload_s for p in accepted), default=0.0),
         "aggregate_s": aggregate_s,
     }
+
+
+def _shorten(text: str, limit: int = 200) -> str:
+    text = " ".join(text.split()) or "no reason given"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def weighted_metrics(parts: list[ParticipationRecord]) -> dict[str, float]:

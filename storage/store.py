@@ -42,6 +42,10 @@ class NotFoundError(KeyError):
     """The row a write needs does not exist."""
 
 
+# The states a round left open by a run that ended takes: the run's own.
+ENDED_ROUND_STATES = ("failed", "cancelled")
+
+
 class InUseError(Exception):
     """Another coordinator holds the database (``Store.claim``)."""
 
@@ -272,11 +276,20 @@ class Store:
             return [rows.run_record(r) for r in s.scalars(q).all()]
 
     def set_run_state(self, run_id: str, state: str, reason: str, now: float) -> None:
+        """Set the run's state; a run that ends failed or cancelled ends its open round
+        too (the round then shows that state, closed now), in the same transaction."""
         with self._tx() as s:
             row = s.get(m.Run, run_id)
             if row is None:
                 raise NotFoundError(run_id)
             row.state, row.reason, row.updated_at = state, reason, now
+            if state in ENDED_ROUND_STATES:
+                r = m.Round
+                s.execute(
+                    update(r)
+                    .where(r.run_id == run_id, r.state == "open")
+                    .values(state=state, closed_at=now)
+                )
 
     # -- rounds and participations -------------------------------------------
 

@@ -207,6 +207,39 @@ def test_a_small_model_travels_in_chunks_sized_to_it(coordinator: InProcessCoord
     assert [len(d) for d in exported] == sizes and b"".join(exported) == payload
 
 
+def test_a_round_whose_sites_all_fail_ends_at_once_saying_why(
+    coordinator: InProcessCoordinator,
+) -> None:
+    """Every sampled site reports a failure: the attempt ends then, not at its deadline,
+    its reason names the sites' errors (not a deadline that never passed), and the round
+    the run ended in shows as failed, closed."""
+    import time
+
+    run_id, tasks = start_round_one(coordinator, round_deadline_s=300)
+    started = time.monotonic()
+    for site, task in sorted(tasks.items()):
+        coordinator.site.ReportFailure(
+            site_pb2.ReportFailureRequest(
+                site_id=site, task_id=task.task_id, reason=f"ValueError: bad params at {site}"
+            ),
+            timeout=10,
+        )
+    for status in coordinator.admin.WatchRun(admin_pb2.WatchRunRequest(run_id=run_id), timeout=60):
+        if status.state == "failed":
+            break
+    assert status.state == "failed" and time.monotonic() - started < 60
+    a, b = sorted(tasks)
+    assert (
+        "round 1 attempt 1: 0 of the 2 required updates arrived, and the other sampled sites "
+        f"failed; failed: {a}: site reported: ValueError: bad params at {a}; {b}: site reported: "
+        f"ValueError: bad params at {b}"
+    ) in status.reason, status.reason
+    assert "deadline" not in status.reason
+    r1 = round_status(coordinator, run_id, 1)
+    assert r1.status == "failed" and r1.closed_unix_s > 0
+    assert round_status(coordinator, run_id, 0).status == "committed"
+
+
 def test_past_its_waiting_polls_a_poll_returns_within_a_second(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

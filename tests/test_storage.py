@@ -995,3 +995,20 @@ def test_one_coordinator_holds_a_database_at_a_time(db_url: str, store: Store) -
         third.claim()  # closing let it go
     finally:
         third.close()
+
+
+def test_a_run_that_ends_failed_or_cancelled_ends_its_open_round(run_store: Store) -> None:
+    _open(run_store, 1, 1, ["a"])
+    run_store.commit_round(RUN, 1, _checkpoint(1), {}, T0)
+    _open(run_store, 2, 2, ["a"])
+    run_store.set_run_state(RUN, "running", "", T0 + 5)  # not an end: the round stays open
+    assert [r.state for r in run_store.list_rounds(RUN)] == ["committed", "open"]
+    run_store.set_run_state(RUN, "failed", "round 2 attempt 2: no quorum", T0 + 9)
+    committed, ended = run_store.list_rounds(RUN)
+    assert (committed.state, committed.closed_at) == ("committed", T0)
+    assert (ended.number, ended.state, ended.attempt, ended.closed_at) == (2, "failed", 2, T0 + 9)
+    run_store.create_run("other", "other", "task", "{}", T0)
+    run_store.open_round("other", 0, 1, {"a": "other-0-a"}, T0, T0 + 60)
+    run_store.set_run_state("other", "cancelled", "cancelled by an operator", T0 + 3)
+    [cancelled] = run_store.list_rounds("other")
+    assert (cancelled.state, cancelled.closed_at) == ("cancelled", T0 + 3)

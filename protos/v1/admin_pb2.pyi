@@ -430,7 +430,7 @@ class RoundStatus(_message.Message):
     """0 is the initial model"""
     attempt: _builtins.int
     status: _builtins.str
-    """open | committed"""
+    """open | committed, or failed | cancelled: the round its run ended in"""
     updates: _builtins.int
     opened_unix_s: _builtins.float
     closed_unix_s: _builtins.float
