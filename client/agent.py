@@ -394,7 +394,29 @@ def load_tasks(config: SiteConfig) -> dict[str, Task]:
 
 def load_data(config: SiteConfig, tasks: dict[str, Task]) -> dict[str, Any]:
     """Data too: a bad [data] table is an error at start, and round 1 is not slowed by it."""
-    return {ep: impl.load_data(config.data) for ep, impl in tasks.items()}
+    try:
+        check_data_keys(config.data, tasks)
+        return {ep: impl.load_data(config.data) for ep, impl in tasks.items()}
+    except ConfigError as exc:
+        if config.path is None:
+            raise
+        raise ConfigError(f"{config.path}: {exc}") from exc
+
+
+def check_data_keys(data: Mapping[str, Any], tasks: Mapping[str, Task]) -> None:
+    """Refuse a ``[data]`` key no allowed task reads, when every task says what it reads
+    (``data_keys``): one table serves all of a site's tasks, so only a key that none of
+    them reads is a mistake."""
+    declared = [getattr(impl, "data_keys", None) for impl in tasks.values()]
+    if not declared or any(keys is None for keys in declared):
+        return
+    known = set().union(*(set(keys) for keys in declared if keys is not None))
+    unknown = sorted(set(data) - known)
+    if unknown:
+        reads = ", ".join(sorted(known)) or "no [data] keys"
+        raise ConfigError(
+            f"data.{unknown[0]}: unknown key: no task this site allows reads it (they read {reads})"
+        )
 
 
 def delta(

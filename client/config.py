@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +109,7 @@ class SiteConfig:
     tls_dir: Path | None = None  # this site's folder from `fedra provision`
     insecure: bool = False  # plaintext to an --insecure coordinator: development only
     state_dir: Path | None = None  # keeps top-k error feedback across restarts
+    path: Path | None = None  # the site.toml it was read from, for errors found later
 
     @staticmethod
     def from_toml(doc: dict[str, Any]) -> SiteConfig:
@@ -161,6 +162,6 @@ class SiteConfig:
     def load(path: Path | str) -> SiteConfig:
         doc = load_toml(path)
         try:
-            return SiteConfig.from_toml(doc)
+            return replace(SiteConfig.from_toml(doc), path=Path(path))
         except ConfigError as exc:
             raise ConfigError(f"{path}: {exc}") from exc

@@ -49,7 +49,12 @@ class Task(Protocol):
         ...
 
     def load_data(self, config: Mapping[str, Any]) -> Any:
-        """Load this site's data from the site's own ``[data]`` configuration."""
+        """Load this site's data from the site's own ``[data]`` configuration.
+
+        A task may also say which keys it reads, as a ``data_keys`` attribute (a set of
+        names): a site whose allowed tasks all say so refuses a ``[data]`` key none of
+        them reads, a typo, at start. A task that does not say lets any key through.
+        """
         ...
 
     def fit(self, model: torch.nn.Module, data: Any, settings: FitSettings) -> FitResult:

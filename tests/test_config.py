@@ -399,6 +399,7 @@ path = "/data/a"
 def test_site_toml(tmp_path: Path) -> None:
     config = SiteConfig.load(_write(tmp_path, SITE, "site.toml"))
     assert config == SiteConfig(
+        path=tmp_path / "site.toml",
         site_id="hospital-a_1.eu",
         coordinator="coord.example.org:50051",
         allowed_tasks=("fedra.examples.digits:task", "pkg.mod:other"),
@@ -408,6 +409,44 @@ def test_site_toml(tmp_path: Path) -> None:
         tls_dir=Path("/etc/fedra/hospital-a"),
     )
     assert isinstance(config.reconnect_max_s, float)
+
+
+def test_a_data_key_no_allowed_task_reads_is_refused(tmp_path: Path) -> None:
+    """One [data] table serves every task a site allows: a key that none of them reads
+    is a typo, refused at start naming the site file; a task that does not say which
+    keys it reads lets any key through."""
+    from fedra.client.agent import check_data_keys, load_data
+    from fedra.examples import digits, synthetic
+
+    tasks = {"d:t": digits.task}
+    check_data_keys({"partition": 0, "num_partitions": 2, "alpha": 0.1}, tasks)
+    with pytest.raises(ConfigError) as info:
+        check_data_keys({"partition": 0, "num_partitions": 2, "alhpa": 0.1}, tasks)
+    assert str(info.value) == (
+        "data.alhpa: unknown key: no task this site allows reads it (they read alpha, "
+        "num_partitions, partition, seed)"
+    )
+    both = {"d:t": digits.task, "s:t": synthetic.task}
+    check_data_keys({"partition": 0, "num_partitions": 2, "samples": 64}, both)
+
+    class Quiet:  # says nothing about its keys
+        pass
+
+    check_data_keys({"anything": 1}, {"d:t": digits.task, "q:t": Quiet()})  # type: ignore[dict-item]
+    path = _write(
+        tmp_path,
+        'site_id = "s1"\ncoordinator = "127.0.0.1:1"\nallowed_tasks = ["d:t"]\n'
+        "insecure = true\n[data]\npartition = 0\nnum_partitions = 2\nalhpa = 0.1\n",
+        "site.toml",
+    )
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: data\.alhpa: unknown key"):
+        load_data(SiteConfig.load(path), tasks)
+    bad_value = SiteConfig.from_toml(
+        {"site_id": "s1", "coordinator": "h:1", "allowed_tasks": ["d:t"], "insecure": True,
+         "data": {"partition": 5, "num_partitions": 2}}
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match=r"^data\.partition: must be in \[0, 2\)"):
+        load_data(bad_value, tasks)  # not read from a file: no path to name
 
 
 def test_minimal_site_toml_uses_defaults() -> None:

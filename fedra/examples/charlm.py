@@ -82,6 +82,8 @@ def load_corpus(part: int, num_parts: int, max_bytes: int) -> torch.Tensor:
 class CharLMTask:
     """Byte-level language modelling; implements ``ParallelTask``."""
 
+    data_keys = frozenset({"part", "num_parts", "max_bytes"})
+
     def create_model(self, seed: int, params: Mapping[str, str]) -> GPT:
         return build(model_config(params), seed)
 

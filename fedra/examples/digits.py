@@ -278,6 +278,8 @@ def train_centralised(
 class DigitsTask:
     """An MLP classifying 8x8 digits, with label-skewed sites (see the module docstring)."""
 
+    data_keys = frozenset({"partition", "num_partitions", "alpha", "seed"})
+
     def create_model(self, seed: int, params: Mapping[str, str]) -> nn.Module:
         """An MLP 64 -> ``params["hidden"]`` (default 64) -> 10, initialised from ``seed`` only."""
         hidden = _param_int(params, "hidden", 64)

@@ -146,6 +146,8 @@ def _decay_extra(model: nn.Module, factor: float) -> None:
 class SyntheticTask:
     """Linear regression on synthetic sites (see the module docstring)."""
 
+    data_keys = frozenset({"dim", "samples", "shift", "seed", "fit_delay_s"})
+
     def create_model(self, seed: int, params: Mapping[str, str]) -> nn.Module:
         """A model sized by ``params`` ``dim`` (8) and ``extra_params`` (0), drawn from ``seed``."""
         dim = _param_int(params, "dim", 8, minimum=1)
