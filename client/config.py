@@ -10,6 +10,7 @@ from typing import Any
 from fedra.config import (
     SITE_ID_RULE,
     ConfigError,
+    check_host_port,
     check_keys,
     get,
     is_valid_site_id,
@@ -117,10 +118,7 @@ class SiteConfig:
         check_keys(doc, _KEYS, "")
         site_id = get(doc, "site_id", str, "")
         require(is_valid_site_id(site_id), "site_id", f"must be {SITE_ID_RULE}", site_id)
-        coordinator = get(doc, "coordinator", str, "")
-        host, sep, port = coordinator.rpartition(":")
-        ok = bool(host and sep and port.isdigit()) and 0 < int(port or 0) < 65536
-        require(ok, "coordinator", "must be host:port with a port in 1-65535", coordinator)
+        coordinator = check_host_port(get(doc, "coordinator", str, ""), "coordinator")
         tasks = get(doc, "allowed_tasks", list, "")
         require(len(tasks) > 0, "allowed_tasks", "must list at least one task entry point", tasks)
         for i, t in enumerate(tasks):

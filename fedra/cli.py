@@ -4,9 +4,12 @@ bench compare."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import math
 import os
+import re
 import signal
 import sys
 import threading
@@ -20,7 +23,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
-from fedra.config import READY_FILE, ConfigError, load_toml
+from fedra.config import READY_FILE, ConfigError, check_host_port, load_toml
 
 if TYPE_CHECKING:
     from fedra.pki import TlsFiles
@@ -29,6 +32,49 @@ from fedra.runspec import runspec_from_toml
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 _FINISHED = ("completed", "failed", "cancelled")
+MAX_ROUND = 2**32 - 1  # round numbers are uint32 on the wire
+
+
+def check_round(value: int, name: str) -> int:
+    if not 0 <= value <= MAX_ROUND:
+        raise ConfigError(f"{name}: must be a round number from 0 to {MAX_ROUND}, got {value}")
+    return value
+
+
+def _redact_url(url: str) -> str:
+    """A database URL without its password, for error messages."""
+    return re.sub(r"(://[^:/@]*):[^@]*@", r"\1:***@", url)
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+def _check_db_url(url: str) -> None:
+    """Refuse a --db that SQLAlchemy cannot parse, has no driver for, or (a database
+    server's) cannot connect to, before anything is made in the state directory."""
+    from sqlalchemy import create_engine
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, DBAPIError
+    from sqlalchemy.pool import NullPool
+
+    try:
+        parsed = make_url(url)
+        parsed.get_dialect().import_dbapi()
+    except (ArgumentError, ValueError) as exc:
+        raise ConfigError(f"--db: {_first_line(exc)}, got {_redact_url(url)!r}") from None
+    except ImportError as exc:
+        raise ConfigError(f"--db: no driver for {_redact_url(url)!r}: {exc}") from None
+    if parsed.get_backend_name() == "sqlite":
+        return  # a file: connecting would make it (the daemon reports what goes wrong there)
+    engine = create_engine(parsed, poolclass=NullPool)
+    try:
+        engine.connect().close()
+    except DBAPIError as exc:  # no server there, refused credentials, no such database...
+        raise ConfigError(f"--db: {_first_line(exc)}") from None
+    finally:
+        engine.dispose()
 
 
 def _setup_logging(level: str) -> None:
@@ -41,12 +87,22 @@ def _setup_logging(level: str) -> None:
 
 
 def _cmd_coordinator(args: argparse.Namespace) -> int:
-    from fedra.coordinator.engine import EngineSettings
-    from fedra.coordinator.server import CoordinatorConfig, serve
-
+    # The flags first: the daemon's modules take seconds to import.
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port: must be from 0 to 65535 (0 picks a free port), got {args.port}")
     for flag in ("heartbeat_s", "site_timeout_s", "poll_timeout_s"):
-        if getattr(args, flag) <= 0:
-            raise ConfigError(f"--{flag.replace('_', '-')}: must be > 0, got {getattr(args, flag)}")
+        value = getattr(args, flag)
+        if not (math.isfinite(value) and value > 0):
+            raise ConfigError(
+                f"--{flag.replace('_', '-')}: must be a finite number > 0, got {value}"
+            )
+    if args.db:
+        _check_db_url(args.db)
+    from sqlalchemy.exc import DBAPIError
+
+    from fedra.coordinator.engine import EngineSettings
+    from fedra.coordinator.server import STATE_LOCK_FILE, CoordinatorConfig, serve
+
     settings = EngineSettings(
         heartbeat_interval_s=args.heartbeat_s,
         site_timeout_s=args.site_timeout_s,
@@ -64,11 +120,29 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
         insecure=args.insecure,
         **window,
     )
-    serve(config)
+    made_state_dir = not config.state_dir.exists()
+    try:
+        serve(config)
+    except DBAPIError as exc:  # e.g. the schema cannot be made (a database user's rights)
+        if made_state_dir:  # leave no state directory behind that only this start made
+            with contextlib.suppress(OSError):
+                (config.state_dir / STATE_LOCK_FILE).unlink(missing_ok=True)
+                config.state_dir.rmdir()
+        name = "--db" if args.db else f"--state-dir: database {config.database_url}"
+        raise ConfigError(f"{name}: {_first_line(exc)}") from None
+    except RuntimeError as exc:  # grpc: the port is taken, or the host is not this machine's
+        if not str(exc).startswith("Failed to bind"):
+            raise
+        raise ConfigError(
+            f"--port: cannot listen on {args.host}:{args.port} (in use, or not an address "
+            "of this machine)"
+        ) from None
     return 0
 
 
 def _cmd_site(args: argparse.Namespace) -> int:
+    if args.coordinator:
+        check_host_port(args.coordinator, "--coordinator")
     import torch
 
     from fedra.client.agent import SiteAgent
@@ -101,14 +175,15 @@ class NotRunning(ConfigError):
 
 def _address(args: argparse.Namespace) -> str:
     if args.coordinator:
-        return str(args.coordinator)
+        return check_host_port(str(args.coordinator), "--coordinator")
     if args.state_dir:
         ready = Path(args.state_dir) / READY_FILE
         try:
             return str(json.loads(ready.read_text())["address"])
         except FileNotFoundError as exc:
             raise NotRunning(f"{ready}: not found; is the coordinator running?") from exc
-    return os.environ.get("FEDRA_COORDINATOR", DEFAULT_ADDRESS)
+    from_env = os.environ.get("FEDRA_COORDINATOR")
+    return check_host_port(from_env, "$FEDRA_COORDINATOR") if from_env else DEFAULT_ADDRESS
 
 
 def _serves_insecure(state_dir: Path) -> bool:
@@ -140,10 +215,10 @@ def _admin_tls(args: argparse.Namespace) -> TlsFiles | None:
     return pki.load_folder(Path(folder))
 
 
-def _admin(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def _admin(args: argparse.Namespace, address: str | None = None):  # type: ignore[no-untyped-def]
     from fedra.admin import AdminClient
 
-    return AdminClient(_address(args), tls=_admin_tls(args))
+    return AdminClient(address or _address(args), tls=_admin_tls(args))
 
 
 def _cmd_wan(args: argparse.Namespace) -> int:
@@ -153,8 +228,14 @@ def _cmd_wan(args: argparse.Namespace) -> int:
         link = Link(args.bandwidth_mbit, args.latency_ms, args.loss_pct)
     except ValueError as exc:
         raise ConfigError("--" + str(exc).replace("_", "-", 1)) from exc
-    host, _, port = args.listen.rpartition(":")
-    proxy = WanProxy(args.target, link, host=host or "127.0.0.1", port=int(port or 0))
+    check_host_port(args.target, "--target")
+    listen = args.listen if ":" in args.listen else f":{args.listen}"  # a bare port
+    host, _, port = check_host_port(
+        "127.0.0.1" + listen if listen.startswith(":") else listen,
+        "--listen",
+        allow_port_zero=True,
+    ).rpartition(":")
+    proxy = WanProxy(args.target, link, host=host, port=int(port))
     proxy.start()
     loss = f", {link.loss_pct:g}% loss: {link.bytes_per_s * 8 / 1e6:.3g} Mbit/s per flow"
     print(
@@ -195,15 +276,15 @@ def _cmd_revoke(args: argparse.Namespace) -> int:
 
 
 def _cmd_submit(args: argparse.Namespace) -> int:
+    address = _address(args)  # a bad --coordinator before the file's own errors
     spec = runspec_from_toml(load_toml(args.spec))
-    with _admin(args) as admin:
+    with _admin(args, address) as admin:
         print(admin.submit(spec))
     return 0
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    if not 0 <= args.from_round < 2**32:
-        raise ConfigError(f"--from-round: must be a round number >= 0, got {args.from_round}")
+    check_round(args.from_round, "--from-round")
     with _admin(args) as admin:
         status = admin.status(args.run_id, first_round=args.from_round)
     if args.json:
@@ -232,12 +313,17 @@ def _cmd_watch(args: argparse.Namespace) -> int:
     status = None
     backoff = Backoff(base_s=0.5, cap_s=5.0)
     away_since: float | None = None
+    reached = False  # until the coordinator first answers, it was never "lost"
     while True:
+        where = ""
         try:
             # A fresh client each time: the address is read again (a restarted daemon may
             # listen elsewhere) and no stale connection backoff delays the reconnect.
-            with _admin(args) as admin:
+            address = _address(args)
+            where = f" at {address}"
+            with _admin(args, address) as admin:
                 for status in admin.watch(args.run_id, changed_rounds_only=True):
+                    reached = True
                     if away_since is not None:
                         away = time.monotonic() - away_since
                         print(f"run watch: reconnected after {away:.1f} s", file=sys.stderr)
@@ -251,6 +337,7 @@ def _cmd_watch(args: argparse.Namespace) -> int:
                         if r.status == "committed" and r.number not in shown:
                             shown.add(r.number)
                             print(format_round(r), flush=True)
+            reached = True  # the stream ended without an error: someone answered
             if status is not None and status.state in FINAL_STATES:
                 # After the last rounds: the daemon ends the stream after the messages
                 # that hold them (a long run's rounds may span several).
@@ -266,15 +353,20 @@ def _cmd_watch(args: argparse.Namespace) -> int:
         away_since = away_since if away_since is not None else time.monotonic()
         left = args.reconnect_s - (time.monotonic() - away_since)
         if left <= 0:
+            what = (
+                f"the coordinator{where} is still unreachable"
+                if reached
+                else f"cannot reach the coordinator{where}"
+            )
             print(
-                f"run watch: the coordinator is still unreachable after {args.reconnect_s:g} s "
-                f"({why}); giving up",
+                f"run watch: {what} after {args.reconnect_s:g} s ({why}); giving up",
                 file=sys.stderr,
             )
             return 2
         delay = min(backoff.next_delay_s(), left)  # the last try comes at the deadline
+        what = f"lost the coordinator{where}" if reached else f"cannot reach the coordinator{where}"
         print(
-            f"run watch: lost the coordinator ({why}); reconnecting in {delay:.1f} s",
+            f"run watch: {what} ({why}); reconnecting in {delay:.1f} s",
             file=sys.stderr,
             flush=True,
         )
@@ -307,8 +399,15 @@ def format_runs(runs: list[admin_pb2.RunStatus]) -> str:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
+    if args.round is not None:
+        check_round(args.round, "--round")
+    out = Path(args.out)
+    if out.is_dir():
+        raise ConfigError(f"--out: {out} is a directory; give a file name")
+    if not out.parent.is_dir():  # checked before connecting, not when the download ends
+        raise ConfigError(f"--out: directory {out.parent} does not exist")
     with _admin(args) as admin:
-        size = admin.export_to_file(args.run_id, Path(args.out), args.round)
+        size = admin.export_to_file(args.run_id, out, args.round)
     print(f"wrote {args.out} ({size} bytes)")
     return 0
 

@@ -72,3 +72,20 @@ def require(ok: bool, name: str, reason: str, value: object) -> None:
     """Raise ConfigError('name: reason, got value') unless ``ok``."""
     if not ok:
         raise ConfigError(f"{name}: {reason}, got {value!r}")
+
+
+def check_host_port(value: str, name: str, *, allow_port_zero: bool = False) -> str:
+    """``value`` if it is host:port (an IPv6 host in brackets), else ConfigError naming
+    ``name``: every coordinator address given to fedra follows it. gRPC would otherwise
+    dial port 443 for an address without one."""
+    host, sep, port = value.rpartition(":")
+    low = 0 if allow_port_zero else 1
+    ok = bool(host.strip("[]") and sep and port.isascii() and port.isdigit())
+    if not (ok and low <= int(port) <= 65535):
+        raise ConfigError(f"{name}: must be host:port with a port in {low}-65535, got {value!r}")
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        raise ConfigError(
+            f"{name}: must be host:port with an IPv6 host in brackets "
+            f"(e.g. [::1]:50051), got {value!r}"
+        )
+    return value

@@ -14,16 +14,21 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from fedra.examples import digits
+from fedra.config import ConfigError
 from fedra.local import LocalCluster
 from fedra.protos.v1 import admin_pb2
 from fedra.runspec import RunSpec, TrainSpec
 
+if TYPE_CHECKING:
+    import torch
+
+# torch and the digits example (seconds to import) come after the options are checked.
+
 TASK = "fedra.examples.digits:task"
+MAX_ROUNDS = 1_000_000  # what a run spec allows
+MAX_SITES = 32  # each site is a process on this machine
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,20 @@ class DemoOptions:
     out: Path | None = None
     rounds: int = 10
     sites: int = 3
+
+    def validate(self) -> DemoOptions:
+        """Raise ConfigError naming the command-line flag; returns self for chaining."""
+        if not 1 <= self.rounds <= MAX_ROUNDS:
+            raise ConfigError(f"--rounds: must be from 1 to {MAX_ROUNDS}, got {self.rounds}")
+        if not 1 <= self.sites <= MAX_SITES:
+            raise ConfigError(
+                f"--sites: must be from 1 to {MAX_SITES} (each site is a process on this "
+                f"machine), got {self.sites}"
+            )
+        for flag, path in (("--state-dir", self.state_dir), ("--out", self.out)):
+            if path is not None and path.exists() and not path.is_dir():
+                raise ConfigError(f"{flag}: {path} is not a directory")
+        return self
 
 
 def demo_spec(rounds: int, sites: int) -> RunSpec:
@@ -51,10 +70,15 @@ def demo_spec(rounds: int, sites: int) -> RunSpec:
 
 def run_demo(options: DemoOptions) -> int:
     """Run the demo; returns the process exit code."""
+    options.validate()  # and the spec: both before a directory is made
+    spec = demo_spec(options.rounds, options.sites)
+    import torch  # noqa: PLC0415 - after the options are checked
+
+    from fedra.examples import digits  # noqa: PLC0415
+
     torch.set_num_threads(1)
     state_dir = options.state_dir or Path(tempfile.mkdtemp(prefix="fedra-demo-"))
     site_ids = [f"site-{i}" for i in range(options.sites)]
-    spec = demo_spec(options.rounds, options.sites)
     (_, _), (x_test, y_test) = digits.pooled_split(0)
     print(
         f"fedra demo: state in {state_dir} "
@@ -95,6 +119,8 @@ def run_demo(options: DemoOptions) -> int:
 
 
 def _score(state: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+    from fedra.examples import digits  # noqa: PLC0415
+
     model = digits.task.create_model(0, {})
     model.load_state_dict(state)
     return digits.evaluate_on(model, x, y)
@@ -134,6 +160,8 @@ def _finish(
     final: dict[str, float],
     started: float,
 ) -> int:
+    from fedra.examples import digits  # noqa: PLC0415
+
     samples = sum(r["samples_seen"] for r in rounds)
     steps = max(1, math.ceil(samples / spec.train.batch_size))
     baseline_model = digits.train_centralised(

@@ -1,0 +1,245 @@
+"""Bad command-line input: a one-line error naming the option, a non-zero exit, no
+traceback, nothing made or changed, and no coordinator needed (the error comes before
+any connection)."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+
+def fedra_cli(
+    *args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout_s: float = 60.0
+) -> subprocess.CompletedProcess[str]:
+    environ = {k: v for k, v in os.environ.items() if k != "FEDRA_COORDINATOR"}
+    return subprocess.run(
+        [sys.executable, "-m", "fedra", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        stdin=subprocess.DEVNULL,
+        check=False,
+        env={**environ, **(env or {})},
+        cwd=cwd,
+    )
+
+
+def one_line_error(result: subprocess.CompletedProcess[str], expected: str) -> None:
+    """Exit code 2, and stderr is the one line ``fedra: error: <expected>...``."""
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith(f"fedra: error: {expected}"), line
+
+
+@pytest.fixture
+def closed_port() -> Iterator[int]:
+    """A local port that refuses connections: bound (so nobody else takes it), not listening."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield s.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--port", "70000"], "--port: must be from 0 to 65535 (0 picks a free port), got 70000"),
+        (["--port", "-1"], "--port: must be from 0 to 65535"),
+        (["--heartbeat-s", "nan"], "--heartbeat-s: must be a finite number > 0, got nan"),
+        (["--site-timeout-s", "0"], "--site-timeout-s: must be a finite number > 0"),
+        (["--workers", "5"], "--workers: must be from 16 to 4096, got 5"),
+        (["--db", "notaurl"], "--db: Could not parse SQLAlchemy URL"),
+        (["--db", "nosuchdialect://x"], "--db: Can't load plugin"),
+    ],
+)
+def test_coordinator_refuses_bad_flags_before_making_its_state_dir(
+    tmp_path: Path, flags: list[str], expected: str
+) -> None:
+    state = tmp_path / "state"
+    result = fedra_cli("coordinator", "--state-dir", str(state), "--insecure", *flags)
+    one_line_error(result, expected)
+    assert not state.exists()
+
+
+def test_coordinator_names_db_when_its_database_server_does_not_answer(
+    tmp_path: Path, closed_port: int
+) -> None:
+    pytest.importorskip("psycopg")
+    state = tmp_path / "state"
+    url = f"postgresql+psycopg://nobody:secret@127.0.0.1:{closed_port}/x"
+    result = fedra_cli("coordinator", "--state-dir", str(state), "--insecure", "--db", url)
+    one_line_error(result, "--db: (psycopg.OperationalError) ")
+    assert str(closed_port) in result.stderr and "secret" not in result.stderr
+    assert not state.exists()  # no coordinator.json claiming a daemon, no empty folder
+
+
+def test_coordinator_names_db_when_an_existing_state_dir_has_an_unreachable_database(
+    tmp_path: Path, closed_port: int
+) -> None:
+    pytest.importorskip("psycopg")
+    url = f"postgresql+psycopg://nobody@127.0.0.1:{closed_port}/x"
+    result = fedra_cli("coordinator", "--state-dir", str(tmp_path), "--insecure", "--db", url)
+    one_line_error(result, "--db: ")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_coordinator_names_port_when_it_is_taken(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = fedra_cli(
+            "coordinator", "--state-dir", str(tmp_path / "s"), "--insecure", "--port", str(port)
+        )
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert f"fedra: error: --port: cannot listen on 127.0.0.1:{port}" in result.stderr
+    assert not (tmp_path / "s" / "coordinator.json").exists()
+
+
+@pytest.mark.parametrize("round_number", ["-1", str(2**32)])
+def test_export_refuses_a_round_out_of_range(
+    tmp_path: Path, closed_port: int, round_number: str
+) -> None:
+    out = tmp_path / "model.safetensors"
+    result = fedra_cli(
+        "run", "export", "r1", "--out", str(out), "--round", round_number,
+        "--coordinator", f"127.0.0.1:{closed_port}", "--insecure",
+    )  # fmt: skip
+    one_line_error(result, f"--round: must be a round number from 0 to {2**32 - 1}")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("from_round", ["-1", str(2**32)])
+def test_status_refuses_a_from_round_out_of_range(closed_port: int, from_round: str) -> None:
+    result = fedra_cli(
+        "run", "status", "r1", "--from-round", from_round,
+        "--coordinator", f"127.0.0.1:{closed_port}", "--insecure",
+    )  # fmt: skip
+    one_line_error(result, "--from-round: must be a round number from 0")
+
+
+def test_export_checks_the_out_directory_before_connecting(
+    tmp_path: Path, closed_port: int
+) -> None:
+    missing = tmp_path / "missing-dir"
+    address = f"127.0.0.1:{closed_port}"
+    result = fedra_cli(
+        "run", "export", "r1", "--out", str(missing / "model.safetensors"),
+        "--coordinator", address, "--insecure",
+    )  # fmt: skip
+    one_line_error(result, f"--out: directory {missing} does not exist")
+    assert not missing.exists()
+    result = fedra_cli(
+        "run", "export", "r1", "--out", str(tmp_path), "--coordinator", address, "--insecure"
+    )
+    one_line_error(result, f"--out: {tmp_path} is a directory")
+
+
+@pytest.mark.parametrize(
+    ("command", "address"),
+    [
+        (["run", "list"], "127.0.0.1"),
+        (["sites"], "localhost:"),
+        (["run", "cancel", "r1"], ":50051"),
+        (["run", "watch", "r1"], "host:70000"),
+        (["run", "submit", "run.toml"], "h:x"),
+    ],
+)
+def test_admin_commands_need_host_and_port(command: list[str], address: str) -> None:
+    result = fedra_cli(*command, "--coordinator", address, "--insecure")
+    one_line_error(
+        result, f"--coordinator: must be host:port with a port in 1-65535, got {address!r}"
+    )
+
+
+def test_an_ipv6_coordinator_needs_brackets(closed_port: int) -> None:
+    result = fedra_cli("run", "list", "--coordinator", "::1", "--insecure")
+    one_line_error(result, "--coordinator: must be host:port with an IPv6 host in brackets")
+    # In brackets it is taken, and dialled (nothing listens there: refused, not misread).
+    dialled = fedra_cli("run", "list", "--coordinator", f"[::1]:{closed_port}", "--insecure")
+    assert dialled.returncode == 1 and "UNAVAILABLE" in dialled.stderr, dialled.stderr
+    assert "--coordinator" not in dialled.stderr
+
+
+def test_the_coordinator_from_the_environment_is_checked_too() -> None:
+    result = fedra_cli("run", "list", "--insecure", env={"FEDRA_COORDINATOR": "127.0.0.1"})
+    one_line_error(result, "$FEDRA_COORDINATOR: must be host:port")
+
+
+def test_a_sites_coordinator_override_is_checked(tmp_path: Path) -> None:
+    result = fedra_cli(
+        "site", "--config", str(tmp_path / "site.toml"), "--coordinator", "127.0.0.1"
+    )
+    one_line_error(result, "--coordinator: must be host:port")
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--sites", "0"], "--sites: must be from 1 to 32"),
+        (["--rounds", "0"], "--rounds: must be from 1 to 1000000, got 0"),
+        (["--rounds", "-3"], "--rounds: must be from 1"),
+    ],
+)
+def test_demo_names_the_flag_and_makes_no_directory(
+    tmp_path: Path, flags: list[str], expected: str
+) -> None:
+    temp = tmp_path / "tmp"  # where the demo's default state directory would go
+    temp.mkdir()
+    result = fedra_cli("demo", *flags, env={"TMPDIR": str(temp)})
+    one_line_error(result, expected)
+    assert list(temp.iterdir()) == []
+    given = tmp_path / "state"
+    result = fedra_cli("demo", "--state-dir", str(given), *flags, env={"TMPDIR": str(temp)})
+    one_line_error(result, expected)
+    assert not given.exists() and list(temp.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        ({"sites": 33}, "--sites: must be from 1 to 32"),
+        ({"rounds": 1_000_001}, "--rounds: must be from 1 to 1000000"),
+        ({"state_dir": Path(__file__)}, "--state-dir: "),
+    ],
+)
+def test_demo_options_past_their_limits_name_the_flag(
+    options: dict[str, object], expected: str
+) -> None:
+    """In process: a demo that got past these would start a cluster."""
+    from fedra.config import ConfigError
+    from fedra.demo import DemoOptions
+
+    with pytest.raises(ConfigError, match=f"^{re.escape(expected)}"):
+        DemoOptions(**options).validate()  # type: ignore[arg-type]
+
+
+def test_watch_of_a_coordinator_never_reached_says_it_cannot_reach_it(closed_port: int) -> None:
+    address = f"127.0.0.1:{closed_port}"
+    result = fedra_cli(
+        "run", "watch", "r1", "--coordinator", address, "--insecure", "--reconnect-s", "1"
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert all(f"cannot reach the coordinator at {address}" in line for line in lines), lines
+    assert "lost" not in result.stderr
+    assert lines[-1].endswith("giving up")
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--target", "127.0.0.1"], "--target: must be host:port"),
+        (["--target", "127.0.0.1:1", "--listen", "h:port"], "--listen: must be host:port"),
+    ],
+)
+def test_wan_checks_its_addresses(flags: list[str], expected: str) -> None:
+    result = fedra_cli("wan", "--bandwidth-mbit", "1", *flags)
+    one_line_error(result, expected)
