@@ -97,7 +97,10 @@ class Engine:
         self._site_tasks: dict[str, tuple[str, ...]] = {}
         self._last_seen: dict[str, float] = {}
         self._polling: Counter[str] = Counter()
-        self._waiting_others = 0  # waiting calls that are not task polls (waiting_calls)
+        # Waiting calls that are not task polls (waiting_calls), under a lock of their own:
+        # a watch's count may drop wherever its generator is finalised, holding whatever.
+        self._waiting_others = 0
+        self._waiting_lock = threading.Lock()
         self._left: set[str] = set()  # sites that hung up on their poll, not heard from since
         self._crowded_warned_at = -_CROWDED_WARNING_S
         self.downloads = DownloadLedger(store, on_written=self._notify_now)
@@ -269,7 +272,9 @@ class Engine:
         """Calls holding a worker thread while they wait: task polls, secure aggregation
         stage calls and run watches."""
         with self.lock:
-            return sum(self._polling.values()) + self._waiting_others
+            polls = sum(self._polling.values())
+        with self._waiting_lock:
+            return polls + self._waiting_others
 
     def crowded_wait(self, wait_s: float) -> float:
         """How long a call about to wait may: ``wait_s``, or at most CROWDED_POLL_S while
@@ -283,12 +288,12 @@ class Engine:
     @contextmanager
     def waiting(self) -> Iterator[None]:
         """Count a call that is not a task poll among the waiting calls while it waits."""
-        with self.lock:
+        with self._waiting_lock:
             self._waiting_others += 1
         try:
             yield
         finally:
-            with self.lock:
+            with self._waiting_lock:
                 self._waiting_others -= 1
 
     def _warn_crowded(self, limit: int) -> None:

@@ -33,6 +33,7 @@ from fedra.storage.store import InUseError
 log = logging.getLogger("fedra.coordinator")
 DENY_LIST = "revoked.json"  # `fedra revoke` writes it; read on every call
 STATE_LOCK_FILE = "coordinator.lock"  # held by the daemon serving the state directory
+CLAIM_CHECK_S = 10.0  # how often the daemon checks it still holds its database
 # 8 MiB: a site 50 ms away uploads at up to 168 MB/s (1.3 Gbit/s).
 DEFAULT_STREAM_WINDOW_MB = 8.0
 MAX_STREAM_WINDOW_MB = 1024.0  # HTTP/2 windows stop at 2 GiB - 1
@@ -90,9 +91,18 @@ def poll_slots(workers: int) -> int:
     return workers - max(8, workers // 4)
 
 
-def build_engine(config: CoordinatorConfig) -> Engine:
+def build_engine(config: CoordinatorConfig, claim: bool = False) -> Engine:
+    """The engine over the config's database and state directory; with ``claim``, the
+    database is claimed for this process (Store.claim) before its schema is touched."""
     config.state_dir.mkdir(parents=True, exist_ok=True)
-    store = Store(config.database_url)
+    store = Store(config.database_url, migrate=not claim)
+    if claim:
+        try:
+            store.claim()
+            store.upgrade()
+        except BaseException:
+            store.close()
+            raise
     settings = config.engine
     if not settings.waiting_polls:
         settings = replace(settings, waiting_polls=poll_slots(config.max_workers))
@@ -225,21 +235,30 @@ def claim_state_dir(state_dir: Path) -> ProcessLock:
             f"--state-dir {state_dir}: in use by another coordinator{holder}; stop it "
             "first, or give this one another directory"
         ) from None
+    except OSError as exc:  # e.g. a state directory this user may not write
+        raise ConfigError(f"--state-dir {state_dir}: cannot lock it: {exc}") from None
 
 
 def _serve(config: CoordinatorConfig, tls: pki.TlsFiles | None) -> None:
-    engine = build_engine(config)
     try:
-        engine.store.claim()
+        engine = build_engine(config, claim=True)
     except InUseError as exc:
-        engine.store.close()
         raise ConfigError(f"--db {_redact(config.database_url)}: {exc}") from None
-    engine.start()
-    address = f"{config.host}:{config.port}"
-    server, port = create_server(
-        engine, address, config.max_workers, tls, config.deny_list_path, config.stream_window_mb
-    )
-    server.start()
+    server: grpc.Server | None = None
+    try:
+        engine.start()
+        address = f"{config.host}:{config.port}"
+        server, port = create_server(
+            engine, address, config.max_workers, tls, config.deny_list_path,
+            config.stream_window_mb,
+        )  # fmt: skip
+        server.start()
+    except BaseException:  # nothing may drive runs, or hold the database, after this
+        if server is not None:
+            server.stop(0)
+        engine.stop()
+        engine.store.close()
+        raise
     ready = config.state_dir / READY_FILE
     host = config.host if config.host not in ("0.0.0.0", "::", "[::]") else "127.0.0.1"
     _write_ready_file(
@@ -260,11 +279,24 @@ def _serve(config: CoordinatorConfig, tls: pki.TlsFiles | None) -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    lost = False
+    while not stop.wait(CLAIM_CHECK_S):
+        if not engine.store.check_claim():  # another coordinator drives its runs now
+            log.critical(
+                "this coordinator lost its hold on the database (its connection dropped) "
+                "and another coordinator took it: stopping, so that one drives its runs"
+            )
+            lost = True
+            break
     log.info("stopping: finishing in-flight calls (grace %.0f s)", config.grace_s)
     ready.unlink(missing_ok=True)
     shutdown(server, engine, config.grace_s)
     log.info("stopped")
+    if lost:
+        raise ConfigError(
+            f"--db {_redact(config.database_url)}: another coordinator took the database "
+            "while this one's connection was down; this one stopped"
+        )
 
 
 def shutdown(server: grpc.Server, engine: Engine, grace_s: float) -> None:

@@ -40,7 +40,7 @@ def read_run(engine: Engine, run_id: str, since: int, limit: int | None = None) 
 
 # The rounds of one GetRun page, about (a round bigger than this goes alone).
 PAGE_BYTES = 1 << 20
-_FIRST_READ_ROUNDS = 16  # a page reads rounds in batches from this many, doubling
+_FIRST_READ_ROUNDS = 8  # a page's first read; later reads are sized by what it has seen
 _MAX_READ_ROUNDS = 1024
 
 
@@ -54,11 +54,12 @@ def run_page(
     """One page of a run's status: whole rounds from ``first_round`` on, about
     ``page_bytes`` of them (at least one), ``more_rounds_follow`` set if more remain.
 
-    Rounds are read in batches that double in size, so a page costs about what it holds
-    however long the run, and a walk through every page reads each round about once.
+    Rounds are read in batches sized by the rounds read so far to about fill the page,
+    so a page costs about what it holds however long the run and however large its
+    rounds, and a walk through every page reads each round about once.
     """
     status: admin_pb2.RunStatus | None = None
-    size, since, batch = 0, first_round, _FIRST_READ_ROUNDS
+    size, since, batch, read = 0, first_round, _FIRST_READ_ROUNDS, 0
     while True:
         view = read_run(engine, run_id, since, batch)
         if status is None:
@@ -71,8 +72,10 @@ def run_page(
             size += r.ByteSize()
         if not view.more_rounds:
             return status
+        read += len(view.rounds)
         since = view.rounds[-1].number + 1
-        batch = min(2 * batch, _MAX_READ_ROUNDS)
+        per_round = max(1, size // read)
+        batch = max(1, min((page_bytes - size) // per_round + 1, _MAX_READ_ROUNDS))
 
 
 # The rounds of one WatchRun message, at most (one round bigger than this goes alone).

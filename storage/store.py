@@ -7,15 +7,29 @@ and PostgreSQL are both supported through the SQLAlchemy URL.
 from __future__ import annotations
 
 import json
+import os
+import socket
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Integer, Select, bindparam, case, create_engine, event, func, select, update
-from sqlalchemy.engine import Engine
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy import (
+    Integer,
+    Select,
+    bindparam,
+    case,
+    create_engine,
+    event,
+    func,
+    literal,
+    select,
+    text,
+    update,
+)
+from sqlalchemy.engine import Connection, Engine, make_url
+from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from fedra.files import LockHeld, ProcessLock
@@ -71,6 +85,28 @@ def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
 _READ_ONLY = "fedra_read_only"  # the execution option of the Store's read transactions
 
 
+# Who holds the claim: its session's name and address, where this user may see them.
+_CLAIM_HOLDER = text(
+    "SELECT a.application_name, a.client_addr FROM pg_locks l "
+    "JOIN pg_stat_activity a ON a.pid = l.pid "
+    "WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 "
+    "AND l.classid::bigint = :hi AND l.objid::bigint = :lo "
+    "AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+)
+
+
+def _advisory_holder(conn: Connection) -> str:
+    """' (NAME from ADDRESS)' for the session holding the claim; '' if not to be seen."""
+    key = {"hi": (_CLAIM_KEY >> 32) & 0xFFFFFFFF, "lo": _CLAIM_KEY & 0xFFFFFFFF}
+    try:
+        row = conn.execute(_CLAIM_HOLDER, key).first()
+    except DBAPIError:
+        return ""
+    if row is None or not row[0]:
+        return ""
+    return f" ({row[0]} from {row[1]})" if row[1] else f" ({row[0]})"
+
+
 def _sqlite_begin(conn: Any) -> None:
     # A writing transaction takes the write lock up front (IMMEDIATE): it can then never
     # fail to upgrade its lock, and each Store method is really one transaction. A read
@@ -88,7 +124,13 @@ def make_engine(url: str) -> Engine:
         event.listen(engine, "connect", _sqlite_pragmas)
         event.listen(engine, "begin", _sqlite_begin)
         return engine
-    return create_engine(url, pool_pre_ping=True)
+    connect_args: dict[str, Any] = {}
+    if make_url(url).get_driver_name() in ("psycopg", "psycopg2"):
+        # libpq probes an idle connection, so a server that vanished is noticed in about a
+        # minute (a claim's check, a query) instead of hanging on TCP for many minutes.
+        connect_args = {"keepalives": 1, "keepalives_idle": 30, "keepalives_interval": 10,
+                        "keepalives_count": 3}  # fmt: skip
+    return create_engine(url, pool_pre_ping=True, connect_args=connect_args)
 
 
 def _rounds_since(run_id: str, since: int) -> Select[m.Round]:
@@ -152,34 +194,28 @@ class Store:
         # for it, sleeping up to 100 ms between tries: this process's writers queue here
         # instead and go the moment it is free. (PostgreSQL locks rows; no queue there.)
         self._claim: Callable[[], None] | None = None  # lets go of ``claim``'s hold
+        self._claim_conn: Connection | None = None  # PostgreSQL: the one holding it
         self._write_queue: AbstractContextManager[Any] = (
             threading.Lock() if self.engine.dialect.name == "sqlite" else nullcontext()
         )
+
+    def upgrade(self) -> None:
+        """Bring the schema to the newest revision (done at construction unless
+        ``migrate=False``: a coordinator claims the database first)."""
+        upgrade(self.engine)
 
     def claim(self) -> None:
         """Hold the database for this process until ``close``: one coordinator drives a
         database's runs, and a second one started on it raises InUseError instead of
         driving the same runs beside it. PostgreSQL: a session advisory lock on a
-        connection kept for it (the server lets it go if this process dies). SQLite: a
-        lock on a file beside the database file (the kernel lets it go likewise)."""
+        connection kept for it (the server lets it go if this process dies; keepalives
+        bound how long a vanished host keeps it); ``check_claim`` says whether it still
+        holds. SQLite: a lock on a file beside the database file (the kernel lets it go
+        when the process ends)."""
         if self._claim is not None:
             return
         if self.engine.dialect.name == "postgresql":
-            conn = self.engine.connect()
-            try:
-                held = conn.execute(select(func.pg_try_advisory_lock(_CLAIM_KEY))).scalar()
-                conn.commit()  # the lock outlives the transaction; the connection idles
-            except BaseException:
-                conn.close()
-                raise
-            if not held:
-                conn.close()
-                raise InUseError(
-                    "the database is in use by another coordinator (it holds fedra's "
-                    "PostgreSQL advisory lock); stop it first, or give each coordinator "
-                    "its own database"
-                )
-            self._claim = conn.close
+            self._claim_postgres()
         elif self.engine.dialect.name == "sqlite" and self.engine.url.database not in (
             None, "", ":memory:",
         ):  # fmt: skip
@@ -193,6 +229,67 @@ class Store:
                     "or give each coordinator its own database"
                 ) from None
             self._claim = lock.release
+
+    def _claim_postgres(self) -> None:
+        conn = self.engine.connect()
+        try:
+            # Named, so that a refused coordinator can say who holds the lock; and the
+            # server probes the connection, so a host that vanished lets it go in about a
+            # minute, not after the kernel's two hours.
+            who = f"fedra coordinator pid {os.getpid()} on {socket.gethostname()}"
+            for name, value in (
+                ("application_name", who[:63]),
+                ("tcp_keepalives_idle", "30"),
+                ("tcp_keepalives_interval", "10"),
+                ("tcp_keepalives_count", "3"),
+            ):
+                conn.execute(select(func.set_config(name, value, False)))
+            held = conn.execute(select(func.pg_try_advisory_lock(_CLAIM_KEY))).scalar()
+            holder = "" if held else _advisory_holder(conn)
+            conn.commit()  # the lock outlives the transaction; the connection idles
+        except BaseException:
+            conn.close()
+            raise
+        if not held:
+            conn.close()
+            raise InUseError(
+                f"the database is in use by another coordinator{holder} (it holds fedra's "
+                "PostgreSQL advisory lock); stop it first, or give each coordinator its own "
+                "database"
+            )
+        self._claim_conn = conn
+        self._claim = self._release_postgres
+
+    def _release_postgres(self) -> None:
+        conn, self._claim_conn = self._claim_conn, None
+        if conn is not None:
+            with suppress(DBAPIError):  # a connection already lost has let go already
+                conn.close()
+
+    def check_claim(self) -> bool:
+        """Whether this process still holds the database. A PostgreSQL claim whose
+        connection was lost (a server restart, an idle connection dropped on the way) is
+        taken again if no other coordinator took it meanwhile; False if one did. A
+        server that cannot be reached now counts as held: nobody else can use it either,
+        and the next check tries again."""
+        if self.engine.dialect.name != "postgresql" or self._claim is None:
+            return self._claim is not None
+        conn = self._claim_conn
+        if conn is not None:
+            try:
+                conn.execute(select(literal(1)))
+                conn.commit()
+                return True
+            except DBAPIError:
+                self._release_postgres()
+        try:
+            self._claim_postgres()
+        except InUseError:
+            self._claim = None
+            return False
+        except DBAPIError:
+            return True
+        return True
 
     def close(self) -> None:
         if self._claim is not None:

@@ -313,7 +313,7 @@ def test_a_run_watch_counts_among_the_waiting_calls(tmp_path: Path) -> None:
         while c.engine.waiting_calls() > 0:
             assert time.monotonic() < hung_up + 15
             time.sleep(0.01)
-        assert time.monotonic() - hung_up < 3 * HANG_UP_CHECK_S  # not the 10 s watch interval
+        assert time.monotonic() - hung_up < 8 * HANG_UP_CHECK_S  # not the 10 s watch interval
         assert c.engine.crowded_wait(30.0) == 30.0
     finally:
         c.close()

@@ -662,8 +662,9 @@ def test_get_run_pages_a_run_too_long_for_one_reply(
 def test_a_page_reads_rounds_in_batches_until_it_is_full(
     coordinator: InProcessCoordinator,
 ) -> None:
-    """Rounds come in whole and in order across the batches a page reads (16, then 32,
-    ...), and a round larger than the page goes alone."""
+    """Rounds come in whole and in order across the reads of a page (the first of 8
+    rounds, the next sized by what that held), a round larger than the page goes alone,
+    and a page reads little more than it holds."""
     from fedra.coordinator.status import run_page, run_status
     from fedra.runspec import RunSpec
 
@@ -680,6 +681,22 @@ def test_a_page_reads_rounds_in_batches_until_it_is_full(
     assert list(whole.rounds) == list(run_status(coordinator.engine, run_id).rounds)
     one = run_page(coordinator.engine, run_id, False, 17, page_bytes=1)
     assert [r.number for r in one.rounds] == [17] and one.more_rounds_follow
+    reads: list[int | None] = []
+    original = store.read_run
+
+    def _counted(run: str, *, since: int = 0, limit: int | None = None):  # type: ignore[no-untyped-def]
+        reads.append(limit)
+        return original(run, since=since, limit=limit)
+
+    store.read_run = _counted  # type: ignore[method-assign]
+    twelve = sum(r.ByteSize() for r in whole.rounds[20:32])
+    page = run_page(coordinator.engine, run_id, False, 20, page_bytes=twelve)
+    assert [r.number for r in page.rounds] == list(range(20, 32)) and page.more_rounds_follow
+    assert reads == [8, 5]  # 8 rounds, then the 4 more that fit and one to spare
+    reads.clear()
+    assert list(run_page(coordinator.engine, run_id, False, 0).rounds) == list(whole.rounds)
+    assert reads == [8, 1024]
+    store.read_run = original  # type: ignore[method-assign]
     three = sum(r.ByteSize() for r in whole.rounds[30:33])
     some = run_page(coordinator.engine, run_id, False, 30, page_bytes=three)
     assert [r.number for r in some.rounds] == [30, 31, 32] and some.more_rounds_follow

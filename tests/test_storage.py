@@ -1012,3 +1012,108 @@ def test_a_run_that_ends_failed_or_cancelled_ends_its_open_round(run_store: Stor
     run_store.set_run_state("other", "cancelled", "cancelled by an operator", T0 + 3)
     [cancelled] = run_store.list_rounds("other")
     assert (cancelled.state, cancelled.closed_at) == ("cancelled", T0 + 3)
+
+
+def test_a_refused_coordinator_leaves_the_schema_alone(db_url: str, tmp_path: Path) -> None:
+    """The daemon claims its database before it migrates: a second coordinator (a newer
+    fedra, say) refused on a live database has changed nothing in it."""
+    from fedra.coordinator.server import CoordinatorConfig, build_engine
+    from fedra.storage.store import InUseError
+
+    holder = Store(db_url, migrate=False)  # holds the empty database, schema untouched
+    try:
+        holder.claim()
+        config = CoordinatorConfig(state_dir=tmp_path / "second", db_url=db_url, insecure=True)
+        with pytest.raises(InUseError):
+            build_engine(config, claim=True)
+        assert inspect(holder.engine).get_table_names() == []  # no migration ran
+    finally:
+        holder.close()
+    engine = build_engine(config, claim=True)  # free now: claimed, then migrated
+    try:
+        assert "alembic_version" in inspect(engine.store.engine).get_table_names()
+    finally:
+        engine.store.close()
+
+
+@pytest.mark.postgres
+def test_a_claim_whose_connection_dropped_is_taken_again_unless_another_took_it(
+    pg_database_url: str,
+) -> None:
+    """PostgreSQL lets an advisory lock go with its connection (a server restart, an idle
+    connection dropped): the check takes it again if it is free, and says so if another
+    coordinator took it meanwhile; a refused claim names who holds it."""
+    from sqlalchemy.pool import NullPool
+
+    from fedra.storage.store import InUseError
+
+    _reset_postgres(pg_database_url)
+    admin = create_engine(pg_database_url, poolclass=NullPool)
+
+    def drop_claim_connection(store: Store) -> None:
+        assert store._claim_conn is not None
+        pid = store._claim_conn.execute(text("SELECT pg_backend_pid()")).scalar()
+        store._claim_conn.commit()
+        with admin.begin() as conn:
+            assert conn.execute(text("SELECT pg_terminate_backend(:p)"), {"p": pid}).scalar()
+
+    first, second = Store(pg_database_url), Store(pg_database_url)
+    try:
+        first.claim()
+        with pytest.raises(InUseError, match=rf"\(fedra coordinator pid {os.getpid()} on "):
+            second.claim()
+        assert first.check_claim()
+        drop_claim_connection(first)
+        assert first.check_claim()  # free: taken again
+        with pytest.raises(InUseError):
+            second.claim()
+        drop_claim_connection(first)
+        second.claim()  # another coordinator takes it while the first is cut off
+        assert not first.check_claim()
+        assert second.check_claim()
+    finally:
+        first.close()
+        second.close()
+        admin.dispose()
+
+
+def test_upgrading_ends_the_open_rounds_of_ended_runs(db_url: str) -> None:
+    """Runs that ended failed or cancelled before their open round ended with them: the
+    migration ends those rounds in the run's state, and leaves running runs' rounds open."""
+    from alembic import command
+
+    from fedra.storage.migrate import alembic_config
+
+    engine = make_engine(db_url)
+    command.upgrade(alembic_config(engine), "0004")
+    with engine.begin() as conn:
+        for run, state in (("f", "failed"), ("c", "cancelled"), ("r", "running")):
+            conn.execute(
+                text(
+                    "INSERT INTO runs (id, name, task, spec_json, state, reason, "
+                    "rounds_completed, created_at, updated_at) VALUES "
+                    "(:id, :id, 'm:t', '{}', :state, '', 1, 1, 7)"
+                ),
+                {"id": run, "state": state},
+            )
+            for number, round_state in ((0, "committed"), (1, "open")):
+                conn.execute(
+                    text(
+                        "INSERT INTO rounds (run_id, number, attempt, state, sampled_json, "
+                        "opened_at, deadline_at, metrics_json, stages_json, closed_at) VALUES "
+                        "(:id, :n, 1, :s, '[]', 1, 2, '{}', '{}', :closed)"
+                    ),
+                    {"id": run, "n": number, "s": round_state,
+                     "closed": 3.0 if round_state == "committed" else None},
+                )  # fmt: skip
+    engine.dispose()
+    store = Store(db_url)
+    try:
+        ended = {run: [(r.state, r.closed_at) for r in store.list_rounds(run)] for run in "fcr"}
+    finally:
+        store.close()
+    assert ended == {
+        "f": [("committed", 3.0), ("failed", 7.0)],
+        "c": [("committed", 3.0), ("cancelled", 7.0)],
+        "r": [("committed", 3.0), ("open", None)],
+    }
