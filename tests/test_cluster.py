@@ -253,6 +253,44 @@ def test_a_second_coordinator_on_the_same_state_or_database_is_refused(
 
 
 @pytest.mark.postgres
+def test_a_coordinator_that_loses_its_database_to_another_stops(cluster: LocalCluster) -> None:
+    """PostgreSQL drops the daemon's lock connection and another coordinator takes the
+    database meanwhile: the daemon notices at its next check and stops (exit 2), so that
+    one coordinator drives the runs. A second start is refused, naming the holder."""
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.pool import NullPool
+
+    from fedra.storage.store import _CLAIM_KEY
+
+    with postgres_database("fedra_claim") as db_url:
+        cluster.start_coordinator(db_url=db_url, flags=FAST)
+        assert cluster.coordinator is not None
+        refused = fedra_cli(
+            "coordinator", "--state-dir", str(cluster.state_dir.parent / "second"), "--db",
+            db_url, "--insecure", "--port", "0", timeout_s=60,
+        )  # fmt: skip
+        assert refused.returncode == 2, refused.stderr
+        assert f"(fedra coordinator pid {cluster.coordinator.pid} on " in refused.stderr
+        other = create_engine(db_url, poolclass=NullPool)
+        try:
+            with other.connect() as conn:
+                pid = conn.execute(
+                    text("SELECT pid FROM pg_stat_activity WHERE application_name LIKE :name"),
+                    {"name": f"fedra coordinator pid {cluster.coordinator.pid} %"},
+                ).scalar_one()
+                assert conn.execute(text("SELECT pg_terminate_backend(:p)"), {"p": pid}).scalar()
+                # Waits for the lock, and gets it the moment the dropped session lets go.
+                conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": _CLAIM_KEY})
+                conn.commit()
+                rc = cluster.coordinator.popen.wait(60)  # it checks every 10 s
+                assert rc == 2, cluster.coordinator.log_tail()
+                log = cluster.coordinator.log_tail(60)
+                assert "lost its hold on the database" in log, log
+        finally:
+            other.dispose()
+
+
+@pytest.mark.postgres
 def test_a_run_on_postgresql_survives_a_coordinator_kill(cluster: LocalCluster) -> None:
     """The production set-up: the daemon's state in PostgreSQL, killed and restarted."""
     with postgres_database("fedra_e2e") as db_url:
