@@ -455,15 +455,28 @@ class Engine:
         log.info(
             "run %s: submitted (%s, %d rounds, %s)", run_id, spec.task, spec.rounds, spec.strategy
         )
-        with self.lock:
-            if not any(spec.task in tasks for tasks in self._site_tasks.values()):
-                log.warning(
-                    "run %s: no known site serves %s; its rounds wait until one registers",
-                    run_id,
-                    spec.task,
-                )
+        for warning in self.submit_warnings(spec):
+            log.warning("run %s: %s", run_id, warning)
         self._launch(ActiveRun(run_id=run_id, spec=spec, optimizer=ServerOptimizer(spec)))
         return run_id
+
+    def submit_warnings(self, spec: RunSpec) -> list[str]:
+        """Why a run of ``spec`` cannot start yet, from the sites known now (registered
+        at some time, online or not): it is accepted all the same and waits for them."""
+        with self.lock:
+            serving = sum(spec.task in tasks for tasks in self._site_tasks.values())
+        if serving == 0:
+            return [
+                f"no site known to this coordinator allows task {spec.task}: the run waits "
+                "until sites that do are online"
+            ]
+        if spec.asynchronous is None and serving < spec.quorum:
+            return [
+                f"only {serving} known site(s) allow task {spec.task}, fewer than the "
+                f"{spec.quorum} a round needs (min_sites): the run waits until more that do "
+                "are online"
+            ]
+        return []
 
     def cancel(self, run_id: str) -> str:
         record = self.get_run_record(run_id)

@@ -333,7 +333,8 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from exc
         run_id = self.engine.submit(spec)
-        return admin_pb2.SubmitRunResponse(run_id=run_id)
+        warnings = self.engine.submit_warnings(spec)
+        return admin_pb2.SubmitRunResponse(run_id=run_id, warnings=warnings)
 
     @mapped
     def GetRun(self, request: admin_pb2.GetRunRequest, context: Any) -> admin_pb2.RunStatus:

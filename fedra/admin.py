@@ -45,8 +45,12 @@ class AdminClient:
         self.close()
 
     def submit(self, spec: RunSpec) -> str:
+        return self.submit_run(spec).run_id
+
+    def submit_run(self, spec: RunSpec) -> admin_pb2.SubmitRunResponse:
+        """The run id, and the daemon's warnings: why the run cannot start yet, if so."""
         request = admin_pb2.SubmitRunRequest(spec=runspec_to_proto(spec))
-        return self.stub.SubmitRun(request, timeout=self.timeout_s).run_id
+        return self.stub.SubmitRun(request, timeout=self.timeout_s)
 
     def status(self, run_id: str, first_round: int = 0) -> admin_pb2.RunStatus:
         """The run and its rounds from ``first_round`` on, asked for in pages of about

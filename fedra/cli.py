@@ -279,7 +279,10 @@ def _cmd_submit(args: argparse.Namespace) -> int:
     address = _address(args)  # a bad --coordinator before the file's own errors
     spec = runspec_from_toml(load_toml(args.spec))
     with _admin(args, address) as admin:
-        print(admin.submit(spec))
+        submitted = admin.submit_run(spec)
+    print(submitted.run_id)
+    for warning in submitted.warnings:
+        print(f"fedra: warning: {warning}", file=sys.stderr)
     return 0
 
 

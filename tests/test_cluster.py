@@ -125,6 +125,7 @@ def test_full_run_through_the_cli(cluster: LocalCluster, tmp_path: Path) -> None
         str(cluster.state_dir),
     )
     assert submitted.returncode == 0, submitted.stderr
+    assert "warning" not in submitted.stderr  # its sites are there
     run_id = submitted.stdout.strip()
 
     watched = fedra_cli(
@@ -215,6 +216,14 @@ def test_full_run_through_the_cli(cluster: LocalCluster, tmp_path: Path) -> None
         "run", "status", "nope", "--coordinator", address, "--state-dir", str(cluster.state_dir)
     )
     assert bad.returncode == 1 and "NOT_FOUND" in bad.stderr and "nope" in bad.stderr
+
+    unserved = tmp_path / "unserved.toml"
+    unserved.write_text('task = "pkg.mod:nobody"\nrounds = 1\n')
+    waiting = fedra_cli("run", "submit", str(unserved), "--state-dir", str(cluster.state_dir))
+    assert waiting.returncode == 0 and waiting.stdout.strip(), waiting.stderr
+    assert "fedra: warning: no site known to this coordinator allows task pkg.mod:nobody" in (
+        waiting.stderr
+    )
 
 
 def test_a_second_coordinator_on_the_same_state_or_database_is_refused(

@@ -762,3 +762,32 @@ def test_a_round_commits_only_once_its_downloads_are_counted(
         store.mark_downloaded_many = original  # type: ignore[method-assign]
     assert r1.stages["distribute_s"] > 0
     assert all(p.bytes_down > 0 and p.download_s > 0 for p in r1.participations)
+
+
+def test_a_run_no_known_site_can_serve_is_accepted_with_a_warning(
+    coordinator: InProcessCoordinator,
+) -> None:
+    """Accepted (sites may come later), but the submitter is told why it cannot start."""
+
+    def warnings(sites_per_round: int = 1, min_sites: int = 0) -> list[str]:
+        from fedra.protos.serde import runspec_to_proto
+        from fedra.runspec import RunSpec
+
+        spec = RunSpec(task=TASK, rounds=1, sites_per_round=sites_per_round, min_sites=min_sites)
+        request = admin_pb2.SubmitRunRequest(spec=runspec_to_proto(spec))
+        reply = coordinator.admin.SubmitRun(request, timeout=10)
+        assert reply.run_id
+        return list(reply.warnings)
+
+    assert warnings() == [
+        f"no site known to this coordinator allows task {TASK}: the run waits until sites "
+        "that do are online"
+    ]
+    register(coordinator, SITES[0])
+    assert warnings(sites_per_round=2) == [
+        f"only 1 known site(s) allow task {TASK}, fewer than the 2 a round needs (min_sites): "
+        "the run waits until more that do are online"
+    ]
+    assert warnings(sites_per_round=2, min_sites=1) == []
+    register(coordinator, *SITES[1:])
+    assert warnings(sites_per_round=3) == []
