@@ -102,6 +102,7 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
 
     from fedra.coordinator.engine import EngineSettings
     from fedra.coordinator.server import STATE_LOCK_FILE, CoordinatorConfig, serve
+    from fedra.storage.migrate import SchemaTooNew
 
     settings = EngineSettings(
         heartbeat_interval_s=args.heartbeat_s,
@@ -130,6 +131,9 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
                 config.state_dir.rmdir()
         name = "--db" if args.db else f"--state-dir: database {config.database_url}"
         raise ConfigError(f"{name}: {_first_line(exc)}") from None
+    except SchemaTooNew as exc:
+        name = "--db" if args.db else f"--state-dir: database {config.database_url}"
+        raise ConfigError(f"{name}: {exc}") from None
     except RuntimeError as exc:  # grpc: the port is taken, or the host is not this machine's
         if not str(exc).startswith("Failed to bind"):
             raise
@@ -691,6 +695,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _hint(args: argparse.Namespace, exc: grpc.RpcError) -> str:
+    """What to try when a plaintext client meets a TLS daemon: gRPC only says the
+    connection closed."""
+    plaintext = getattr(args, "insecure", False)
+    closed = "Socket closed" in (exc.details() or "")
+    if plaintext and exc.code() == grpc.StatusCode.UNAVAILABLE and closed:
+        return (
+            " (a coordinator serving mutual TLS closes plaintext connections: give an admin "
+            "--tls-dir instead of --insecure)"
+        )
+    return ""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _setup_logging(args.log_level)
@@ -701,7 +718,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"fedra: error: {exc}", file=sys.stderr)
         return 2
     except grpc.RpcError as exc:
-        print(f"fedra: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        print(f"fedra: {exc.code().name}: {exc.details()}{_hint(args, exc)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

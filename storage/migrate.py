@@ -17,6 +17,10 @@ from sqlalchemy.engine import Engine
 _SCRIPTS = Path(__file__).with_name("migrations")
 
 
+class SchemaTooNew(RuntimeError):
+    """The database was written by a newer fedra: its schema is not guessed at."""
+
+
 def alembic_config(engine: Engine) -> Config:
     cfg = Config()
     cfg.set_main_option("script_location", str(_SCRIPTS))
@@ -40,7 +44,7 @@ def upgrade(engine: Engine) -> None:
     known = {s.revision for s in ScriptDirectory(str(_SCRIPTS)).walk_revisions()}
     current = current_revision(engine)
     if current is not None and current not in known:
-        raise RuntimeError(
+        raise SchemaTooNew(
             f"database schema revision {current!r} is newer than this fedra understands; "
             "upgrade fedra"
         )

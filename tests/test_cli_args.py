@@ -243,3 +243,20 @@ def test_watch_of_a_coordinator_never_reached_says_it_cannot_reach_it(closed_por
 def test_wan_checks_its_addresses(flags: list[str], expected: str) -> None:
     result = fedra_cli("wan", "--bandwidth-mbit", "1", *flags)
     one_line_error(result, expected)
+
+
+def test_coordinator_names_a_database_a_newer_fedra_wrote(tmp_path: Path) -> None:
+    from sqlalchemy import text
+
+    from fedra.storage import Store
+
+    state = tmp_path / "state"
+    state.mkdir()
+    store = Store(f"sqlite:///{state / 'fedra.db'}")
+    with store.engine.begin() as conn:
+        conn.execute(text("UPDATE alembic_version SET version_num = '9999_future'"))
+    store.close()
+    result = fedra_cli("coordinator", "--state-dir", str(state), "--insecure", "--port", "0")
+    one_line_error(result, "--state-dir: database sqlite:///")
+    assert "'9999_future' is newer than this fedra understands" in result.stderr
+    assert not (state / "coordinator.json").exists()

@@ -408,3 +408,17 @@ def test_the_daemon_refuses_a_certificate_that_is_not_a_coordinators(tmp_path: P
         started.stderr
     )
     assert not (tmp_path / "state" / "coordinator.json").exists()
+
+
+def test_a_plaintext_admin_is_told_the_coordinator_serves_tls(secure: SecureCoordinator) -> None:
+    """gRPC says only that the socket closed: the CLI says what to change."""
+    import subprocess
+    import sys
+
+    refused = subprocess.run(
+        [sys.executable, "-m", "fedra", "sites", "--coordinator", secure.address, "--insecure"],
+        capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL, check=False,
+    )  # fmt: skip
+    assert refused.returncode == 1, refused.stderr
+    assert "UNAVAILABLE" in refused.stderr
+    assert "give an admin --tls-dir instead of --insecure" in refused.stderr, refused.stderr
