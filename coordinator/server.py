@@ -230,9 +230,8 @@ def claim_state_dir(state_dir: Path) -> ProcessLock:
     try:
         return ProcessLock(state_dir / STATE_LOCK_FILE)
     except LockHeld as exc:
-        holder = f" (pid {exc.holder})" if exc.holder else ""
         raise ConfigError(
-            f"--state-dir {state_dir}: in use by another coordinator{holder}; stop it "
+            f"--state-dir {state_dir}: in use by another coordinator{exc.who}; stop it "
             "first, or give this one another directory"
         ) from None
     except OSError as exc:  # e.g. a state directory this user may not write

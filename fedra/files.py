@@ -45,6 +45,11 @@ class LockHeld(Exception):
         super().__init__(f"{path} is locked by {f'pid {holder}' if holder else 'another process'}")
         self.path, self.holder = path, holder
 
+    @property
+    def who(self) -> str:
+        """' (pid N)', or '' when the holder wrote none yet: for messages."""
+        return f" (pid {self.holder})" if self.holder else ""
+
 
 class ProcessLock:
     """An exclusive lock on ``path`` for as long as this process holds it open.

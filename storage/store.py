@@ -223,9 +223,8 @@ class Store:
             try:
                 lock = ProcessLock(path)
             except LockHeld as exc:
-                holder = f" (pid {exc.holder})" if exc.holder else ""
                 raise InUseError(
-                    f"the database is in use by another coordinator{holder}; stop it first, "
+                    f"the database is in use by another coordinator{exc.who}; stop it first, "
                     "or give each coordinator its own database"
                 ) from None
             self._claim = lock.release

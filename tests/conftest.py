@@ -4,6 +4,8 @@ of real processes started through the CLI."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -50,6 +52,24 @@ class InProcessCoordinator:
     def close(self) -> None:
         self.channel.close()
         shutdown(self.server, self.engine, grace_s=0)
+
+
+def fedra_cli(
+    *args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout_s: float = 120.0
+) -> subprocess.CompletedProcess[str]:
+    """``python -m fedra ARGS`` in a subprocess (no stdin, bounded), its output captured;
+    an inherited $FEDRA_COORDINATOR is dropped, so only what a test gives counts."""
+    environ = {k: v for k, v in os.environ.items() if k != "FEDRA_COORDINATOR"}
+    return subprocess.run(
+        [sys.executable, "-m", "fedra", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        stdin=subprocess.DEVNULL,
+        check=False,
+        env={**environ, **(env or {})},
+        cwd=cwd,
+    )
 
 
 PG_URL = os.environ.get(

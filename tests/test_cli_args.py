@@ -4,31 +4,15 @@ any connection)."""
 
 from __future__ import annotations
 
-import os
 import re
 import socket
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-
-def fedra_cli(
-    *args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout_s: float = 60.0
-) -> subprocess.CompletedProcess[str]:
-    environ = {k: v for k, v in os.environ.items() if k != "FEDRA_COORDINATOR"}
-    return subprocess.run(
-        [sys.executable, "-m", "fedra", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        stdin=subprocess.DEVNULL,
-        check=False,
-        env={**environ, **(env or {})},
-        cwd=cwd,
-    )
+from tests.conftest import fedra_cli
 
 
 def one_line_error(result: subprocess.CompletedProcess[str], expected: str) -> None:

@@ -21,7 +21,7 @@ from fedra.local import LocalCluster
 from fedra.protos.v1 import admin_pb2
 from fedra.runspec import CodecSpec, RunSpec, TrainSpec
 from fedra.storage import Store
-from tests.conftest import postgres_database
+from tests.conftest import fedra_cli, postgres_database
 
 pytestmark = pytest.mark.multiprocess
 
@@ -91,17 +91,6 @@ def kill_and_restart_coordinator(
     cluster.coordinator.signal(signal.SIGKILL)
     assert cluster.coordinator.popen.wait(30) == -signal.SIGKILL
     cluster.start_coordinator(port=port, db_url=db_url, flags=FAST)
-
-
-def fedra_cli(*args: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "fedra", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        stdin=subprocess.DEVNULL,
-        check=False,
-    )
 
 
 def test_full_run_through_the_cli(cluster: LocalCluster, tmp_path: Path) -> None:
