@@ -381,7 +381,7 @@ def test_round_without_quorum_is_retried_then_the_run_fails_with_the_reason(
     assert "round 0 attempt 2: 0 of the 1 required updates" in status.reason
     assert "gave up after 2 attempts" in status.reason
     (r0,) = status.rounds
-    assert r0.status == "open" and r0.attempt == 2
+    assert r0.status == "failed" and r0.attempt == 2 and r0.closed_unix_s > 0  # ended with it
     assert [p.attempt for p in r0.participations] == [1, 2]
     assert {p.status for p in r0.participations} == {"expired"}
     # Nothing is left for the sites to do.
