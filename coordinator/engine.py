@@ -442,8 +442,9 @@ class Engine:
 
     # -- admin -----------------------------------------------------------------
 
-    def submit(self, spec: RunSpec) -> str:
-        """Validate and persist a run, then start driving it."""
+    def submit(self, spec: RunSpec) -> tuple[str, list[str]]:
+        """Validate and persist a run, then start driving it; returns its id and why it
+        cannot start yet, if so (``submit_warnings``)."""
         try:
             spec.validate()
         except ValueError as exc:
@@ -455,10 +456,11 @@ class Engine:
         log.info(
             "run %s: submitted (%s, %d rounds, %s)", run_id, spec.task, spec.rounds, spec.strategy
         )
-        for warning in self.submit_warnings(spec):
+        warnings = self.submit_warnings(spec)
+        for warning in warnings:
             log.warning("run %s: %s", run_id, warning)
         self._launch(ActiveRun(run_id=run_id, spec=spec, optimizer=ServerOptimizer(spec)))
-        return run_id
+        return run_id, warnings
 
     def submit_warnings(self, spec: RunSpec) -> list[str]:
         """Why a run of ``spec`` cannot start yet, from the sites known now (registered

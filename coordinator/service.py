@@ -332,8 +332,7 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
             spec = runspec_from_proto(request.spec)
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from exc
-        run_id = self.engine.submit(spec)
-        warnings = self.engine.submit_warnings(spec)
+        run_id, warnings = self.engine.submit(spec)
         return admin_pb2.SubmitRunResponse(run_id=run_id, warnings=warnings)
 
     @mapped

@@ -60,6 +60,10 @@ class NotFoundError(KeyError):
 ENDED_ROUND_STATES = ("failed", "cancelled")
 
 
+def _nothing_to_release() -> None:
+    pass
+
+
 class InUseError(Exception):
     """Another coordinator holds the database (``Store.claim``)."""
 
@@ -228,6 +232,8 @@ class Store:
                     "or give each coordinator its own database"
                 ) from None
             self._claim = lock.release
+        else:  # no way to hold it here (an in-memory database, another server): trusted
+            self._claim = _nothing_to_release
 
     def _claim_postgres(self) -> None:
         conn = self.engine.connect()
