@@ -37,16 +37,21 @@ class WeightedSum:
     def add_pieces(self, pieces: Iterable[TensorPiece | SparsePiece], weight: float) -> None:
         """Fold pieces of one update (dense runs, or top-k entries) in with ``weight``.
 
-        Pieces are only read: they may be views of the spooled bytes."""
+        Pieces are only read: they may be views of the spooled bytes, and none is held
+        while the next is made (a view keeps its whole block alive)."""
         for piece in pieces:
-            acc = self.sums.get(piece.name)
-            if acc is None:  # integer buffers are not averaged; they keep the global value
-                continue
-            if isinstance(piece, SparsePiece):
-                acc.index_add_(0, piece.indices, piece.values.to(acc.dtype), alpha=weight)
-                continue
-            end = piece.offset + piece.values.numel()
-            acc[piece.offset : end].add_(piece.values.to(acc.dtype), alpha=weight)
+            self._add(piece, weight)
+            del piece
+
+    def _add(self, piece: TensorPiece | SparsePiece, weight: float) -> None:
+        acc = self.sums.get(piece.name)
+        if acc is None:  # integer buffers are not averaged; they keep the global value
+            return
+        if isinstance(piece, SparsePiece):
+            acc.index_add_(0, piece.indices, piece.values.to(acc.dtype), alpha=weight)
+            return
+        end = piece.offset + piece.values.numel()
+        acc[piece.offset : end].add_(piece.values.to(acc.dtype), alpha=weight)
 
     def finish_update(self, weight: float) -> None:
         """Count one complete update of ``weight`` (call after all its pieces)."""

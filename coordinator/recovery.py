@@ -38,7 +38,6 @@ def restore_run(engine: Engine, record: RunRecord) -> ActiveRun | None:
     the run cannot safely go on (it is then recorded as failed, with the reason)."""
     spec = RunSpec.from_json(record.spec_json)
     run = ActiveRun(run_id=record.id, spec=spec, optimizer=ServerOptimizer(spec))
-    chunk = engine.settings.chunk_bytes
     ckpt = engine.store.latest_checkpoint(record.id)
     if ckpt is not None:
         # The model itself stays in its blob (a commit streams it: rounds.stepped_model),
@@ -61,7 +60,7 @@ def restore_run(engine: Engine, record: RunRecord) -> ActiveRun | None:
         run.model_sha256, run.model_bytes = ckpt.model_sha256, ckpt.model_bytes
         run.next_round = ckpt.round_number + 1
         if ckpt.optimizer_sha256:
-            state = decode_chunks(engine.models.read_chunks(ckpt.optimizer_sha256, chunk))
+            state = decode_chunks(engine.models.read_chunks(ckpt.optimizer_sha256))
             rdp = state.pop(ACCOUNTANT_KEY, None)
             if rdp is not None:
                 run.accountant = RdpAccountant.from_tensor(rdp)
@@ -91,7 +90,7 @@ def verified_specs(engine: Engine, digest: str) -> dict[str, TensorSpec]:
     """The specs of model blob ``digest``, after checking its structure and SHA-256."""
     decoder = StreamDecoder(copy=False)
     hasher = hashlib.sha256()
-    for chunk in engine.models.read_chunks(digest, engine.settings.chunk_bytes):
+    for chunk in engine.models.read_chunks(digest):
         hasher.update(chunk)
         decoder.feed(chunk)
     decoder.finish()

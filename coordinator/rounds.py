@@ -35,6 +35,7 @@ from fedra.protos.codec import (
 )
 from fedra.protos.compression import Compressor, apply_step, floating_layout, unflatten_update
 from fedra.secagg import SecAggError
+from fedra.storage.blobs import BLOCK_BYTES
 from fedra.storage.records import CheckpointRecord, ParticipationRecord
 
 if TYPE_CHECKING:
@@ -265,9 +266,7 @@ class RoundDriver:
         delta_sha, residual = "", dict[str, torch.Tensor]()
         if number == INIT_ROUND:
             assert run.init_sha256 is not None
-            model = decode_chunks(
-                engine.updates.read_chunks(run.init_sha256, engine.settings.chunk_bytes)
-            )
+            model = decode_chunks(engine.updates.read_chunks(run.init_sha256))
         else:
             try:
                 mean, count = self._mean_update()
@@ -296,7 +295,7 @@ class RoundDriver:
                     self._finish("failed", f"round {number}: compressing the download: {exc}")
                     return False
                 delta_sha = engine.models.put_chunks(encode_chunks(step))
-        model_sha = engine.models.put_chunks(encode_chunks(model, engine.settings.chunk_bytes))
+        model_sha = engine.models.put_chunks(encode_chunks(model, BLOCK_BYTES))
         opt_state = run.optimizer.state_dict()
         if delta_sha:  # the server's error feedback is part of the checkpoint too
             opt_state.update({RESIDUAL_PREFIX + k: v for k, v in residual.items()})
@@ -349,13 +348,13 @@ class RoundDriver:
     def _committed_model(self) -> dict[str, torch.Tensor]:
         """The last committed global model, read back from its blob."""
         run, engine = self.run_state, self.engine
-        chunks = engine.models.read_chunks(run.model_sha256, engine.settings.chunk_bytes)
+        chunks = engine.models.read_chunks(run.model_sha256)
         return decode_chunks(chunks, run.model_specs)
 
     def _stepped_model(self, mean: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         run, engine = self.run_state, self.engine
         assert run.model_specs is not None
-        chunks = engine.models.read_chunks(run.model_sha256, engine.settings.chunk_bytes)
+        chunks = engine.models.read_chunks(run.model_sha256)
         return stepped_model(chunks, run.model_specs, run.optimizer, mean)
 
     def _carry_on(self) -> list[str]:

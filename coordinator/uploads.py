@@ -370,8 +370,9 @@ def _dense_pieces(engine: Engine, run: ActiveRun, digest: str) -> Iterator[Piece
     codec = run.spec.codec
     decoder = StreamDecoder(compressed_specs(run.model_specs, codec), copy=False)
     dense = StreamingDecompressor(run.model_specs, codec)
-    for chunk in engine.updates.read_chunks(digest, engine.settings.chunk_bytes):
+    for chunk in engine.updates.read_chunks(digest):
         yield from dense.feed(decoder.feed(chunk))
+        del chunk  # not held while the next block is read
     decoder.finish()
     dense.finish()
 
@@ -382,9 +383,10 @@ def _masked_pieces(
     """(offset, values in [0, 2**32)) runs of a spooled masked update."""
     assert run.model_specs is not None
     decoder = StreamDecoder(compressed_specs(run.model_specs, CodecSpec("secagg")), copy=False)
-    for chunk in engine.updates.read_chunks(digest, engine.settings.chunk_bytes):
+    for chunk in engine.updates.read_chunks(digest):
         for piece in decoder.feed(chunk):
             yield piece.offset, from_wire_u32(piece.values)
+        del chunk
     decoder.finish()
 
 

@@ -16,6 +16,10 @@ from pathlib import Path
 from fedra.files import fsync_dir
 
 _HEX = frozenset("0123456789abcdef")
+# Reads of the store's own files go in blocks of this size: large enough that a read costs
+# little more than its copy, small enough that a reader (a fold, a commit) holds 256 KiB, not
+# megabytes, and the allocator reuses the same few blocks instead of keeping large ones.
+BLOCK_BYTES = 256 * 1024
 
 
 class BlobNotFoundError(KeyError):
@@ -57,6 +61,7 @@ class BlobStore:
         with self.writer() as w:
             for chunk in chunks:
                 w.write(chunk)
+                del chunk  # not held while the next one is made
             return w.commit(expected_digest)
 
     def put(self, data: bytes) -> str:
@@ -67,7 +72,10 @@ class BlobStore:
         return BlobWriter(self)
 
     def read_chunks(
-        self, digest: str, chunk_bytes: int, frame: Callable[[int], bytes] | None = None
+        self,
+        digest: str,
+        chunk_bytes: int = BLOCK_BYTES,
+        frame: Callable[[int], bytes] | None = None,
     ) -> Iterator[bytes]:
         """The blob in ``chunk_bytes`` pieces; with ``frame``, each led by ``frame(len)``.
 
