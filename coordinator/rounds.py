@@ -560,15 +560,31 @@ def _shorten(text: str, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+# Metrics that count something (samples, steps, tokens) add up over the sites; a mean of
+# them would say how much an average site did, not how much the round did.
+COUNT_METRICS = frozenset({"samples_seen", "steps", "tokens"})
+COUNT_SUFFIXES = ("_count", "_total")
+
+
+def is_count_metric(name: str) -> bool:
+    return name in COUNT_METRICS or name.endswith(COUNT_SUFFIXES)
+
+
 def weighted_metrics(parts: list[ParticipationRecord]) -> dict[str, float]:
-    """Sample-weighted mean of each metric over the sites that reported it."""
+    """Each metric over the sites that reported it: counts (``is_count_metric``) summed,
+    the rest (losses, accuracies, timings) as the sample-weighted mean."""
     sums: dict[str, float] = {}
     weights: dict[str, float] = {}
+    totals: dict[str, float] = {}
     for p in parts:
         for key, value in p.metrics.items():
+            if is_count_metric(key):
+                totals[key] = totals.get(key, 0.0) + value
+                continue
             sums[key] = sums.get(key, 0.0) + value * p.num_samples
             weights[key] = weights.get(key, 0.0) + p.num_samples
-    return {k: sums[k] / weights[k] for k in sorted(sums) if weights[k] > 0}
+    means = {k: sums[k] / weights[k] for k in sums if weights[k] > 0}
+    return dict(sorted({**means, **totals}.items()))
 
 
 def _summary(parts: list[ParticipationRecord], metrics: dict[str, float]) -> str:

@@ -14,7 +14,7 @@ import torch
 from torch.testing import assert_close
 
 from fedra.coordinator.aggregation import ServerOptimizer, WeightedSum, accumulation_dtype
-from fedra.coordinator.rounds import stepped_model, weighted_metrics
+from fedra.coordinator.rounds import is_count_metric, stepped_model, weighted_metrics
 from fedra.protos.codec import StreamDecoder, decode, encode, encode_chunks, spec_of
 from fedra.runspec import STRATEGY_PARAMS, RunSpec
 from fedra.storage.records import ParticipationRecord
@@ -406,6 +406,22 @@ def test_weighted_metrics_average_over_reporting_sites_only() -> None:
         "loss": pytest.approx((10 * 1.0 + 30 * 2.0 + 60 * 0.5) / 100),
     }
     assert list(metrics) == sorted(metrics)
+
+
+def test_counts_add_up_over_the_sites_instead_of_being_averaged() -> None:
+    parts = [
+        _part("a", 10, {"loss": 1.0, "samples_seen": 50.0, "batch_count": 5.0}),
+        _part("b", 30, {"loss": 2.0, "samples_seen": 150.0, "tokens_total": 7.0}),
+        _part("c", 0, {"samples_seen": 0.0, "steps": 3.0}),
+    ]
+    assert weighted_metrics(parts) == {
+        "batch_count": 5.0,
+        "loss": pytest.approx((10 * 1.0 + 30 * 2.0) / 40),
+        "samples_seen": 200.0,
+        "steps": 3.0,
+        "tokens_total": 7.0,
+    }
+    assert is_count_metric("samples_seen") and not is_count_metric("train_loss")
 
 
 def test_weighted_metrics_edge_cases() -> None:

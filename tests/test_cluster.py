@@ -149,6 +149,9 @@ def test_full_run_through_the_cli(cluster: LocalCluster, tmp_path: Path) -> None
     assert all(r["updates"] == 3 for r in rounds[1:])
     # The global model learns: its accuracy on the sites' held-out data goes up.
     assert rounds[4]["metrics"]["eval_accuracy"] > rounds[1]["metrics"]["eval_accuracy"] + 0.3
+    for r in rounds[1:]:  # a count adds up over the sites; a loss is their weighted mean
+        seen = [p["metrics"]["samples_seen"] for p in r["participations"]]
+        assert r["metrics"]["samples_seen"] == sum(seen) > max(seen), r
     assert all(int(r["bytes_up"]) > 0 for r in rounds[1:])
     # Round 1's model is the initial one: each site rebuilt it from the seed (same SHA-256)
     # instead of downloading it; later rounds download the new global model.

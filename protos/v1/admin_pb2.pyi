@@ -450,7 +450,7 @@ class RoundStatus(_message.Message):
     def sampled_sites(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
     def metrics(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
-        """sample-weighted means of the sites' metrics"""
+        """The sites' metrics: counts (samples_seen, *_count, ...) summed, the rest sample-weighted means."""
 
     @_builtins.property
     def participations(self) -> _containers.RepeatedCompositeFieldContainer[Global___Participation]: ...
