@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from fedra.storage import Store
+from fedra.storage.store import ClaimLostError
 
 log = logging.getLogger("fedra.coordinator")
 _RETRY_DELAYS_S = (0.1, 0.5, 2.0)  # a failed write is tried again after these, then dropped
@@ -130,6 +131,10 @@ class DownloadLedger:
             try:
                 missing = self.store.mark_downloaded_many(rows)
                 break
+            except ClaimLostError:  # no retry: the database is another coordinator's now
+                why = "the database is another coordinator's now"
+                log.warning("%d finished downloads not recorded: %s", len(batch), why)
+                return
             except Exception:  # the database is away for a moment: try again, then give up
                 if delay is None or self._stopped.is_set():
                     log.exception(

@@ -129,7 +129,7 @@ class Engine:
         for thread in list(self._drivers.values()):
             thread.join(timeout_s)
         self.downloads.close(timeout_s)
-        if self._last_seen:
+        if self._last_seen and not self.store.fenced:  # fenced: the sites are another's now
             self.store.touch_sites(dict(self._last_seen))
 
     def _launch(self, run: ActiveRun) -> None:

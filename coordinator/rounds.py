@@ -37,6 +37,7 @@ from fedra.protos.compression import Compressor, apply_step, floating_layout, un
 from fedra.secagg import SecAggError
 from fedra.storage.blobs import BLOCK_BYTES
 from fedra.storage.records import CheckpointRecord, ParticipationRecord
+from fedra.storage.store import ClaimLostError
 
 if TYPE_CHECKING:
     from fedra.coordinator.engine import Engine
@@ -77,6 +78,9 @@ class RoundDriver:
         try:
             while self._step():
                 pass
+        except ClaimLostError:  # the run is the other coordinator's to drive now
+            log.warning("%s: stopped driving it: another coordinator took the database", self.tag)
+            self._forget()
         except Exception as exc:  # a bug must fail the run visibly, not hang it
             log.exception("%s: driver crashed", self.tag)
             try:

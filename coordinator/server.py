@@ -287,9 +287,11 @@ def _serve(config: CoordinatorConfig, tls: pki.TlsFiles | None) -> None:
             )
             lost = True
             break
-    log.info("stopping: finishing in-flight calls (grace %.0f s)", config.grace_s)
+    # Lost: in-flight calls end now (their writes would be refused); sites retry elsewhere.
+    grace_s = 0.0 if lost else config.grace_s
+    log.info("stopping: finishing in-flight calls (grace %.0f s)", grace_s)
     ready.unlink(missing_ok=True)
-    shutdown(server, engine, config.grace_s)
+    shutdown(server, engine, grace_s)
     log.info("stopped")
     if lost:
         raise ConfigError(

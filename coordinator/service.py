@@ -35,6 +35,7 @@ from fedra.protos.serde import (
     train_to_proto,
 )
 from fedra.protos.v1 import admin_pb2, admin_pb2_grpc, site_pb2, site_pb2_grpc
+from fedra.storage.store import ClaimLostError
 
 log = logging.getLogger("fedra.coordinator")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -63,6 +64,13 @@ def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
             context.peer(),
         )
         context.abort(grpc.StatusCode.CANCELLED, "the call ended before its request stream")
+    if isinstance(exc, ClaimLostError):  # stopping: the database is another coordinator's
+        log.info("refused a call from %s: %s", context.peer(), exc)
+        context.abort(
+            grpc.StatusCode.UNAVAILABLE,
+            "this coordinator no longer holds its database (another coordinator took it) "
+            "and is stopping: try again",
+        )
     if isinstance(exc, FedraError):
         code = _STATUS.get(type(exc), grpc.StatusCode.INVALID_ARGUMENT)
         level = logging.WARNING if code in _LOUD else logging.INFO

@@ -68,6 +68,11 @@ class InUseError(Exception):
     """Another coordinator holds the database (``Store.claim``)."""
 
 
+class ClaimLostError(Exception):
+    """Another coordinator took the database while this one's hold was down
+    (``Store.check_claim``): this store writes nothing more."""
+
+
 # The PostgreSQL advisory lock a coordinator holds on its database: b"fedra-co" as an int.
 _CLAIM_KEY = int.from_bytes(b"fedra-co", "big", signed=True)
 
@@ -199,6 +204,7 @@ class Store:
         # instead and go the moment it is free. (PostgreSQL locks rows; no queue there.)
         self._claim: Callable[[], None] | None = None  # lets go of ``claim``'s hold
         self._claim_conn: Connection | None = None  # PostgreSQL: the one holding it
+        self._fenced = False  # another coordinator took the database: no more writes
         self._write_queue: AbstractContextManager[Any] = (
             threading.Lock() if self.engine.dialect.name == "sqlite" else nullcontext()
         )
@@ -291,10 +297,18 @@ class Store:
             self._claim_postgres()
         except InUseError:
             self._claim = None
+            self._fenced = True  # its runs are the other coordinator's to write now
             return False
         except DBAPIError:
             return True
         return True
+
+    @property
+    def fenced(self) -> bool:
+        """Whether ``check_claim`` found the database taken by another coordinator: every
+        write then raises ClaimLostError, so nothing this process still has under way
+        (a commit, an accepted upload, its shutdown) lands beside the other's."""
+        return self._fenced
 
     def close(self) -> None:
         if self._claim is not None:
@@ -305,6 +319,11 @@ class Store:
     @contextmanager
     def _tx(self) -> Iterator[Session]:
         """One writing transaction."""
+        if self._fenced:
+            raise ClaimLostError(
+                "another coordinator took the database while this one's hold on it was "
+                "down; this one writes nothing more"
+            )
         with self._write_queue, self._sessions.begin() as session:
             yield session
 

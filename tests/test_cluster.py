@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -257,14 +258,30 @@ def test_a_second_coordinator_on_the_same_state_or_database_is_refused(
 def test_a_coordinator_that_loses_its_database_to_another_stops(cluster: LocalCluster) -> None:
     """PostgreSQL drops the daemon's lock connection and another coordinator takes the
     database meanwhile: the daemon notices at its next check and stops (exit 2), so that
-    one coordinator drives the runs. A second start is refused, naming the holder."""
+    one coordinator drives the runs, and writes nothing more, its shutdown included (its
+    run stays running for the other one). A second start is refused, naming the holder."""
     from sqlalchemy import create_engine, text
     from sqlalchemy.pool import NullPool
 
     from fedra.storage.store import _CLAIM_KEY
 
+    def written(conn: Any) -> dict[str, list[Any]]:
+        queries = {
+            "runs": "SELECT id, state, reason FROM runs",
+            "rounds": "SELECT number, attempt, state, closed_at FROM rounds",
+            "participations": "SELECT task_id, state, bytes_down, bytes_up FROM participations",
+            "checkpoints": "SELECT round_number, model_sha256 FROM checkpoints",
+            "sites": "SELECT id, last_seen_at FROM sites",
+            "events": "SELECT count(*) FROM events",
+        }
+        rows = {k: sorted(conn.execute(text(q)).all()) for k, q in queries.items()}
+        conn.commit()
+        return rows
+
     with postgres_database("fedra_claim") as db_url:
-        cluster.start_coordinator(db_url=db_url, flags=FAST)
+        # Sites are paused below for up to a claim check (10 s): not silent for that long.
+        flags = ["--heartbeat-s", "0.5", "--site-timeout-s", "60", "--poll-timeout-s", "5"]
+        cluster.start_coordinator(db_url=db_url, flags=flags)
         assert cluster.coordinator is not None
         refused = fedra_cli(
             "coordinator", "--state-dir", str(cluster.state_dir.parent / "second"), "--db",
@@ -272,9 +289,21 @@ def test_a_coordinator_that_loses_its_database_to_another_stops(cluster: LocalCl
         )  # fmt: skip
         assert refused.returncode == 2, refused.stderr
         assert f"(fedra coordinator pid {cluster.coordinator.pid} on " in refused.stderr
+        start_synthetic_sites(cluster)
+        with cluster.admin() as admin:
+            run_id = admin.submit(synthetic_spec(rounds=1000))
+            wait_until(admin, run_id, lambda s: s.rounds_completed >= 1)
+        sites = list(cluster.sites.values())
         other = create_engine(db_url, poolclass=NullPool)
         try:
+            for site in sites:  # the daemon's own writes are then all that can change
+                site.signal(signal.SIGSTOP)
             with other.connect() as conn:
+                before, deadline = written(conn), time.monotonic() + 30
+                while (now := written(conn)) != before:  # what was under way has landed
+                    assert time.monotonic() < deadline
+                    before = now
+                    time.sleep(0.5)
                 pid = conn.execute(
                     text("SELECT pid FROM pg_stat_activity WHERE application_name LIKE :name"),
                     {"name": f"fedra coordinator pid {cluster.coordinator.pid} %"},
@@ -285,9 +314,14 @@ def test_a_coordinator_that_loses_its_database_to_another_stops(cluster: LocalCl
                 conn.commit()
                 rc = cluster.coordinator.popen.wait(60)  # it checks every 10 s
                 assert rc == 2, cluster.coordinator.log_tail()
-                log = cluster.coordinator.log_tail(60)
+                log = cluster.coordinator.log_tail(200)
                 assert "lost its hold on the database" in log, log
+                assert "Traceback" not in log, log
+                assert written(conn) == before  # its shutdown wrote nothing
+                assert before["runs"] == [(run_id, "running", "")]  # the other one's to drive
         finally:
+            for site in sites:
+                site.signal(signal.SIGCONT)
             other.dispose()
 
 

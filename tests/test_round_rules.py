@@ -237,6 +237,22 @@ def test_folding_an_update_holds_one_block_of_it(coordinator: InProcessCoordinat
     assert torch.equal(run.accumulator.sums["w"], 3 * update["w"])
 
 
+def test_a_coordinator_that_lost_its_database_refuses_writes_as_unavailable(
+    coordinator: InProcessCoordinator,
+) -> None:
+    """Once another coordinator holds the database, a call that would write gets
+    UNAVAILABLE (the site retries, reaching the one that holds it), and reads still work."""
+    c = coordinator
+    register(c, SITES[0])
+    c.engine.store._fenced = True  # as check_claim leaves it when another took the database
+    with pytest.raises(grpc.RpcError) as refused:
+        register(c, SITES[1])
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "no longer holds its database" in (refused.value.details() or "")
+    listed = c.admin.ListSites(admin_pb2.ListSitesRequest())
+    assert [s.site_id for s in listed.sites] == [SITES[0]]
+
+
 def test_a_round_whose_sites_all_fail_ends_at_once_saying_why(
     coordinator: InProcessCoordinator,
 ) -> None:

@@ -1045,7 +1045,7 @@ def test_a_claim_whose_connection_dropped_is_taken_again_unless_another_took_it(
     coordinator took it meanwhile; a refused claim names who holds it."""
     from sqlalchemy.pool import NullPool
 
-    from fedra.storage.store import InUseError
+    from fedra.storage.store import ClaimLostError, InUseError
 
     _reset_postgres(pg_database_url)
     admin = create_engine(pg_database_url, poolclass=NullPool)
@@ -1069,8 +1069,16 @@ def test_a_claim_whose_connection_dropped_is_taken_again_unless_another_took_it(
             second.claim()
         drop_claim_connection(first)
         second.claim()  # another coordinator takes it while the first is cut off
+        assert not first.fenced
         assert not first.check_claim()
         assert second.check_claim()
+        # The first writes nothing more (it may still read), the second goes on.
+        assert first.fenced and not second.fenced
+        with pytest.raises(ClaimLostError, match="another coordinator took the database"):
+            first.upsert_site("late", ["pkg.mod:task"], "1", 1.0)
+        assert first.list_sites() == []
+        second.upsert_site("site-a", ["pkg.mod:task"], "1", 1.0)
+        assert [s.id for s in first.list_sites()] == ["site-a"]
     finally:
         first.close()
         second.close()
