@@ -77,11 +77,17 @@ class SiteAgent:
         # world's plans rebuild the module, and a model left on the GPU would change where
         # the task's evaluate runs.
         self._models: dict[tuple[str, str], torch.nn.Module] = {}
-        tls = pki.load_folder(config.tls_dir) if config.tls_dir is not None else None
+        tls = None
+        if config.tls_dir is not None:
+            try:
+                tls = pki.load_folder(config.tls_dir)
+            except (FileNotFoundError, ValueError) as exc:  # a wrong path, a damaged file
+                raise ConfigError(f"{_in(config)}tls_dir: {exc}") from exc
         self.conn = Connection(config.coordinator, config.site_id, tls)
         self.backoff = Backoff(cap_s=config.reconnect_max_s)
         self.tag = f"site {config.site_id}"
         self.rounds_done = 0
+        self.registered = False  # once it has, the coordinator is "lost", not misconfigured
 
     def shutdown(self, reason: str = "") -> None:
         """Stop serving: report a task in flight as failed, cancel a long poll.
@@ -100,6 +106,7 @@ class SiteAgent:
             try:
                 session = self.conn.register(list(self.config.allowed_tasks))
                 log.info("%s: registered with %s", self.tag, self.config.coordinator)
+                self.registered = True
                 self.backoff.reset()
                 self._serve(session)
             except grpc.RpcError as exc:
@@ -108,14 +115,16 @@ class SiteAgent:
                 if exc.code() not in TRANSIENT and exc.code() != grpc.StatusCode.NOT_FOUND:
                     raise
                 delay = self.backoff.next_delay_s()
-                log.warning(
-                    "%s: coordinator %s unreachable (%s; check the address, and that tls_dir "
-                    "or insecure matches how the coordinator serves); retrying in %.1f s",
-                    self.tag,
-                    self.config.coordinator,
-                    exc.code().name,
-                    delay,
+                hint = (
+                    "lost it"  # a restart, a network outage: it comes back
+                    if self.registered
+                    else "check the address, and that tls_dir or insecure matches how the "
+                    "coordinator serves"
                 )
+                log.warning(
+                    "%s: coordinator %s unreachable (%s; %s); retrying in %.1f s",
+                    self.tag, self.config.coordinator, exc.code().name, hint, delay,
+                )  # fmt: skip
                 self.stop.wait(delay)
         self.conn.close()
         log.info("%s: stopped after %d rounds", self.tag, self.rounds_done)
@@ -380,16 +389,25 @@ class SiteAgent:
 
 def load_tasks(config: SiteConfig) -> dict[str, Task]:
     """Import every allowed task up front: a broken install fails at start, not mid-round."""
-    tasks = {ep: load_task(ep) for ep in config.allowed_tasks}
+    try:
+        tasks = {ep: load_task(ep) for ep in config.allowed_tasks}
+    except ConfigError as exc:  # a typo in an entry point, a package not installed
+        raise ConfigError(f"{_in(config)}allowed_tasks: {exc}") from exc
     if config.parallel.nproc > 1:
         for ep, impl in tasks.items():
             if not isinstance(impl, ParallelTask):
                 raise ConfigError(
-                    f"parallel.plan: task {ep!r} cannot run with plan {config.parallel.plan!r}: "
+                    f"{_in(config)}parallel.plan: task {ep!r} cannot run with plan "
+                    f"{config.parallel.plan!r}: "
                     "it does not implement ParallelTask (batch, loss, optimizer, num_steps, "
                     "num_samples)"
                 )
     return tasks
+
+
+def _in(config: SiteConfig) -> str:
+    """'SITE_TOML: ' for errors about the site's configuration file, if it came from one."""
+    return f"{config.path}: " if config.path is not None else ""
 
 
 def load_data(config: SiteConfig, tasks: dict[str, Task]) -> dict[str, Any]:

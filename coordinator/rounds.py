@@ -23,6 +23,7 @@ from fedra.coordinator.robust import RobustError, RobustRule, UpdateStore, aggre
 from fedra.coordinator.secure import SecureRound
 from fedra.coordinator.state import INIT_ROUND, ActiveRun
 from fedra.faults import crash_point
+from fedra.metrics import is_count_metric
 from fedra.privacy import RdpAccountant, add_secure_gaussian_
 from fedra.protos.codec import (
     Buffer,
@@ -562,16 +563,6 @@ def ledger(accepted: list[ParticipationRecord], aggregate_s: float) -> dict[str,
 def _shorten(text: str, limit: int = 200) -> str:
     text = " ".join(text.split()) or "no reason given"
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-# Metrics that count something (samples, steps, tokens) add up over the sites; a mean of
-# them would say how much an average site did, not how much the round did.
-COUNT_METRICS = frozenset({"samples_seen", "steps", "tokens"})
-COUNT_SUFFIXES = ("_count", "_total")
-
-
-def is_count_metric(name: str) -> bool:
-    return name in COUNT_METRICS or name.endswith(COUNT_SUFFIXES)
 
 
 def weighted_metrics(parts: list[ParticipationRecord]) -> dict[str, float]:

@@ -24,6 +24,7 @@ from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
 from fedra.config import READY_FILE, ConfigError, check_host_port, load_toml
+from fedra.metrics import format_metric
 
 if TYPE_CHECKING:
     from fedra.pki import TlsFiles
@@ -190,6 +191,25 @@ def _address(args: argparse.Namespace) -> str:
     return check_host_port(from_env, "$FEDRA_COORDINATOR") if from_env else DEFAULT_ADDRESS
 
 
+def _address_and_source(args: argparse.Namespace) -> str:
+    """'ADDRESS (where it came from)' for an admin command's error; '' if there is none."""
+    if not hasattr(args, "coordinator"):
+        return ""
+    try:
+        address = _address(args)
+    except ConfigError:
+        return ""
+    if args.coordinator:
+        source = "--coordinator"
+    elif args.state_dir:
+        source = f"from {Path(args.state_dir) / READY_FILE}"
+    elif os.environ.get("FEDRA_COORDINATOR"):
+        source = "$FEDRA_COORDINATOR"
+    else:
+        source = "the default: give --coordinator or set $FEDRA_COORDINATOR"
+    return f"{address} ({source})"
+
+
 def _serves_insecure(state_dir: Path) -> bool:
     """Whether the coordinator running on ``state_dir`` says it serves without TLS."""
     try:
@@ -302,6 +322,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 FINAL_STATES = ("completed", "failed", "cancelled")
+# A watch of a coordinator that never answered (a typo, a daemon not started) gives up
+# after this, or --reconnect-s if shorter: riding out restarts is for one it reached.
+FIRST_CONTACT_S = 10.0
 # A watch outlives a coordinator restart: these mean the daemon is away, not that it refused.
 _AWAY = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
@@ -358,7 +381,8 @@ def _cmd_watch(args: argparse.Namespace) -> int:
         except NotRunning as exc:  # a stopped daemon removes its readiness file
             why = str(exc)
         away_since = away_since if away_since is not None else time.monotonic()
-        left = args.reconnect_s - (time.monotonic() - away_since)
+        limit_s = args.reconnect_s if reached else min(args.reconnect_s, FIRST_CONTACT_S)
+        left = limit_s - (time.monotonic() - away_since)
         if left <= 0:
             what = (
                 f"the coordinator{where} is still unreachable"
@@ -366,7 +390,7 @@ def _cmd_watch(args: argparse.Namespace) -> int:
                 else f"cannot reach the coordinator{where}"
             )
             print(
-                f"run watch: {what} after {args.reconnect_s:g} s ({why}); giving up",
+                f"run watch: {what} after {limit_s:g} s ({why}); giving up",
                 file=sys.stderr,
             )
             return 2
@@ -526,7 +550,9 @@ def _message_dict(message: Message) -> dict[str, Any]:
 
 
 def format_round(r: admin_pb2.RoundStatus) -> str:
-    metrics = "  ".join(f"{k} {v:.4f}" for k, v in sorted(r.metrics.items()) if k != "compute_s")
+    metrics = "  ".join(
+        f"{k} {format_metric(k, v)}" for k, v in sorted(r.metrics.items()) if k != "compute_s"
+    )
     return (
         f"round {r.number:>3}  {r.updates}/{len(r.sampled_sites)} sites  "
         f"{(r.bytes_down + r.bytes_up) / 1e6:8.3f} MB  {r.duration_s:6.2f} s  {metrics}"
@@ -620,7 +646,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--reconnect-s",
         type=float,
         default=300.0,
-        help="how long to keep reconnecting while the coordinator is away (default 300)",
+        help="how long to keep reconnecting while the coordinator is away (default 300; "
+        f"one never reached: {FIRST_CONTACT_S:g} s at most)",
     )
     q.set_defaults(func=_cmd_watch)
     q = rsub.add_parser("cancel", help="cancel a run")
@@ -708,6 +735,19 @@ def _hint(args: argparse.Namespace, exc: grpc.RpcError) -> str:
     return ""
 
 
+# How gRPC says a connection was never made (as opposed to an answer of UNAVAILABLE).
+_UNREACHABLE = ("failed to connect to all addresses", "errors resolving", "DNS resolution")
+
+
+def _rpc_error(args: argparse.Namespace, exc: grpc.RpcError) -> str:
+    details = exc.details() or ""
+    if exc.code() == grpc.StatusCode.UNAVAILABLE and any(s in details for s in _UNREACHABLE):
+        where = _address_and_source(args)
+        if where:
+            return f"cannot reach the coordinator at {where}: {details}"
+    return f"{exc.code().name}: {details}{_hint(args, exc)}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _setup_logging(args.log_level)
@@ -718,7 +758,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"fedra: error: {exc}", file=sys.stderr)
         return 2
     except grpc.RpcError as exc:
-        print(f"fedra: {exc.code().name}: {exc.details()}{_hint(args, exc)}", file=sys.stderr)
+        print(f"fedra: {_rpc_error(args, exc)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -14,7 +14,8 @@ import torch
 from torch.testing import assert_close
 
 from fedra.coordinator.aggregation import ServerOptimizer, WeightedSum, accumulation_dtype
-from fedra.coordinator.rounds import is_count_metric, stepped_model, weighted_metrics
+from fedra.coordinator.rounds import stepped_model, weighted_metrics
+from fedra.metrics import format_metric, is_count_metric
 from fedra.protos.codec import StreamDecoder, decode, encode, encode_chunks, spec_of
 from fedra.runspec import STRATEGY_PARAMS, RunSpec
 from fedra.storage.records import ParticipationRecord
@@ -422,6 +423,8 @@ def test_counts_add_up_over_the_sites_instead_of_being_averaged() -> None:
         "tokens_total": 7.0,
     }
     assert is_count_metric("samples_seen") and not is_count_metric("train_loss")
+    assert format_metric("samples_seen", 1223.0) == "1223"
+    assert format_metric("train_loss", 0.123456) == "0.1235"
 
 
 def test_weighted_metrics_edge_cases() -> None:

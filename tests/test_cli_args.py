@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import socket
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -148,8 +149,11 @@ def test_an_ipv6_coordinator_needs_brackets(closed_port: int) -> None:
     one_line_error(result, "--coordinator: must be host:port with an IPv6 host in brackets")
     # In brackets it is taken, and dialled (nothing listens there: refused, not misread).
     dialled = fedra_cli("run", "list", "--coordinator", f"[::1]:{closed_port}", "--insecure")
-    assert dialled.returncode == 1 and "UNAVAILABLE" in dialled.stderr, dialled.stderr
-    assert "--coordinator" not in dialled.stderr
+    assert dialled.returncode == 1, dialled.stderr
+    assert dialled.stderr.startswith(
+        f"fedra: cannot reach the coordinator at [::1]:{closed_port} (--coordinator): "
+    )
+    assert "Connection refused" in dialled.stderr and "must be" not in dialled.stderr
 
 
 def test_the_coordinator_from_the_environment_is_checked_too() -> None:
@@ -162,6 +166,29 @@ def test_a_sites_coordinator_override_is_checked(tmp_path: Path) -> None:
         "site", "--config", str(tmp_path / "site.toml"), "--coordinator", "127.0.0.1"
     )
     one_line_error(result, "--coordinator: must be host:port")
+
+
+@pytest.mark.parametrize(
+    ("lines", "expected"),
+    [
+        (
+            ['allowed_tasks = ["fedra.examples.digitz:task"]', "insecure = true"],
+            "allowed_tasks: cannot import task module 'fedra.examples.digitz'",
+        ),
+        (
+            ['allowed_tasks = ["fedra.examples.synthetic:task"]', 'tls_dir = "{tmp}/nowhere"'],
+            "tls_dir: missing TLS file: {tmp}/nowhere/",
+        ),
+    ],
+)
+def test_a_site_names_its_file_and_key_for_tasks_and_tls(
+    tmp_path: Path, lines: list[str], expected: str
+) -> None:
+    config = tmp_path / "site.toml"
+    body = ['site_id = "s1"', 'coordinator = "127.0.0.1:1"', *lines]
+    config.write_text("\n".join(line.format(tmp=tmp_path) for line in body) + "\n")
+    result = fedra_cli("site", "--config", str(config))
+    one_line_error(result, f"{config}: {expected.format(tmp=tmp_path)}")
 
 
 @pytest.mark.parametrize(
@@ -215,6 +242,39 @@ def test_watch_of_a_coordinator_never_reached_says_it_cannot_reach_it(closed_por
     assert all(f"cannot reach the coordinator at {address}" in line for line in lines), lines
     assert "lost" not in result.stderr
     assert lines[-1].endswith("giving up")
+
+
+def test_watch_gives_up_on_a_coordinator_it_never_reached_within_seconds(
+    closed_port: int,
+) -> None:
+    """A mistyped address is not a coordinator restart: no 300 s of retries."""
+    address = f"127.0.0.1:{closed_port}"
+    started = time.monotonic()
+    result = fedra_cli("run", "watch", "r1", "--coordinator", address, "--insecure", timeout_s=60)
+    assert time.monotonic() - started < 40  # not the default --reconnect-s of 300
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"run watch: cannot reach the coordinator at {address} after 10 s (")
+    assert last.endswith("giving up"), last
+
+
+@pytest.mark.parametrize(
+    ("env", "flags", "source"),
+    [
+        ({}, ["--coordinator", "{address}"], "(--coordinator)"),
+        ({"FEDRA_COORDINATOR": "{address}"}, [], "($FEDRA_COORDINATOR)"),
+    ],
+)
+def test_an_admin_command_says_which_coordinator_it_cannot_reach(
+    closed_port: int, env: dict[str, str], flags: list[str], source: str
+) -> None:
+    address = f"127.0.0.1:{closed_port}"
+    flags = [f.format(address=address) for f in flags]
+    env = {k: v.format(address=address) for k, v in env.items()}
+    result = fedra_cli("sites", *flags, "--insecure", env=env)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith(f"fedra: cannot reach the coordinator at {address} {source}: "), line
 
 
 @pytest.mark.parametrize(
