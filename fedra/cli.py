@@ -744,7 +744,7 @@ def _rpc_error(args: argparse.Namespace, exc: grpc.RpcError) -> str:
     if exc.code() == grpc.StatusCode.UNAVAILABLE and any(s in details for s in _UNREACHABLE):
         where = _address_and_source(args)
         if where:
-            return f"cannot reach the coordinator at {where}: {details}"
+            return f"cannot reach the coordinator at {where}: {details}{_hint(args, exc)}"
     return f"{exc.code().name}: {details}{_hint(args, exc)}"
 
 
