@@ -81,7 +81,7 @@ class SiteAgent:
         if config.tls_dir is not None:
             try:
                 tls = pki.load_folder(config.tls_dir)
-            except (FileNotFoundError, ValueError) as exc:  # a wrong path, a damaged file
+            except (OSError, ValueError) as exc:  # a wrong path, a file for a folder, damage
                 raise ConfigError(f"{_in(config)}tls_dir: {exc}") from exc
         self.conn = Connection(config.coordinator, config.site_id, tls)
         self.backoff = Backoff(cap_s=config.reconnect_max_s)

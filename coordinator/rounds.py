@@ -23,7 +23,7 @@ from fedra.coordinator.robust import RobustError, RobustRule, UpdateStore, aggre
 from fedra.coordinator.secure import SecureRound
 from fedra.coordinator.state import INIT_ROUND, ActiveRun
 from fedra.faults import crash_point
-from fedra.metrics import is_count_metric
+from fedra.metrics import format_metric, is_count_metric
 from fedra.privacy import RdpAccountant, add_secure_gaussian_
 from fedra.protos.codec import (
     Buffer,
@@ -584,5 +584,5 @@ def weighted_metrics(parts: list[ParticipationRecord]) -> dict[str, float]:
 
 def _summary(parts: list[ParticipationRecord], metrics: dict[str, float]) -> str:
     accepted = sum(p.state == "accepted" for p in parts)
-    shown = ", ".join(f"{k} {v:.4g}" for k, v in metrics.items())
+    shown = ", ".join(f"{k} {format_metric(k, v)}" for k, v in metrics.items())
     return f"{accepted}/{len(parts)} updates" + (f", {shown}" if shown else "")

@@ -287,7 +287,7 @@ def _serve(config: CoordinatorConfig, tls: pki.TlsFiles | None) -> None:
             )
             lost = True
             break
-    # Lost: in-flight calls end now (their writes would be refused); sites retry elsewhere.
+    # Lost: in-flight calls end now (their writes would be refused); sites retry theirs.
     grace_s = 0.0 if lost else config.grace_s
     log.info("stopping: finishing in-flight calls (grace %.0f s)", grace_s)
     ready.unlink(missing_ok=True)

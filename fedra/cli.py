@@ -181,7 +181,7 @@ class NotRunning(ConfigError):
 def _address(args: argparse.Namespace) -> str:
     if args.coordinator:
         return check_host_port(str(args.coordinator), "--coordinator")
-    if args.state_dir:
+    if getattr(args, "state_dir", None):
         ready = Path(args.state_dir) / READY_FILE
         try:
             return str(json.loads(ready.read_text())["address"])
@@ -201,7 +201,7 @@ def _address_and_source(args: argparse.Namespace) -> str:
         return ""
     if args.coordinator:
         source = "--coordinator"
-    elif args.state_dir:
+    elif getattr(args, "state_dir", None):
         source = f"from {Path(args.state_dir) / READY_FILE}"
     elif os.environ.get("FEDRA_COORDINATOR"):
         source = "$FEDRA_COORDINATOR"
@@ -322,8 +322,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 FINAL_STATES = ("completed", "failed", "cancelled")
-# A watch of a coordinator that never answered (a typo, a daemon not started) gives up
-# after this, or --reconnect-s if shorter: riding out restarts is for one it reached.
+# A watch of an address that never answered (a typo) gives up after this, or --reconnect-s
+# if shorter: riding out restarts is for a coordinator it reached, or one whose state
+# directory it reads (a restarting daemon writes coordinator.json once it serves).
 FIRST_CONTACT_S = 10.0
 # A watch outlives a coordinator restart: these mean the daemon is away, not that it refused.
 _AWAY = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
@@ -344,6 +345,7 @@ def _cmd_watch(args: argparse.Namespace) -> int:
     backoff = Backoff(base_s=0.5, cap_s=5.0)
     away_since: float | None = None
     reached = False  # until the coordinator first answers, it was never "lost"
+    starting = False  # its state dir says it is not serving yet: wait the whole time
     while True:
         where = ""
         try:
@@ -379,9 +381,10 @@ def _cmd_watch(args: argparse.Namespace) -> int:
                 raise
             why = exc.details() or exc.code().name
         except NotRunning as exc:  # a stopped daemon removes its readiness file
-            why = str(exc)
+            why, starting = str(exc), True
         away_since = away_since if away_since is not None else time.monotonic()
-        limit_s = args.reconnect_s if reached else min(args.reconnect_s, FIRST_CONTACT_S)
+        never = not reached and not starting  # an address that never answered: a typo?
+        limit_s = min(args.reconnect_s, FIRST_CONTACT_S) if never else args.reconnect_s
         left = limit_s - (time.monotonic() - away_since)
         if left <= 0:
             what = (

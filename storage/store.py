@@ -204,6 +204,8 @@ class Store:
         # instead and go the moment it is free. (PostgreSQL locks rows; no queue there.)
         self._claim: Callable[[], None] | None = None  # lets go of ``claim``'s hold
         self._claim_conn: Connection | None = None  # PostgreSQL: the one holding it
+        self._claim_pid: int | None = None  # PostgreSQL: the server process holding it
+        self._claim_lock = threading.RLock()  # the claim's connection is one thread's at a time
         self._fenced = False  # another coordinator took the database: no more writes
         self._write_queue: AbstractContextManager[Any] = (
             threading.Lock() if self.engine.dialect.name == "sqlite" else nullcontext()
@@ -257,6 +259,7 @@ class Store:
                 conn.execute(select(func.set_config(name, value, False)))
             held = conn.execute(select(func.pg_try_advisory_lock(_CLAIM_KEY))).scalar()
             holder = "" if held else _advisory_holder(conn)
+            pid = conn.execute(select(func.pg_backend_pid())).scalar()
             conn.commit()  # the lock outlives the transaction; the connection idles
         except BaseException:
             conn.close()
@@ -268,7 +271,7 @@ class Store:
                 "PostgreSQL advisory lock); stop it first, or give each coordinator its own "
                 "database"
             )
-        self._claim_conn = conn
+        self._claim_conn, self._claim_pid = conn, pid
         self._claim = self._release_postgres
 
     def _release_postgres(self) -> None:
@@ -283,6 +286,10 @@ class Store:
         taken again if no other coordinator took it meanwhile; False if one did. A
         server that cannot be reached now counts as held: nobody else can use it either,
         and the next check tries again."""
+        with self._claim_lock:
+            return self._check_claim()
+
+    def _check_claim(self) -> bool:
         if self.engine.dialect.name != "postgresql" or self._claim is None:
             return self._claim is not None
         conn = self._claim_conn
@@ -325,7 +332,27 @@ class Store:
                 "down; this one writes nothing more"
             )
         with self._write_queue, self._sessions.begin() as session:
+            if self._claim_pid is not None:
+                self._still_holding(session)
             yield session
+
+    def _still_holding(self, session: Session) -> None:
+        """PostgreSQL: check, inside the writing transaction, that this process still holds
+        the claim, so that a write never lands after another coordinator took the database
+        (between two of the daemon's periodic checks). A claim whose connection dropped is
+        taken again here if it is free."""
+        held = session.execute(
+            text(
+                "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' "
+                "AND granted AND pid = :pid)"
+            ),
+            {"pid": self._claim_pid},
+        ).scalar()
+        if not held and not self.check_claim():
+            raise ClaimLostError(
+                "another coordinator took the database while this one's hold on it was "
+                "down; this one writes nothing more"
+            )
 
     @contextmanager
     def _read(self) -> Iterator[Session]:

@@ -1068,17 +1068,22 @@ def test_a_claim_whose_connection_dropped_is_taken_again_unless_another_took_it(
         with pytest.raises(InUseError):
             second.claim()
         drop_claim_connection(first)
+        first.upsert_site("site-a", ["pkg.mod:task"], "1", 1.0)  # a write takes it again too
+        with pytest.raises(InUseError):
+            second.claim()
+        drop_claim_connection(first)
         second.claim()  # another coordinator takes it while the first is cut off
         assert not first.fenced
-        assert not first.check_claim()
-        assert second.check_claim()
-        # The first writes nothing more (it may still read), the second goes on.
-        assert first.fenced and not second.fenced
+        # The first's next write finds that out itself, before the periodic check does:
+        # it writes nothing more (it may still read), and the second goes on.
         with pytest.raises(ClaimLostError, match="another coordinator took the database"):
             first.upsert_site("late", ["pkg.mod:task"], "1", 1.0)
-        assert first.list_sites() == []
-        second.upsert_site("site-a", ["pkg.mod:task"], "1", 1.0)
+        assert first.fenced and not second.fenced
+        assert not first.check_claim()
+        assert second.check_claim()
         assert [s.id for s in first.list_sites()] == ["site-a"]
+        second.upsert_site("site-b", ["pkg.mod:task"], "1", 1.0)
+        assert [s.id for s in first.list_sites()] == ["site-a", "site-b"]
     finally:
         first.close()
         second.close()
