@@ -66,3 +66,20 @@ def test_checked_downloads_are_verified_against_the_known_payload(raw: ModuleTyp
     assert raw.cycled_digest(data[: 1 << 20], 3 << 20) == hashlib.sha256(data).digest()
     with pytest.raises(ValueError, match="whole"):
         raw.create_server("127.0.0.1:0", data[:-1], "/nonexistent")
+
+
+def test_the_server_modes_bench_moves_and_checks_every_upload(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``bench/server_modes.py`` (threaded against asyncio server): each upload's bytes
+    reach the server whole (the client checks the digest it gets back), in both modes,
+    and every process it started is gone afterwards."""
+    import multiprocessing
+
+    monkeypatch.syspath_prepend(str(BENCH))  # its processes start fresh, import it by name
+    import server_modes as modes  # type: ignore[import-not-found]
+
+    for asyncio_server in (False, True):
+        wall_s, cpu_s = modes.measure(asyncio_server, 2, 300_000, 70_000, 2)
+        assert wall_s > 0 and cpu_s >= 0
+    assert multiprocessing.active_children() == []
