@@ -480,6 +480,8 @@ class _Heartbeat:
                     self.withdrawn.set()
             except grpc.RpcError:
                 pass  # the coordinator may be restarting; the upload path retries
+            except ValueError:  # the site is stopping: it closed its channel under us
+                return
 
     def __enter__(self) -> _Heartbeat:
         self.thread.start()

@@ -69,8 +69,14 @@ class InUseError(Exception):
 
 
 class ClaimLostError(Exception):
-    """Another coordinator took the database while this one's hold was down
-    (``Store.check_claim``): this store writes nothing more."""
+    """Another coordinator took the database while this one's hold was down (found by
+    ``Store.check_claim`` or by a write): this store writes nothing more."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "another coordinator took the database while this one's hold on it was down; "
+            "this one writes nothing more"
+        )
 
 
 # The PostgreSQL advisory lock a coordinator holds on its database: b"fedra-co" as an int.
@@ -312,9 +318,10 @@ class Store:
 
     @property
     def fenced(self) -> bool:
-        """Whether ``check_claim`` found the database taken by another coordinator: every
-        write then raises ClaimLostError, so nothing this process still has under way
-        (a commit, an accepted upload, its shutdown) lands beside the other's."""
+        """Whether this store found the database taken by another coordinator (at a claim
+        check, or at a write): every write then raises ClaimLostError, so nothing this
+        process still has under way (a commit, an accepted upload, its shutdown) lands
+        beside the other's."""
         return self._fenced
 
     def close(self) -> None:
@@ -327,10 +334,7 @@ class Store:
     def _tx(self) -> Iterator[Session]:
         """One writing transaction."""
         if self._fenced:
-            raise ClaimLostError(
-                "another coordinator took the database while this one's hold on it was "
-                "down; this one writes nothing more"
-            )
+            raise ClaimLostError()
         with self._write_queue, self._sessions.begin() as session:
             if self._claim_pid is not None:
                 self._still_holding(session)
@@ -349,10 +353,7 @@ class Store:
             {"pid": self._claim_pid},
         ).scalar()
         if not held and not self.check_claim():
-            raise ClaimLostError(
-                "another coordinator took the database while this one's hold on it was "
-                "down; this one writes nothing more"
-            )
+            raise ClaimLostError()
 
     @contextmanager
     def _read(self) -> Iterator[Session]:

@@ -120,3 +120,26 @@ def test_a_task_given_again_for_a_model_held_already_downloads_nothing() -> None
     agent.conn.download = no_download  # type: ignore[method-assign]
     assert agent._global_model(task, again, timeout_s=5.0) is held
     agent.conn.close()
+
+
+def test_a_heartbeat_after_the_site_closed_its_channel_ends_quietly() -> None:
+    """A site stopping mid-task closes its channel under the task's heartbeat thread:
+    the thread ends, with no traceback in the site's log."""
+    import threading
+
+    from fedra.client.agent import _Heartbeat
+    from fedra.client.connection import Connection
+
+    conn = Connection("127.0.0.1:1", "site-a")
+    conn.close()
+    errors: list[BaseException | None] = []
+    previous = threading.excepthook
+    threading.excepthook = lambda args: errors.append(args.exc_value)
+    try:
+        beat = _Heartbeat(conn, "task-1", interval_s=0.01)
+        beat.thread.start()
+        beat.thread.join(timeout=10)
+        assert not beat.thread.is_alive()
+    finally:
+        threading.excepthook = previous
+    assert errors == []
