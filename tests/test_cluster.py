@@ -537,6 +537,8 @@ def test_demo_writes_a_summary(tmp_path: Path) -> None:
     summary = json.loads((out / "summary.json").read_text())
     assert summary["sites"] == ["site-0", "site-1", "site-2"]
     assert [r["round"] for r in summary["rounds"]] == [0, 1, 2, 3]
+    for r in summary["rounds"][1:]:  # what the sites trained on: the round's count, summed
+        assert r["samples_seen"] == r["site_metrics"]["samples_seen"] > 0, r
     final = summary["final"]
     assert 0.5 < final["accuracy"] <= 1.0 and 0.5 < final["baseline_accuracy"] <= 1.0
     assert summary["rounds"][3]["test_accuracy"] > summary["rounds"][0]["test_accuracy"]
