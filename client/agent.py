@@ -26,7 +26,7 @@ from fedra.client.task import FitSettings, ParallelTask, Task, load_task
 from fedra.config import ConfigError
 from fedra.faults import attack, crash_point
 from fedra.privacy import add_secure_gaussian_, clip_factor
-from fedra.protos.codec import all_finite, digest_and_size
+from fedra.protos.codec import all_finite, digest_and_size, sole_owners
 from fedra.protos.compression import (
     MASKED,
     Compressor,
@@ -273,7 +273,11 @@ class SiteAgent:
                 log.warning("%s: the rebuilt model does not match; downloading it whole", self.tag)
                 model = None
         if model is None:
-            model = self.conn.download(task, timeout_s=timeout_s)
+            # The held model is replaced whatever comes: decoding into its tensors saves
+            # allocating (and faulting in) a new model's memory every round.
+            self._globals = {}
+            reuse = held[1] if held is not None else None
+            model = self.conn.download(task, timeout_s=timeout_s, reuse=reuse)
         self._globals = {task.run_id: (task.model_sha256, model)}  # one run's model at a time
         return model
 
@@ -440,12 +444,28 @@ def check_data_keys(data: Mapping[str, Any], tasks: Mapping[str, Task]) -> None:
 def delta(
     local: Mapping[str, torch.Tensor], global_state: Mapping[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
-    """local - global for floating-point tensors; zeros for integer buffers (not averaged)."""
+    """local - global for floating-point tensors; zeros for integer buffers (not averaged).
+
+    Consumes ``local`` (the trained state, which the next round's global model overwrites):
+    a tensor of it that matches its global one and whose memory is its own becomes the
+    difference in place, so the update costs no second copy of the model. The others
+    (tied weights, which share memory; a dtype the task changed) get new tensors.
+    """
+    own = sole_owners(local)
     out = {}
     for name, g in global_state.items():
         trained = local[name].detach()
-        out[name] = (trained - g) if g.is_floating_point() else torch.zeros_like(g)
+        if not g.is_floating_point():
+            out[name] = torch.zeros_like(g)
+        elif name in own and _same_layout(trained, g):
+            out[name] = trained.sub_(g)
+        else:
+            out[name] = trained - g
     return out
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and a.device == b.device
 
 
 def _masked(masker: SiteSecAgg, sa: SecAggRound, delta: Mapping[str, torch.Tensor]) -> torch.Tensor:

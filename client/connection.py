@@ -122,10 +122,15 @@ class Connection:
         return _assignment(r.task) if r.HasField("task") else None
 
     def download(
-        self, task: Assignment, timeout_s: float, delta: bool = False
+        self,
+        task: Assignment,
+        timeout_s: float,
+        delta: bool = False,
+        reuse: Mapping[str, torch.Tensor] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Stream the task's global model (or, with ``delta``, its compressed step from the
-        previous model) in, checking its SHA-256 and structure."""
+        previous model) in, checking its SHA-256 and structure; into ``reuse``'s tensors
+        where they fit (``codec.decode_chunks``), whose values are then lost either way."""
         request = site_pb2.DownloadModelRequest(
             site_id=self.site_id, task_id=task.task_id, delta=delta
         )
@@ -138,7 +143,7 @@ class Connection:
                 yield data
                 del data  # free it before the next message arrives
 
-        tensors = decode_chunks(chunks())
+        tensors = decode_chunks(chunks(), reuse=reuse)
         if digest.hexdigest() != expected:
             raise CodecError(f"model SHA-256 {digest.hexdigest()} != announced {expected}")
         return tensors

@@ -467,17 +467,24 @@ class StreamDecoder:
 
 
 def decode_chunks(
-    chunks: Iterable[Buffer], expected: Mapping[str, TensorSpec] | None = None
+    chunks: Iterable[Buffer],
+    expected: Mapping[str, TensorSpec] | None = None,
+    reuse: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Decode a chunked payload; each tensor is allocated once and filled as its bytes arrive
-    (one copy: from the chunks straight into the tensors)."""
+    (one copy: from the chunks straight into the tensors).
+
+    A tensor of ``reuse`` with the same name, dtype and shape (contiguous, on the CPU, its
+    memory its own) is filled in place instead of a new one: a model replacing the one
+    before it costs no fresh memory. Whatever happens, those tensors' values are then lost.
+    """
     decoder = StreamDecoder(expected, copy=False)
     tensors: dict[str, torch.Tensor] | None = None
     for chunk in chunks:
         if tensors is None:
             pieces = decoder.feed(chunk)
             if decoder.header_ready:
-                tensors = {n: torch.empty(s.shape, dtype=s.dtype) for n, s in decoder.specs.items()}
+                tensors = _destinations(decoder.specs, reuse or {})
                 _fill(tensors, pieces)
             del pieces
         else:
@@ -486,6 +493,42 @@ def decode_chunks(
     decoder.finish()
     assert tensors is not None
     return tensors
+
+
+def _destinations(
+    specs: Mapping[str, TensorSpec], reuse: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Where each tensor of a payload is decoded to: the ``reuse`` tensor that fits, else new."""
+    own = sole_owners(reuse)
+    out = {}
+    for name, spec in specs.items():
+        old = reuse.get(name)
+        fits = old is not None and name in own and old.device.type == "cpu"
+        if fits and old is not None and old.dtype == spec.dtype and tuple(old.shape) == spec.shape:
+            out[name] = old.detach()
+        else:
+            out[name] = torch.empty(spec.shape, dtype=spec.dtype)
+    return out
+
+
+def sole_owners(tensors: Mapping[str, torch.Tensor]) -> set[str]:
+    """The names of the contiguous tensors whose bytes no other tensor of ``tensors`` shares
+    (tied weights share theirs): each can be written in place without touching another."""
+    spans = []
+    for name, t in tensors.items():
+        if t.is_contiguous():
+            start = t.data_ptr()
+            spans.append((start, start + t.numel() * t.element_size(), name))
+    spans.sort()
+    alone = set()
+    reach = -1  # the furthest end of the spans before this one
+    for i, (start, end, name) in enumerate(spans):
+        before = start < reach
+        after = i + 1 < len(spans) and spans[i + 1][0] < end
+        if not before and not after and end > start:
+            alone.add(name)
+        reach = max(reach, end)
+    return alone
 
 
 def _fill(tensors: dict[str, torch.Tensor], pieces: list[TensorPiece]) -> None:

@@ -8,7 +8,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from fedra.client.agent import SiteAgent
+from fedra.client.agent import SiteAgent, delta
 from fedra.client.config import SiteConfig
 from fedra.client.connection import Assignment
 from fedra.client.executor import LocalExecutor
@@ -143,3 +143,61 @@ def test_a_heartbeat_after_the_site_closed_its_channel_ends_quietly() -> None:
     finally:
         threading.excepthook = previous
     assert errors == []
+
+
+def test_the_update_is_computed_in_the_trained_model_s_own_memory() -> None:
+    trained = {"w": torch.full((3,), 5.0), "b": torch.full((2,), 1.5)}
+    global_state = {"w": torch.full((3,), 2.0), "b": torch.full((2,), 1.0)}
+    where = {k: v.data_ptr() for k, v in trained.items()}
+    update = delta(trained, global_state)
+    assert {k: v.data_ptr() for k, v in update.items()} == where  # no second model
+    assert torch.equal(update["w"], torch.full((3,), 3.0))
+    assert torch.equal(update["b"], torch.full((2,), 0.5))
+    assert torch.equal(global_state["w"], torch.full((3,), 2.0))  # the global model is kept
+
+
+def test_tied_weights_and_changed_dtypes_get_the_update_out_of_place() -> None:
+    """A tied weight appears under two names with one memory: subtracting in place under
+    each name would subtract twice. A task that trained in bf16 still sends fp32."""
+    tied = torch.full((4,), 5.0)
+    trained = {"embed": tied, "head": tied, "half": torch.full((2,), 3.0, dtype=torch.bfloat16)}
+    global_state = {
+        "embed": torch.full((4,), 1.0),
+        "head": torch.full((4,), 1.0),
+        "half": torch.full((2,), 1.0),
+        "steps": torch.tensor([7]),
+    }
+    trained["steps"] = torch.tensor([9])
+    update = delta(trained, global_state)
+    assert torch.equal(update["embed"], torch.full((4,), 4.0))
+    assert torch.equal(update["head"], torch.full((4,), 4.0))
+    assert update["half"].dtype == torch.float32
+    assert torch.equal(update["half"], torch.full((2,), 2.0))
+    assert torch.equal(update["steps"], torch.tensor([0]))  # integer buffers are not averaged
+    assert torch.equal(tied, torch.full((4,), 5.0))
+
+
+def test_a_full_download_is_decoded_into_the_held_model() -> None:
+    task = CountingTask()
+    agent = _agent(task)
+    held = {"w": torch.zeros(3)}
+    agent._globals = {"r1": ("sha-of-round-3", held)}
+    seen: dict[str, object] = {}
+
+    def download(
+        task_: Assignment,
+        timeout_s: float,
+        delta: bool = False,
+        reuse: Mapping[str, torch.Tensor] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        seen["reuse"], seen["held_then"] = reuse, dict(agent._globals)
+        return {"w": torch.ones(3)}
+
+    agent.conn.download = download  # type: ignore[method-assign]
+    nxt = replace(_assignment("r1", 5), model_sha256="sha-of-round-5")
+    model = agent._global_model(task, nxt, timeout_s=5.0)
+    assert seen["reuse"] is held
+    # Not held while it is overwritten: a failed download leaves no half-written model held.
+    assert seen["held_then"] == {}
+    assert agent._globals == {"r1": ("sha-of-round-5", model)}
+    agent.conn.close()

@@ -23,6 +23,7 @@ from fedra.protos.codec import (
     encode_chunks,
     encoded_size,
     sha256_hex,
+    sole_owners,
     spec_of,
     transfer_chunk_bytes,
 )
@@ -311,6 +312,54 @@ def test_decode_chunks_never_builds_the_whole_payload() -> None:
     # torch allocations are not traced, so this bounds the Python-side transport buffers.
     assert peak < 1.5 * DEFAULT_CHUNK_BYTES < payload_bytes // 8
     assert torch.equal(decoded["w"], tensor)
+
+
+def test_decoding_into_a_held_model_fills_its_tensors_in_place() -> None:
+    new = {"w": torch.arange(12, dtype=torch.float32).view(3, 4), "n": torch.tensor([5, 6])}
+    held = {"w": torch.zeros(3, 4), "n": torch.zeros(2, dtype=torch.int64)}
+    before = {k: v.data_ptr() for k, v in held.items()}
+    decoded = decode_chunks(encode_chunks(new, 16), reuse=held)
+    assert {k: v.data_ptr() for k, v in decoded.items()} == before
+    for name, value in new.items():
+        assert torch.equal(decoded[name], value), name
+
+
+def test_decoding_allocates_where_the_held_tensor_does_not_fit() -> None:
+    new = {
+        "shape": torch.ones(2, 3),
+        "dtype": torch.ones(4, dtype=torch.float16),
+        "tied_a": torch.full((4,), 2.0),
+        "tied_b": torch.full((4,), 3.0),
+        "absent": torch.ones(1),
+    }
+    shared = torch.zeros(4)
+    held = {
+        "shape": torch.zeros(3, 2),
+        "dtype": torch.zeros(4),
+        "tied_a": shared,  # one memory under two names: filling one would change the other
+        "tied_b": shared,
+    }
+    decoded = decode_chunks(encode_chunks(new, 16), reuse=held)
+    for name, value in new.items():
+        assert torch.equal(decoded[name], value), name
+        assert all(decoded[name].data_ptr() != t.data_ptr() for t in held.values()), name
+    assert torch.equal(shared, torch.zeros(4))
+
+
+def test_sole_owners_are_the_tensors_no_other_one_overlaps() -> None:
+    flat = torch.zeros(10)
+    tensors = {
+        "own": torch.zeros(3),
+        "first_half": flat[:5],  # views of one buffer that do not overlap own their bytes
+        "second_half": flat[5:],
+        "tied": (tied := torch.zeros(2)),
+        "tied_too": tied,
+        "strided": torch.zeros(4, 4).t(),  # not contiguous: its bytes are not one span
+        "empty": torch.zeros(0),
+    }
+    overlapping = torch.zeros(6)
+    tensors |= {"low": overlapping[:4], "high": overlapping[2:]}
+    assert sole_owners(tensors) == {"own", "first_half", "second_half"}
 
 
 def test_digest_and_size_match_the_encoding() -> None:
