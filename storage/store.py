@@ -81,6 +81,12 @@ class ClaimLostError(Exception):
 
 # The PostgreSQL advisory lock a coordinator holds on its database: b"fedra-co" as an int.
 _CLAIM_KEY = int.from_bytes(b"fedra-co", "big", signed=True)
+# Taken shared by every writing transaction, until it ends, before it checks the claim; and
+# exclusive, for a moment, by a coordinator that has just claimed the database: its claim
+# completes only once every write that passed its check under the previous holder has
+# ended, and each later one fails its check. b"fedra-wr" as an int.
+_WRITE_KEY = int.from_bytes(b"fedra-wr", "big", signed=True)
+FENCE_WAIT_S = 30  # how long a claim waits for the previous holder's writes to end
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
@@ -110,11 +116,23 @@ _CLAIM_HOLDER = text(
 )
 
 
+def _discard(conn: Connection) -> None:
+    """Close a claim's connection for good: its session's advisory locks go with it (back
+    in the pool, the session would live on, and hold them)."""
+    with suppress(DBAPIError):  # a connection already lost has let go already
+        conn.invalidate()
+        conn.close()
+
+
+def _key_parts(key: int) -> dict[str, int]:
+    """A bigint advisory lock key as pg_locks shows it: classid (high half), objid (low)."""
+    return {"hi": (key >> 32) & 0xFFFFFFFF, "lo": key & 0xFFFFFFFF}
+
+
 def _advisory_holder(conn: Connection) -> str:
     """' (NAME from ADDRESS)' for the session holding the claim; '' if not to be seen."""
-    key = {"hi": (_CLAIM_KEY >> 32) & 0xFFFFFFFF, "lo": _CLAIM_KEY & 0xFFFFFFFF}
     try:
-        row = conn.execute(_CLAIM_HOLDER, key).first()
+        row = conn.execute(_CLAIM_HOLDER, _key_parts(_CLAIM_KEY)).first()
     except DBAPIError:
         return ""
     if row is None or not row[0]:
@@ -233,7 +251,7 @@ class Store:
         if self._claim is not None:
             return
         if self.engine.dialect.name == "postgresql":
-            self._claim_postgres()
+            self._claim_postgres(fence=True)
         elif self.engine.dialect.name == "sqlite" and self.engine.url.database not in (
             None, "", ":memory:",
         ):  # fmt: skip
@@ -249,7 +267,11 @@ class Store:
         else:  # no way to hold it here (an in-memory database, another server): trusted
             self._claim = _nothing_to_release
 
-    def _claim_postgres(self) -> None:
+    def _claim_postgres(self, fence: bool = False) -> None:
+        """Take the advisory lock; with ``fence``, then wait for the writes a previous
+        holder still has under way (``_WRITE_KEY``). A claim taken again after this
+        process's own connection dropped does not wait: the holder before it was this
+        process, whose writes may be waiting for this very claim (``_still_holding``)."""
         conn = self.engine.connect()
         try:
             # Named, so that a refused coordinator can say who holds the lock; and the
@@ -267,11 +289,13 @@ class Store:
             holder = "" if held else _advisory_holder(conn)
             pid = conn.execute(select(func.pg_backend_pid())).scalar()
             conn.commit()  # the lock outlives the transaction; the connection idles
+            if held and fence:
+                self._fence(conn)
         except BaseException:
-            conn.close()
+            _discard(conn)
             raise
         if not held:
-            conn.close()
+            _discard(conn)
             raise InUseError(
                 f"the database is in use by another coordinator{holder} (it holds fedra's "
                 "PostgreSQL advisory lock); stop it first, or give each coordinator its own "
@@ -280,11 +304,26 @@ class Store:
         self._claim_conn, self._claim_pid = conn, pid
         self._claim = self._release_postgres
 
+    @staticmethod
+    def _fence(conn: Connection) -> None:
+        """Wait until no write of a previous holder is under way (each holds ``_WRITE_KEY``
+        shared until it ends): those that passed their check before this claim land
+        before it completes, and every later one finds the claim gone and writes nothing."""
+        conn.execute(select(func.set_config("lock_timeout", f"{FENCE_WAIT_S}s", True)))
+        try:
+            conn.execute(select(func.pg_advisory_lock(_WRITE_KEY)))
+        except DBAPIError as exc:
+            raise InUseError(
+                "the coordinator that held the database before still has a write open on it "
+                f"after {FENCE_WAIT_S} s; stop that coordinator first"
+            ) from exc
+        conn.execute(select(func.pg_advisory_unlock(_WRITE_KEY)))
+        conn.commit()
+
     def _release_postgres(self) -> None:
         conn, self._claim_conn = self._claim_conn, None
         if conn is not None:
-            with suppress(DBAPIError):  # a connection already lost has let go already
-                conn.close()
+            _discard(conn)
 
     def check_claim(self) -> bool:
         """Whether this process still holds the database. A PostgreSQL claim whose
@@ -345,12 +384,16 @@ class Store:
         the claim, so that a write never lands after another coordinator took the database
         (between two of the daemon's periodic checks). A claim whose connection dropped is
         taken again here if it is free."""
+        # First the write key, shared until this transaction ends: a coordinator claiming
+        # the database now waits for this write, which (if it passes) lands before it.
+        session.execute(select(func.pg_advisory_xact_lock_shared(_WRITE_KEY)))
         held = session.execute(
             text(
                 "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' "
-                "AND granted AND pid = :pid)"
+                "AND granted AND pid = :pid AND objsubid = 1 "
+                "AND classid::bigint = :hi AND objid::bigint = :lo)"
             ),
-            {"pid": self._claim_pid},
+            {"pid": self._claim_pid, **_key_parts(_CLAIM_KEY)},
         ).scalar()
         if not held and not self.check_claim():
             raise ClaimLostError()

@@ -10,6 +10,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -256,10 +257,12 @@ def test_a_second_coordinator_on_the_same_state_or_database_is_refused(
 
 @pytest.mark.postgres
 def test_a_coordinator_that_loses_its_database_to_another_stops(cluster: LocalCluster) -> None:
-    """PostgreSQL drops the daemon's lock connection and another coordinator takes the
-    database meanwhile: the daemon notices at its next check and stops (exit 2), so that
-    one coordinator drives the runs, and writes nothing more, its shutdown included (its
-    run stays running for the other one). A second start is refused, naming the holder."""
+    """PostgreSQL drops the daemon's lock connection mid-run, sites still training and
+    uploading, and another coordinator takes the database meanwhile: from the moment that
+    claim completes the daemon writes nothing (its rounds, uploads, downloads, heartbeats
+    and shutdown are all refused), and it stops (exit 2), so that one coordinator drives the
+    runs; its run stays running for the other one. A second start is refused, naming the
+    holder."""
     from sqlalchemy import create_engine, text
     from sqlalchemy.pool import NullPool
 
@@ -279,8 +282,7 @@ def test_a_coordinator_that_loses_its_database_to_another_stops(cluster: LocalCl
         return rows
 
     with postgres_database("fedra_claim") as db_url:
-        # Sites are paused below for up to a claim check (10 s): not silent for that long.
-        flags = ["--heartbeat-s", "0.5", "--site-timeout-s", "60", "--poll-timeout-s", "5"]
+        flags = ["--heartbeat-s", "0.5", "--poll-timeout-s", "5"]
         cluster.start_coordinator(db_url=db_url, flags=flags)
         assert cluster.coordinator is not None
         refused = fedra_cli(
@@ -292,37 +294,49 @@ def test_a_coordinator_that_loses_its_database_to_another_stops(cluster: LocalCl
         start_synthetic_sites(cluster)
         with cluster.admin() as admin:
             run_id = admin.submit(synthetic_spec(rounds=1000))
-            wait_until(admin, run_id, lambda s: s.rounds_completed >= 1)
-        sites = list(cluster.sites.values())
-        other = create_engine(db_url, poolclass=NullPool)
+            wait_until(admin, run_id, lambda s: s.rounds_completed >= 2)
+        watcher = create_engine(db_url, poolclass=NullPool)
+        taker = watcher.connect()  # another coordinator's claim, made as Store.claim makes it
         try:
-            for site in sites:  # the daemon's own writes are then all that can change
-                site.signal(signal.SIGSTOP)
-            with other.connect() as conn:
-                before, deadline = written(conn), time.monotonic() + 30
-                while (now := written(conn)) != before:  # what was under way has landed
+            with watcher.connect() as conn:
+                taker_pid = taker.execute(text("SELECT pg_backend_pid()")).scalar()
+                taker.commit()
+                waiting = threading.Thread(
+                    target=taker.execute,
+                    args=(text("SELECT pg_advisory_lock(:k)"), {"k": _CLAIM_KEY}),
+                )
+                waiting.start()  # queued first, it gets the lock when the daemon's goes
+                queued = text(
+                    "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE pid = :p AND NOT granted)"
+                )
+                deadline = time.monotonic() + 30
+                while not conn.execute(queued, {"p": taker_pid}).scalar():
                     assert time.monotonic() < deadline
-                    before = now
-                    time.sleep(0.5)
-                pid = conn.execute(
+                    conn.commit()
+                    time.sleep(0.02)
+                daemon_pid = conn.execute(
                     text("SELECT pid FROM pg_stat_activity WHERE application_name LIKE :name"),
                     {"name": f"fedra coordinator pid {cluster.coordinator.pid} %"},
                 ).scalar_one()
-                assert conn.execute(text("SELECT pg_terminate_backend(:p)"), {"p": pid}).scalar()
-                # Waits for the lock, and gets it the moment the dropped session lets go.
-                conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": _CLAIM_KEY})
+                assert conn.execute(
+                    text("SELECT pg_terminate_backend(:p)"), {"p": daemon_pid}
+                ).scalar()
                 conn.commit()
-                rc = cluster.coordinator.popen.wait(60)  # it checks every 10 s
+                waiting.join(30)
+                assert not waiting.is_alive()
+                taker.commit()
+                Store._fence(taker)  # returns once the daemon's writes under way have ended
+                before = written(conn)
+                rc = cluster.coordinator.popen.wait(60)
                 assert rc == 2, cluster.coordinator.log_tail()
                 log = cluster.coordinator.log_tail(200)
                 assert "lost its hold on the database" in log, log
                 assert "Traceback" not in log, log
-                assert written(conn) == before  # its shutdown wrote nothing
+                assert written(conn) == before  # nothing after the claim, its shutdown included
                 assert before["runs"] == [(run_id, "running", "")]  # the other one's to drive
         finally:
-            for site in sites:
-                site.signal(signal.SIGCONT)
-            other.dispose()
+            taker.close()
+            watcher.dispose()
 
 
 @pytest.mark.postgres

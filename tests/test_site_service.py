@@ -19,7 +19,7 @@ from google.protobuf.message import Message
 
 from fedra.examples import synthetic
 from fedra.protos.codec import encode
-from fedra.protos.v1 import admin_pb2, common_pb2, site_pb2
+from fedra.protos.v1 import admin_pb2, admin_pb2_grpc, common_pb2, site_pb2
 from tests.conftest import InProcessCoordinator
 
 TASK = "fedra.examples.synthetic:task"
@@ -791,3 +791,57 @@ def test_a_run_no_known_site_can_serve_is_accepted_with_a_warning(
     assert warnings(sites_per_round=2, min_sites=1) == []
     register(coordinator, *SITES[1:])
     assert warnings(sites_per_round=3) == []
+
+
+class _DaemonBeforePaging(admin_pb2_grpc.AdminServiceServicer):
+    """GetRun and WatchRun as a daemon that predates paging, ``first_round`` and
+    ``changed_rounds_only`` answer (it ignores fields it does not know): every round, in
+    one message, every time."""
+
+    def __init__(self, rounds: int) -> None:
+        self.requests: list[admin_pb2.GetRunRequest] = []
+        self.rounds = rounds
+
+    def _status(self, rounds: int, state: str) -> admin_pb2.RunStatus:
+        status = admin_pb2.RunStatus(run_id="old", state=state)
+        status.rounds.extend(admin_pb2.RoundStatus(number=n) for n in range(rounds))
+        return status
+
+    def GetRun(  # noqa: N802 (the generated servicer's name)
+        self, request: admin_pb2.GetRunRequest, context: object
+    ) -> admin_pb2.RunStatus:
+        self.requests.append(request)
+        return self._status(self.rounds, "completed")
+
+    def WatchRun(  # noqa: N802
+        self, request: admin_pb2.WatchRunRequest, context: object
+    ) -> Iterator[admin_pb2.RunStatus]:
+        yield self._status(self.rounds - 1, "running")
+        yield self._status(self.rounds, "completed")
+
+
+def test_the_admin_client_reads_a_daemon_that_predates_paging() -> None:
+    """A daemon that predates paging sends every round at once: the client keeps the ones
+    asked for, does not ask again, and a watch holds every round as it does with paging."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fedra.admin import AdminClient
+
+    old = _DaemonBeforePaging(rounds=5)
+    server = grpc.server(ThreadPoolExecutor(max_workers=4))
+    admin_pb2_grpc.add_AdminServiceServicer_to_server(old, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with AdminClient(f"127.0.0.1:{port}", timeout_s=10) as admin:
+            status = admin.status("old", first_round=3)
+            assert [r.number for r in status.rounds] == [3, 4]
+            assert not status.more_rounds_follow
+            assert len(old.requests) == 1 and old.requests[0].page  # asked once, for pages
+            assert [r.number for r in admin.status("old").rounds] == [0, 1, 2, 3, 4]
+            seen = [
+                (s.state, [r.number for r in s.rounds]) for s in admin.watch("old", timeout_s=10)
+            ]
+            assert seen == [("running", [0, 1, 2, 3]), ("completed", [0, 1, 2, 3, 4])]
+    finally:
+        server.stop(grace=None)

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from fedra.coordinator.status import round_statuses
 from fedra.storage import CheckpointRecord, DuplicateError, Store
 from fedra.storage.blobs import BlobDigestError, BlobNotFoundError, BlobStore
 from fedra.storage.migrate import current_revision, head_revision
-from fedra.storage.models import Base
+from fedra.storage.models import Base, Site
 from fedra.storage.store import NotFoundError, make_engine
 from tests.conftest import postgres_database
 
@@ -1087,6 +1088,79 @@ def test_a_claim_whose_connection_dropped_is_taken_again_unless_another_took_it(
     finally:
         first.close()
         second.close()
+        admin.dispose()
+
+
+def test_a_claim_completes_only_after_the_previous_holder_s_writes_have_ended(
+    pg_database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write that passed its claim check before another coordinator took the database
+    lands before that claim completes, never beside the new holder's writes; and a claim
+    that a previous holder's open write keeps waiting too long is refused, holding nothing."""
+    from fedra.storage import store as store_module
+    from fedra.storage.store import _WRITE_KEY, InUseError, _key_parts
+
+    _reset_postgres(pg_database_url)
+    admin = create_engine(pg_database_url, poolclass=NullPool)
+
+    def claim_waits_for_writes() -> bool:
+        with admin.begin() as conn:
+            return bool(
+                conn.execute(
+                    text(
+                        "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' "
+                        "AND NOT granted AND classid::bigint = :hi AND objid::bigint = :lo)"
+                    ),
+                    _key_parts(_WRITE_KEY),
+                ).scalar()
+            )
+
+    def drop_claim_connection(store: Store) -> None:
+        assert store._claim_conn is not None
+        with admin.begin() as conn:
+            assert conn.execute(
+                text("SELECT pg_terminate_backend(:p)"), {"p": store._claim_pid}
+            ).scalar()
+
+    first, second, third = Store(pg_database_url), Store(pg_database_url), Store(pg_database_url)
+    claimed: list[BaseException | None] = []
+
+    def claim(store: Store) -> None:
+        try:
+            store.claim()
+            claimed.append(None)
+        except BaseException as exc:
+            claimed.append(exc)
+
+    try:
+        first.claim()
+        with first._tx() as session:  # its check passes: a write of the first holder's
+            drop_claim_connection(first)
+            taker = threading.Thread(target=claim, args=(second,))
+            taker.start()
+            deadline = time.monotonic() + 30
+            while not claim_waits_for_writes():  # the second has the lock and waits
+                assert time.monotonic() < deadline and taker.is_alive(), claimed
+                time.sleep(0.02)
+            assert not claimed
+            session.add(Site(id="in-flight", tasks_json="[]", registered_at=1.0, last_seen_at=1.0))
+        taker.join(30)
+        assert claimed == [None]  # after the write ended
+        assert [s.id for s in second.list_sites()] == ["in-flight"]
+        with pytest.raises(store_module.ClaimLostError):
+            first.upsert_site("late", ["pkg.mod:task"], "1", 1.0)
+
+        monkeypatch.setattr(store_module, "FENCE_WAIT_S", 1)
+        with second._tx():  # a write that does not end
+            drop_claim_connection(second)
+            with pytest.raises(InUseError, match="still has a write open on it after 1 s"):
+                third.claim()
+        # The refused claim let go of the lock: the second's next write takes it again.
+        second.upsert_site("after", ["pkg.mod:task"], "1", 1.0)
+        assert not second.fenced
+    finally:
+        for store in (first, second, third):
+            store.close()
         admin.dispose()
 
 
