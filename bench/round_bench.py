@@ -85,6 +85,7 @@ class ConfigResult:
     run_wall_s: float  # submit to completion, round 0 included
     coordinator_cpu_s: float  # over the run, round 0 included
     sites_cpu_s: float
+    site_rss_growth_x: float  # the largest site peak RSS growth over the run, in models
     median_round_s: float = field(init=False)
     bytes_per_round: float = field(init=False)
     fedra_bps: float = field(init=False)
@@ -264,6 +265,9 @@ def run_config(
         baseline = proc_status_bytes(pid, "VmRSS")
         reset_peak_rss(pid)
         site_pids = [proc.pid for proc in cluster.sites.values()]
+        site_baselines = [proc_status_bytes(p, "VmRSS") for p in site_pids]
+        for site_pid in site_pids:
+            reset_peak_rss(site_pid)
         cpu_before = proc_cpu_s(pid), sum(map(proc_cpu_s, site_pids))
         submitted = time.monotonic()
         with cluster.admin() as admin:
@@ -271,6 +275,10 @@ def run_config(
         status = wait_finished(cluster, run_id, timeout_s)
         run_wall_s = time.monotonic() - submitted
         peak = proc_status_bytes(pid, "VmHWM")
+        site_growth = max(
+            proc_status_bytes(p, "VmHWM") - base
+            for p, base in zip(site_pids, site_baselines, strict=True)
+        )
         cpu_after = proc_cpu_s(pid), sum(map(proc_cpu_s, site_pids))
         if status.state != "completed":
             raise ClusterError(
@@ -291,6 +299,7 @@ def run_config(
         run_wall_s=run_wall_s,
         coordinator_cpu_s=cpu_after[0] - cpu_before[0],
         sites_cpu_s=cpu_after[1] - cpu_before[1],
+        site_rss_growth_x=site_growth / (4 * params),
     )
 
 
@@ -323,7 +332,7 @@ def throughput_table(results: list[ConfigResult]) -> tuple[list[str], list[list[
 
 def transfer_table(results: list[ConfigResult]) -> tuple[list[str], list[list[str]]]:
     head = ["N", "params", "site down MB/s", "site up MB/s", "transfer MB/s", "transfer ratio"]
-    head += ["coord CPU s/rnd", "sites CPU s/rnd", "cores busy"]
+    head += ["coord CPU s/rnd", "sites CPU s/rnd", "cores busy", "site RSS xmodel"]
     rows = [
         [
             str(r.sites),
@@ -335,6 +344,7 @@ def transfer_table(results: list[ConfigResult]) -> tuple[list[str], list[list[st
             f"{r.coordinator_cpu_s / (len(r.rounds) + 1):.2f}",
             f"{r.sites_cpu_s / (len(r.rounds) + 1):.2f}",
             f"{(r.coordinator_cpu_s + r.sites_cpu_s) / r.run_wall_s:.2f}",
+            f"{r.site_rss_growth_x:.2f}",
         ]
         for r in results
     ]
@@ -360,7 +370,9 @@ def print_tables(raw: RawResult, results: list[ConfigResult]) -> None:
         "  transfer MB/s = round bytes / (slowest download_s + slowest upload_s), as if all "
         "sites' transfers overlapped; medians over rounds.\n"
         f"  CPU per round and cores busy are over the whole run (round 0 included) on "
-        f"{os.cpu_count()} CPUs."
+        f"{os.cpu_count()} CPUs.\n"
+        "  site RSS: the largest growth of a site's peak RSS over the run, in model sizes "
+        "(the model it trains, the global model it holds, transport buffers)."
     )
     print(
         "\nWhere a round goes (the coordinator's ledger: the slowest site's download, compute "
