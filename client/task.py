@@ -58,7 +58,9 @@ class Task(Protocol):
         ...
 
     def fit(self, model: torch.nn.Module, data: Any, settings: FitSettings) -> FitResult:
-        """Train ``model`` in place on the site's training split."""
+        """Train ``model`` in place on the site's training split. The site then turns
+        the trained state into the update in the model's own memory (README: Writing a
+        task): a model shares no tensor memory with anything used again outside it."""
         ...
 
     def evaluate(self, model: torch.nn.Module, data: Any) -> dict[str, float]:

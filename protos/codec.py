@@ -516,16 +516,20 @@ def sole_owners(tensors: Mapping[str, torch.Tensor]) -> set[str]:
     (tied weights share theirs): each can be written in place without touching another."""
     spans = []
     for name, t in tensors.items():
-        if t.is_contiguous():
-            start = t.data_ptr()
-            spans.append((start, start + t.numel() * t.element_size(), name))
+        if t.numel() == 0:
+            continue  # no bytes to share: written in place, it changes nothing
+        start = t.data_ptr()
+        # A strided view's bytes lie between its first and last elements: it cannot own
+        # them (others may sit in its gaps), but it overlaps whatever else lies there.
+        last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+        spans.append((start, start + (last + 1) * t.element_size(), name, t.is_contiguous()))
     spans.sort()
     alone = set()
     reach = -1  # the furthest end of the spans before this one
-    for i, (start, end, name) in enumerate(spans):
+    for i, (start, end, name, contiguous) in enumerate(spans):
         before = start < reach
         after = i + 1 < len(spans) and spans[i + 1][0] < end
-        if not before and not after and end > start:
+        if contiguous and not before and not after:
             alone.add(name)
         reach = max(reach, end)
     return alone

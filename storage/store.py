@@ -163,7 +163,24 @@ def make_engine(url: str) -> Engine:
         # minute (a claim's check, a query) instead of hanging on TCP for many minutes.
         connect_args = {"keepalives": 1, "keepalives_idle": 30, "keepalives_interval": 10,
                         "keepalives_count": 3}  # fmt: skip
-    return create_engine(url, pool_pre_ping=True, connect_args=connect_args)
+    engine = create_engine(url, pool_pre_ping=True, connect_args=connect_args)
+    if engine.dialect.name == "postgresql":
+        event.listen(engine, "connect", _server_keepalives)
+    return engine
+
+
+def _server_keepalives(dbapi_conn: Any, _record: Any) -> None:
+    # And the server probes each of ours: a coordinator whose host vanished lets go, in
+    # about a minute, of its claim and of a write it had open (which a new holder's claim
+    # waits for: Store._fence), instead of after the server's default of two hours.
+    cursor = dbapi_conn.cursor()
+    cursor.execute(
+        "SELECT set_config('tcp_keepalives_idle', '30', false), "
+        "set_config('tcp_keepalives_interval', '10', false), "
+        "set_config('tcp_keepalives_count', '3', false)"
+    )
+    cursor.close()
+    dbapi_conn.commit()
 
 
 def _rounds_since(run_id: str, since: int) -> Select[m.Round]:
@@ -271,20 +288,17 @@ class Store:
         """Take the advisory lock; with ``fence``, then wait for the writes a previous
         holder still has under way (``_WRITE_KEY``). A claim taken again after this
         process's own connection dropped does not wait: the holder before it was this
-        process, whose writes may be waiting for this very claim (``_still_holding``)."""
+        process, whose writes may be waiting for this very claim (``_still_holding``).
+        (Were another coordinator to take the database and let it go again while this
+        one's connection was down, a write it still had under way would not be waited
+        for: two failures within moments of each other.)"""
         conn = self.engine.connect()
         try:
             # Named, so that a refused coordinator can say who holds the lock; and the
             # server probes the connection, so a host that vanished lets it go in about a
             # minute, not after the kernel's two hours.
             who = f"fedra coordinator pid {os.getpid()} on {socket.gethostname()}"
-            for name, value in (
-                ("application_name", who[:63]),
-                ("tcp_keepalives_idle", "30"),
-                ("tcp_keepalives_interval", "10"),
-                ("tcp_keepalives_count", "3"),
-            ):
-                conn.execute(select(func.set_config(name, value, False)))
+            conn.execute(select(func.set_config("application_name", who[:63], False)))
             held = conn.execute(select(func.pg_try_advisory_lock(_CLAIM_KEY))).scalar()
             holder = "" if held else _advisory_holder(conn)
             pid = conn.execute(select(func.pg_backend_pid())).scalar()
@@ -313,9 +327,12 @@ class Store:
         try:
             conn.execute(select(func.pg_advisory_lock(_WRITE_KEY)))
         except DBAPIError as exc:
+            if getattr(exc.orig, "sqlstate", getattr(exc.orig, "pgcode", None)) != "55P03":
+                raise  # not the lock's timeout (lock_not_available): the connection, say
             raise InUseError(
                 "the coordinator that held the database before still has a write open on it "
-                f"after {FENCE_WAIT_S} s; stop that coordinator first"
+                f"after {FENCE_WAIT_S} s; stop that coordinator first (a vanished host's "
+                "connections are dropped by the server within about a minute)"
             ) from exc
         conn.execute(select(func.pg_advisory_unlock(_WRITE_KEY)))
         conn.commit()

@@ -177,6 +177,18 @@ def test_tied_weights_and_changed_dtypes_get_the_update_out_of_place() -> None:
     assert torch.equal(tied, torch.full((4,), 5.0))
 
 
+def test_a_view_of_a_trained_tensor_gets_the_update_of_its_own_values() -> None:
+    """A state entry that is a strided view of another's memory (a column of a table):
+    neither is written in place, whichever comes first."""
+    table = torch.arange(12.0).view(3, 4)
+    trained = {"table": table, "column": table[:, 1]}
+    global_state = {"table": torch.ones(3, 4), "column": torch.ones(3)}
+    update = delta(trained, global_state)
+    assert torch.equal(update["table"], torch.arange(12.0).view(3, 4) - 1)
+    assert torch.equal(update["column"], torch.tensor([0.0, 4.0, 8.0]))
+    assert torch.equal(table, torch.arange(12.0).view(3, 4))
+
+
 def test_a_full_download_is_decoded_into_the_held_model() -> None:
     task = CountingTask()
     agent = _agent(task)

@@ -300,10 +300,12 @@ def test_a_coordinator_that_loses_its_database_to_another_stops(cluster: LocalCl
         try:
             with watcher.connect() as conn:
                 taker_pid = taker.execute(text("SELECT pg_backend_pid()")).scalar()
+                taker.execute(text("SET lock_timeout = '60s'"))  # bounded, should this fail
                 taker.commit()
                 waiting = threading.Thread(
                     target=taker.execute,
                     args=(text("SELECT pg_advisory_lock(:k)"), {"k": _CLAIM_KEY}),
+                    daemon=True,
                 )
                 waiting.start()  # queued first, it gets the lock when the daemon's goes
                 queued = text(
@@ -319,7 +321,7 @@ def test_a_coordinator_that_loses_its_database_to_another_stops(cluster: LocalCl
                     {"name": f"fedra coordinator pid {cluster.coordinator.pid} %"},
                 ).scalar_one()
                 assert conn.execute(
-                    text("SELECT pg_terminate_backend(:p)"), {"p": daemon_pid}
+                    text("SELECT pg_terminate_backend(:p, 10000)"), {"p": daemon_pid}
                 ).scalar()
                 conn.commit()
                 waiting.join(30)

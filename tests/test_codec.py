@@ -359,6 +359,10 @@ def test_sole_owners_are_the_tensors_no_other_one_overlaps() -> None:
     }
     overlapping = torch.zeros(6)
     tensors |= {"low": overlapping[:4], "high": overlapping[2:]}
+    table = torch.zeros(3, 4)  # its column, a strided view, shares its bytes
+    tensors |= {"table": table, "column": table[:, 1]}
+    weight = torch.zeros(2, 3)  # and a transposed view all of them
+    tensors |= {"weight": weight, "weight_t": weight.t()}
     assert sole_owners(tensors) == {"own", "first_half", "second_half"}
 
 

@@ -1056,7 +1056,7 @@ def test_a_claim_whose_connection_dropped_is_taken_again_unless_another_took_it(
         pid = store._claim_conn.execute(text("SELECT pg_backend_pid()")).scalar()
         store._claim_conn.commit()
         with admin.begin() as conn:
-            assert conn.execute(text("SELECT pg_terminate_backend(:p)"), {"p": pid}).scalar()
+            assert conn.execute(text("SELECT pg_terminate_backend(:p, 10000)"), {"p": pid}).scalar()
 
     first, second = Store(pg_database_url), Store(pg_database_url)
     try:
@@ -1109,7 +1109,9 @@ def test_a_claim_completes_only_after_the_previous_holder_s_writes_have_ended(
                 conn.execute(
                     text(
                         "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' "
-                        "AND NOT granted AND classid::bigint = :hi AND objid::bigint = :lo)"
+                        "AND NOT granted AND classid::bigint = :hi AND objid::bigint = :lo "
+                        "AND database = (SELECT oid FROM pg_database "
+                        "WHERE datname = current_database()))"
                     ),
                     _key_parts(_WRITE_KEY),
                 ).scalar()
@@ -1119,7 +1121,7 @@ def test_a_claim_completes_only_after_the_previous_holder_s_writes_have_ended(
         assert store._claim_conn is not None
         with admin.begin() as conn:
             assert conn.execute(
-                text("SELECT pg_terminate_backend(:p)"), {"p": store._claim_pid}
+                text("SELECT pg_terminate_backend(:p, 10000)"), {"p": store._claim_pid}
             ).scalar()
 
     first, second, third = Store(pg_database_url), Store(pg_database_url), Store(pg_database_url)
@@ -1162,6 +1164,22 @@ def test_a_claim_completes_only_after_the_previous_holder_s_writes_have_ended(
         for store in (first, second, third):
             store.close()
         admin.dispose()
+
+
+def test_the_server_probes_every_connection_of_a_coordinator(pg_database_url: str) -> None:
+    """A coordinator whose host vanishes must not hold a write open (which the next
+    holder's claim waits for) for the server's default two hours: every connection, not
+    only the claim's, has the server's keepalives at about a minute."""
+    engine = make_engine(pg_database_url)
+    try:
+        with engine.connect() as conn:
+            settings = [
+                conn.execute(text(f"SHOW tcp_keepalives_{name}")).scalar()
+                for name in ("idle", "interval", "count")
+            ]
+        assert settings == ["30", "10", "3"]
+    finally:
+        engine.dispose()
 
 
 def test_upgrading_ends_the_open_rounds_of_ended_runs(db_url: str) -> None:
