@@ -499,16 +499,23 @@ def _destinations(
     specs: Mapping[str, TensorSpec], reuse: Mapping[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
     """Where each tensor of a payload is decoded to: the ``reuse`` tensor that fits, else new."""
-    own = sole_owners(reuse)
+    own = sole_owners(reuse)  # filling a tied weight under one name would change another
     out = {}
     for name, spec in specs.items():
         old = reuse.get(name)
-        fits = old is not None and name in own and old.device.type == "cpu"
-        if fits and old is not None and old.dtype == spec.dtype and tuple(old.shape) == spec.shape:
+        if old is not None and name in own and _fits(old, spec):
             out[name] = old.detach()
         else:
             out[name] = torch.empty(spec.shape, dtype=spec.dtype)
     return out
+
+
+def _fits(tensor: torch.Tensor, spec: TensorSpec) -> bool:
+    return (
+        tensor.device.type == "cpu"
+        and tensor.dtype == spec.dtype
+        and tuple(tensor.shape) == spec.shape
+    )
 
 
 def sole_owners(tensors: Mapping[str, torch.Tensor]) -> set[str]:

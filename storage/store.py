@@ -294,9 +294,9 @@ class Store:
         for: two failures within moments of each other.)"""
         conn = self.engine.connect()
         try:
-            # Named, so that a refused coordinator can say who holds the lock; and the
-            # server probes the connection, so a host that vanished lets it go in about a
-            # minute, not after the kernel's two hours.
+            # Named, so that a refused coordinator can say who holds the lock. The server
+            # probes it, as it does every connection of ours (make_engine), so a host that
+            # vanished lets it go in about a minute, not after the kernel's two hours.
             who = f"fedra coordinator pid {os.getpid()} on {socket.gethostname()}"
             conn.execute(select(func.set_config("application_name", who[:63], False)))
             held = conn.execute(select(func.pg_try_advisory_lock(_CLAIM_KEY))).scalar()
