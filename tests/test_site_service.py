@@ -586,11 +586,15 @@ def test_an_upload_cut_off_mid_stream_is_given_back_quietly(
     call = coordinator.site.UploadUpdate.future(_cut_short(), timeout=30)
     assert sent_some.wait(10)
     call.cancel()
+    # The handler's last act is one line. Which one is gRPC's race: its request stream
+    # either fails as cancelled, or (the cancellation not yet seen) just ends, short.
+    ends = ("ended before its request stream", "payload ended after 64 of the declared")
     deadline = time.monotonic() + 10
-    while "ended before its request stream" not in caplog.text:  # the handler's last act
+    while not any(end in caplog.text for end in ends):
         assert time.monotonic() < deadline, caplog.text
         threading.Event().wait(0.02)
     assert "unexpected error" not in caplog.text, caplog.text  # not an internal error
+    assert "Traceback" not in caplog.text, caplog.text
     assert upload(coordinator, messages(task, site, payload)).bytes_received == len(payload)
 
 
