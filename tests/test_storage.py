@@ -1037,6 +1037,16 @@ def test_a_refused_coordinator_leaves_the_schema_alone(db_url: str, tmp_path: Pa
         engine.store.close()
 
 
+def _drop_claim_connection(admin: Any, store: Store) -> None:
+    """What a server restart or a dropped idle connection does to a claim: its session
+    ends (and with it the lock), as the server sees it once this returns."""
+    assert store._claim_conn is not None
+    with admin.begin() as conn:
+        assert conn.execute(
+            text("SELECT pg_terminate_backend(:p, 10000)"), {"p": store._claim_pid}
+        ).scalar()
+
+
 @pytest.mark.postgres
 def test_a_claim_whose_connection_dropped_is_taken_again_unless_another_took_it(
     pg_database_url: str,
@@ -1051,28 +1061,21 @@ def test_a_claim_whose_connection_dropped_is_taken_again_unless_another_took_it(
     _reset_postgres(pg_database_url)
     admin = create_engine(pg_database_url, poolclass=NullPool)
 
-    def drop_claim_connection(store: Store) -> None:
-        assert store._claim_conn is not None
-        pid = store._claim_conn.execute(text("SELECT pg_backend_pid()")).scalar()
-        store._claim_conn.commit()
-        with admin.begin() as conn:
-            assert conn.execute(text("SELECT pg_terminate_backend(:p, 10000)"), {"p": pid}).scalar()
-
     first, second = Store(pg_database_url), Store(pg_database_url)
     try:
         first.claim()
         with pytest.raises(InUseError, match=rf"\(fedra coordinator pid {os.getpid()} on "):
             second.claim()
         assert first.check_claim()
-        drop_claim_connection(first)
+        _drop_claim_connection(admin, first)
         assert first.check_claim()  # free: taken again
         with pytest.raises(InUseError):
             second.claim()
-        drop_claim_connection(first)
+        _drop_claim_connection(admin, first)
         first.upsert_site("site-a", ["pkg.mod:task"], "1", 1.0)  # a write takes it again too
         with pytest.raises(InUseError):
             second.claim()
-        drop_claim_connection(first)
+        _drop_claim_connection(admin, first)
         second.claim()  # another coordinator takes it while the first is cut off
         assert not first.fenced
         # The first's next write finds that out itself, before the periodic check does:
@@ -1091,6 +1094,7 @@ def test_a_claim_whose_connection_dropped_is_taken_again_unless_another_took_it(
         admin.dispose()
 
 
+@pytest.mark.postgres
 def test_a_claim_completes_only_after_the_previous_holder_s_writes_have_ended(
     pg_database_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1117,13 +1121,6 @@ def test_a_claim_completes_only_after_the_previous_holder_s_writes_have_ended(
                 ).scalar()
             )
 
-    def drop_claim_connection(store: Store) -> None:
-        assert store._claim_conn is not None
-        with admin.begin() as conn:
-            assert conn.execute(
-                text("SELECT pg_terminate_backend(:p, 10000)"), {"p": store._claim_pid}
-            ).scalar()
-
     first, second, third = Store(pg_database_url), Store(pg_database_url), Store(pg_database_url)
     claimed: list[BaseException | None] = []
 
@@ -1137,8 +1134,8 @@ def test_a_claim_completes_only_after_the_previous_holder_s_writes_have_ended(
     try:
         first.claim()
         with first._tx() as session:  # its check passes: a write of the first holder's
-            drop_claim_connection(first)
-            taker = threading.Thread(target=claim, args=(second,))
+            _drop_claim_connection(admin, first)
+            taker = threading.Thread(target=claim, args=(second,), daemon=True)
             taker.start()
             deadline = time.monotonic() + 30
             while not claim_waits_for_writes():  # the second has the lock and waits
@@ -1154,7 +1151,7 @@ def test_a_claim_completes_only_after_the_previous_holder_s_writes_have_ended(
 
         monkeypatch.setattr(store_module, "FENCE_WAIT_S", 1)
         with second._tx():  # a write that does not end
-            drop_claim_connection(second)
+            _drop_claim_connection(admin, second)
             with pytest.raises(InUseError, match="still has a write open on it after 1 s"):
                 third.claim()
         # The refused claim let go of the lock: the second's next write takes it again.
@@ -1166,6 +1163,7 @@ def test_a_claim_completes_only_after_the_previous_holder_s_writes_have_ended(
         admin.dispose()
 
 
+@pytest.mark.postgres
 def test_the_server_probes_every_connection_of_a_coordinator(pg_database_url: str) -> None:
     """A coordinator whose host vanishes must not hold a write open (which the next
     holder's claim waits for) for the server's default two hours: every connection, not
