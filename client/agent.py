@@ -122,8 +122,9 @@ class SiteAgent:
                     "coordinator serves"
                 )
                 log.warning(
-                    "%s: coordinator %s unreachable (%s; %s); retrying in %.1f s",
-                    self.tag, self.config.coordinator, exc.code().name, hint, delay,
+                    "%s: coordinator %s unreachable (%s: %s; %s); retrying in %.1f s",
+                    self.tag, self.config.coordinator, exc.code().name, _details(exc), hint,
+                    delay,
                 )  # fmt: skip
                 self.stop.wait(delay)
         self.conn.close()
@@ -389,6 +390,13 @@ class SiteAgent:
                     "%s: upload failed (%s); retrying in %.1f s", self.tag, exc.code().name, delay
                 )
                 self.stop.wait(delay)
+
+
+def _details(exc: grpc.RpcError, limit: int = 300) -> str:
+    """gRPC's own words for a failed call (a refused connection, a name that does not
+    resolve, a handshake that failed), on one line and cut short."""
+    text = " ".join(str(exc.details() or "no details").split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def load_tasks(config: SiteConfig) -> dict[str, Task]:

@@ -1,10 +1,15 @@
-"""A site reuses a run's model object across rounds: same object, same training."""
+"""A site reuses a run's model object across rounds: same object, same training; and
+what it logs when its coordinator cannot be reached."""
 
 from __future__ import annotations
 
+import logging
+import socket
+import threading
 from collections.abc import Mapping
 from dataclasses import replace
 
+import pytest
 import torch
 from torch import nn
 
@@ -213,3 +218,32 @@ def test_a_full_download_is_decoded_into_the_held_model() -> None:
     assert seen["held_then"] == {}
     assert agent._globals == {"r1": ("sha-of-round-5", model)}
     agent.conn.close()
+
+
+def test_a_site_that_cannot_reach_its_coordinator_logs_grpc_s_reason(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Not only UNAVAILABLE: the log says what failed (here a refused connection), as the
+    admin commands do, so a mistyped address is found from the site's log alone."""
+    with socket.socket() as s:  # a port nobody listens on: bound, never listening
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        task = CountingTask()
+        config = SiteConfig("s1", f"127.0.0.1:{port}", (EP,), insecure=True, reconnect_max_s=0.2)
+        agent = SiteAgent(config, executor=LocalExecutor(), tasks={EP: task}, data={})
+        caplog.set_level(logging.WARNING, logger="fedra.site")
+        runner = threading.Thread(target=agent.run, daemon=True)
+        runner.start()
+        try:
+            for _ in range(200):  # bounded: each try is refused at once
+                if any("unreachable" in r.getMessage() for r in caplog.records):
+                    break
+                agent.stop.wait(0.05)
+        finally:
+            agent.stop.set()
+            runner.join(10)
+    assert not runner.is_alive()
+    warning = next(r.getMessage() for r in caplog.records if "unreachable" in r.getMessage())
+    assert "UNAVAILABLE: " in warning
+    assert "refused" in warning.lower(), warning
+    assert "check the address" in warning
