@@ -617,6 +617,32 @@ def test_run_watch_gives_up_on_an_absent_coordinator_after_its_reconnect_time(
     assert bad.returncode != 0 and "--reconnect-s: must be >= 0" in bad.stderr
 
 
+def test_a_plaintext_caller_does_not_fill_a_tls_daemon_s_log_with_grpc_lines(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gRPC's C core logs each failed handshake at INFO by default; a site that dials a
+    TLS coordinator without TLS retries for ever, so the daemon keeps gRPC to errors."""
+    import grpc
+
+    from fedra.protos.v1 import site_pb2, site_pb2_grpc
+
+    monkeypatch.delenv("GRPC_VERBOSITY", raising=False)  # the default is what is tested
+    with LocalCluster(tmp_path, secure=True) as cluster:
+        cluster.start_coordinator(flags=FAST)
+        assert cluster.coordinator is not None
+        with grpc.insecure_channel(cluster.address) as channel:
+            stub = site_pb2_grpc.SiteServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as info:  # a refused handshake on the daemon
+                stub.Register(site_pb2.RegisterRequest(site_id="site-a"), timeout=5)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        with cluster.admin() as admin:  # still serving those who speak TLS
+            assert admin.sites() == []
+        assert cluster.coordinator.stop() == 0
+        log = cluster.coordinator.log_path.read_text(errors="replace")
+    assert "serving" in log.lower() or "listening" in log.lower(), log[-2000:]
+    assert "Handshake failed" not in log, log[-2000:]
+
+
 def test_an_insecure_coordinators_state_dir_is_all_its_admin_commands_need(
     tmp_path: Path,
 ) -> None:
