@@ -66,6 +66,7 @@ class RoundSample:
     site_up_bps: list[float]
     mean_compute_s: float  # the sites' own compute_s metric (download + training)
     stages: dict[str, float]  # the round's ledger: distribute_s, compute_s, transfer_s, ...
+    site_idle_s: float = 0.0  # the mean site's time in the round not spent on its own work
 
 
 @dataclass
@@ -222,6 +223,7 @@ def round_sample(r: admin_pb2.RoundStatus) -> RoundSample:
         site_up_bps=[p.bytes_up / p.upload_s for p in parts if p.upload_s > 0],
         mean_compute_s=statistics.mean(p.metrics.get("compute_s", 0.0) for p in parts),
         stages=dict(r.stages),
+        site_idle_s=r.site_idle_s,
     )
 
 
@@ -379,6 +381,10 @@ def print_tables(raw: RawResult, results: list[ConfigResult]) -> None:
         "and upload; aggregation; checkpoint; the whole round), medians:"
     )
     _print_table(*stages_table(results))
+    print(
+        "  sites idle: the mean site's share of the round spent not on its own download, "
+        "compute and upload (waiting for its task, for the others, for the commit)."
+    )
 
 
 STAGES = ("distribute_s", "compute_s", "transfer_s", "aggregate_s", "checkpoint_s", "round_s")
@@ -386,12 +392,13 @@ STAGES = ("distribute_s", "compute_s", "transfer_s", "aggregate_s", "checkpoint_
 
 def stages_table(results: list[ConfigResult]) -> tuple[list[str], list[list[str]]]:
     """Where a round's time goes (the coordinator's ledger), medians over rounds."""
-    head = ["N", "params", *(s.removesuffix("_s") + " s" for s in STAGES)]
+    head = ["N", "params", *(s.removesuffix("_s") + " s" for s in STAGES), "sites idle"]
     rows = [
         [
             str(r.sites),
             _fmt_params(r.params),
             *(f"{statistics.median(x.stages.get(s, 0.0) for x in r.rounds):.3f}" for s in STAGES),
+            f"{statistics.median(x.site_idle_s / x.duration_s for x in r.rounds):.0%}",
         ]
         for r in results
     ]

@@ -237,7 +237,37 @@ def _round(
         model_sha256=ckpts.get(r.number, ""),
         stages=r.stages,
         participations=[_participation(p) for p in parts],
+        lost_bytes=sum(p.bytes_down + p.bytes_up for p in parts if _lost(r, p)),
+        site_idle_s=site_idle_s(r, parts),
     )
+
+
+def _lost(r: RoundRecord, p: ParticipationRecord) -> bool:
+    """Whether a participation's work (and the bytes it moved) did not count."""
+    if r.state == "open":  # the current attempt's tasks may still count
+        return p.attempt < r.attempt or p.state in ("failed", "expired")
+    return not (r.state == "committed" and p.attempt == r.attempt and p.state == "accepted")
+
+
+def site_idle_s(r: RoundRecord, parts: list[ParticipationRecord]) -> float:
+    """A committed round: the mean, over the sites whose updates it used, of the round's
+    duration less the site's own download, compute and upload (the site's measures where
+    it sent them). That is the time each sat idle: waiting for its task once the round
+    opened, for slower sites, for the aggregate and the checkpoint."""
+    if r.state != "committed" or not r.closed_at:
+        return 0.0
+    duration = r.closed_at - r.opened_at
+    idle = [
+        max(0.0, duration - _busy_s(p))
+        for p in parts
+        if p.attempt == r.attempt and p.state == "accepted"
+    ]
+    return sum(idle) / len(idle) if idle else 0.0
+
+
+def _busy_s(p: ParticipationRecord) -> float:
+    download_s = p.metrics.get("download_s", p.download_s)
+    return download_s + p.metrics.get("compute_s", 0.0) + p.upload_s
 
 
 def _participation(p: ParticipationRecord) -> admin_pb2.Participation:

@@ -24,7 +24,7 @@ from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
 from fedra.config import READY_FILE, ConfigError, check_host_port, load_toml
-from fedra.metrics import format_metric
+from fedra.metrics import format_bytes, format_metric
 
 if TYPE_CHECKING:
     from fedra.pki import TlsFiles
@@ -339,7 +339,7 @@ def _cmd_watch(args: argparse.Namespace) -> int:
 
     if not args.reconnect_s >= 0:
         raise ConfigError(f"--reconnect-s: must be >= 0, got {args.reconnect_s}")
-    shown: set[int] = set()
+    shown: dict[int, admin_pb2.RoundStatus] = {}  # the committed rounds printed
     last_state = ""
     status = None
     backoff = Backoff(base_s=0.5, cap_s=5.0)
@@ -367,12 +367,14 @@ def _cmd_watch(args: argparse.Namespace) -> int:
                         last_state = status.state
                     for r in status.rounds:
                         if r.status == "committed" and r.number not in shown:
-                            shown.add(r.number)
+                            shown[r.number] = r
                             print(format_round(r), flush=True)
             reached = True  # the stream ended without an error: someone answered
             if status is not None and status.state in FINAL_STATES:
                 # After the last rounds: the daemon ends the stream after the messages
                 # that hold them (a long run's rounds may span several).
+                if shown:
+                    print(format_totals(list(shown.values())), flush=True)
                 print(_state_line(status), flush=True)
                 return 0 if status.state == "completed" else 1
             why = "it closed the stream"  # a daemon stopping ends its watches
@@ -556,10 +558,31 @@ def format_round(r: admin_pb2.RoundStatus) -> str:
     metrics = "  ".join(
         f"{k} {format_metric(k, v)}" for k, v in sorted(r.metrics.items()) if k != "compute_s"
     )
+    idle = (
+        f"idle {r.site_idle_s / r.duration_s:4.0%}"
+        if r.status == "committed" and r.number > 0 and r.duration_s > 0
+        else " " * 9
+    )
+    lost = f"  lost {format_bytes(r.lost_bytes)}" if r.lost_bytes else ""
     return (
         f"round {r.number:>3}  {r.updates}/{len(r.sampled_sites)} sites  "
-        f"{(r.bytes_down + r.bytes_up) / 1e6:8.3f} MB  {r.duration_s:6.2f} s  {metrics}"
-    )
+        f"{(r.bytes_down + r.bytes_up) / 1e6:8.3f} MB  {r.duration_s:6.2f} s  {idle}  "
+        f"{metrics}{lost}"
+    ).rstrip()
+
+
+def format_totals(rounds: Sequence[admin_pb2.RoundStatus]) -> str:
+    """What the rounds moved, what of it was lost, and how long the sites sat idle."""
+    wire = sum(r.bytes_down + r.bytes_up for r in rounds)
+    lost = sum(r.lost_bytes for r in rounds)
+    timed = [r for r in rounds if r.status == "committed" and r.number > 0 and r.duration_s > 0]
+    line = f"{format_bytes(wire)} on the wire"
+    if wire:
+        line += f", {format_bytes(lost)} ({lost / wire:.0%}) of it for work that did not count"
+    if timed:
+        idle = sum(r.site_idle_s for r in timed) / sum(r.duration_s for r in timed)
+        line += f"; sites sat idle {idle:.0%} of their rounds"
+    return line
 
 
 def format_status(s: admin_pb2.RunStatus) -> str:
@@ -578,6 +601,9 @@ def format_status(s: admin_pb2.RunStatus) -> str:
         if r.status != "committed":
             line += f"  [{r.status}, attempt {r.attempt}]"
         lines.append(line)
+    if s.rounds:
+        first = "" if s.rounds[0].number == 0 else f" (rounds {s.rounds[0].number} on)"
+        lines.append(format_totals(s.rounds) + first)
     return "\n".join(lines)
 
 

@@ -99,7 +99,7 @@ def run_demo(options: DemoOptions) -> int:
             )
             print(
                 f"{'round':>5}  {'sites':>5}  {'test loss':>9}  {'test acc':>8}  "
-                f"{'MB moved':>8}  {'seconds':>7}"
+                f"{'MB moved':>8}  {'seconds':>7}  {'idle':>4}"
             )
             rounds: list[dict[str, Any]] = []
             final = None
@@ -135,17 +135,20 @@ def _round_summary(r: admin_pb2.RoundStatus, test: dict[str, float]) -> dict[str
         "site_metrics": dict(r.metrics),
         "bytes_down": r.bytes_down,
         "bytes_up": r.bytes_up,
+        "lost_bytes": r.lost_bytes,  # moved for work that did not count
         "seconds": r.duration_s,
+        "site_idle_s": r.site_idle_s,  # the mean site's time in the round not spent working
         "samples_seen": r.metrics.get("samples_seen", 0.0),  # a count: summed over the sites
     }
 
 
 def _print_round(r: dict[str, Any]) -> None:
     mb = (r["bytes_down"] + r["bytes_up"]) / 1e6
+    idle = f"{r['site_idle_s'] / r['seconds']:4.0%}" if r["round"] > 0 and r["seconds"] else ""
     print(
         f"{r['round']:>5}  {len(r['sites']):>5}  {r['test_loss']:>9.4f}  "
         f"{r['test_accuracy']:>8.3f}  "
-        f"{mb:>8.3f}  {r['seconds']:>7.2f}",
+        f"{mb:>8.3f}  {r['seconds']:>7.2f}  {idle:>4}",
         flush=True,
     )
 
@@ -167,11 +170,17 @@ def _finish(
     )
     (_, _), (x_test, y_test) = digits.pooled_split(0)
     baseline = digits.evaluate_on(baseline_model, x_test, y_test)
+    wire = sum(r["bytes_down"] + r["bytes_up"] for r in rounds)
+    lost = sum(r["lost_bytes"] for r in rounds)
+    timed = [r for r in rounds if r["round"] > 0]
+    seconds = sum(r["seconds"] for r in timed)
+    idle = sum(r["site_idle_s"] for r in timed) / seconds if seconds else 0.0
     print(
         f"\nfinal global model: test accuracy {final['accuracy']:.3f} (loss {final['loss']:.4f})\n"
         f"centralised baseline, same {int(samples)} samples ({steps} steps) on pooled data: "
         f"test accuracy {baseline['accuracy']:.3f}\n"
-        f"total {sum(r['bytes_down'] + r['bytes_up'] for r in rounds) / 1e6:.2f} MB on the wire, "
+        f"total {wire / 1e6:.2f} MB on the wire ({lost / 1e6:.2f} MB for work that did not "
+        f"count), sites idle {idle:.0%} of their rounds, "
         f"{time.monotonic() - started:.1f} s wall clock"
     )
     if options.out is not None:
@@ -188,6 +197,9 @@ def _finish(
                 "baseline_loss": baseline["loss"],
                 "baseline_steps": steps,
                 "samples_seen": samples,
+                "bytes_on_wire": wire,
+                "lost_bytes": lost,
+                "site_idle_fraction": idle,
             },
         }
         (options.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

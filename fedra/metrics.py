@@ -19,3 +19,12 @@ def is_count_metric(name: str) -> bool:
 def format_metric(name: str, value: float) -> str:
     """``value`` as a person reads it: counts whole, the rest to four decimals."""
     return f"{value:.0f}" if is_count_metric(name) else f"{value:.4f}"
+
+
+def format_bytes(n: float) -> str:
+    """A byte count as a person reads it: B, kB or MB (10**3 and 10**6 bytes)."""
+    if n < 1e3:
+        return f"{n:.0f} B"
+    if n < 1e6:
+        return f"{n / 1e3:.1f} kB"
+    return f"{n / 1e6:.3f} MB"

@@ -20,6 +20,7 @@ import torch
 
 from fedra.admin import AdminClient
 from fedra.local import LocalCluster
+from fedra.metrics import format_bytes
 from fedra.protos.v1 import admin_pb2
 from fedra.runspec import CodecSpec, RunSpec, TrainSpec
 from fedra.storage import Store
@@ -470,6 +471,7 @@ def test_site_killed_mid_round_round_closes_with_quorum_and_site_rejoins(
         # Bring it back: it registers again and is sampled in later rounds.
         cluster.start_site("site-2", [SYNTHETIC], {"shift": 2.0, "seed": 2, "samples": 128})
         status = wait_until(admin, run_id, finished)
+    shown = fedra_cli("run", "status", run_id, "--state-dir", str(cluster.state_dir))
     assert status.state == "completed", status.reason
     r2 = next(r for r in status.rounds if r.number == 2)
     assert r2.status == "committed" and r2.updates == 2
@@ -477,6 +479,15 @@ def test_site_killed_mid_round_round_closes_with_quorum_and_site_rejoins(
     assert dead.status == "failed" and "silent" in dead.error
     # Closed when the dead site went silent, long before the 120 s deadline.
     assert r2.duration_s < 60
+    # The dead site's download is lost; the live sites sat idle while the round waited
+    # for it to go silent (3 s), longer than their own work took.
+    assert r2.lost_bytes == dead.bytes_down > 0
+    assert r2.site_idle_s > 0.5 * r2.duration_s, (r2.site_idle_s, r2.duration_s)
+    assert all(r.lost_bytes == 0 for r in status.rounds if r.number != 2)
+    assert shown.returncode == 0, shown.stderr
+    line = next(x for x in shown.stdout.splitlines() if x.startswith("round   2 "))
+    assert line.endswith(f"lost {format_bytes(r2.lost_bytes)}") and " idle " in line, line
+    assert "of it for work that did not count; sites sat idle" in shown.stdout.splitlines()[-1]
     later = [r for r in status.rounds if r.number > 2]
     assert any(
         "site-2" in [p.site_id for p in r.participations if p.status == "accepted"] for r in later
@@ -559,6 +570,12 @@ def test_demo_writes_a_summary(tmp_path: Path) -> None:
     assert 0.5 < final["accuracy"] <= 1.0 and 0.5 < final["baseline_accuracy"] <= 1.0
     assert summary["rounds"][3]["test_accuracy"] > summary["rounds"][0]["test_accuracy"]
     assert "final global model: test accuracy" in result.stdout
+    # Nothing failed: nothing lost; the sites did some waiting, never more than the rounds.
+    wire = sum(r["bytes_down"] + r["bytes_up"] for r in summary["rounds"])
+    assert final["bytes_on_wire"] == wire > 0 and final["lost_bytes"] == 0
+    assert all(0 <= r["site_idle_s"] <= r["seconds"] for r in summary["rounds"])
+    assert 0 < final["site_idle_fraction"] < 1
+    assert "sites idle" in result.stdout
 
 
 @pytest.mark.parametrize("codec", ["int8", "topk"])

@@ -434,6 +434,8 @@ class RoundStatus(_message.Message):
     MODEL_SHA256_FIELD_NUMBER: _builtins.int
     PARTICIPATIONS_FIELD_NUMBER: _builtins.int
     STAGES_FIELD_NUMBER: _builtins.int
+    LOST_BYTES_FIELD_NUMBER: _builtins.int
+    SITE_IDLE_S_FIELD_NUMBER: _builtins.int
     number: _builtins.int
     """0 is the initial model"""
     attempt: _builtins.int
@@ -446,6 +448,15 @@ class RoundStatus(_message.Message):
     bytes_down: _builtins.int
     bytes_up: _builtins.int
     model_sha256: _builtins.str
+    lost_bytes: _builtins.int
+    """Bytes moved for work that did not count: the downloads and uploads of tasks that
+    failed or expired, of attempts that failed, and of a round its run ended in.
+    """
+    site_idle_s: _builtins.float
+    """A committed round: the mean, over the sites whose updates it used, of the time they
+    sat idle in it (the round's duration less their own download, compute and upload):
+    waiting for their task, for slower sites, for the aggregate and checkpoint.
+    """
     @_builtins.property
     def sampled_sites(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -477,10 +488,12 @@ class RoundStatus(_message.Message):
         model_sha256: _builtins.str = ...,
         participations: _abc.Iterable[Global___Participation] | None = ...,
         stages: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        lost_bytes: _builtins.int = ...,
+        site_idle_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "bytes_down", b"bytes_down", "bytes_up", b"bytes_up", "closed_unix_s", b"closed_unix_s", "duration_s", b"duration_s", "metrics", b"metrics", "model_sha256", b"model_sha256", "number", b"number", "opened_unix_s", b"opened_unix_s", "participations", b"participations", "sampled_sites", b"sampled_sites", "stages", b"stages", "status", b"status", "updates", b"updates"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "bytes_down", b"bytes_down", "bytes_up", b"bytes_up", "closed_unix_s", b"closed_unix_s", "duration_s", b"duration_s", "lost_bytes", b"lost_bytes", "metrics", b"metrics", "model_sha256", b"model_sha256", "number", b"number", "opened_unix_s", b"opened_unix_s", "participations", b"participations", "sampled_sites", b"sampled_sites", "site_idle_s", b"site_idle_s", "stages", b"stages", "status", b"status", "updates", b"updates"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
