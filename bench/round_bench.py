@@ -398,7 +398,7 @@ def stages_table(results: list[ConfigResult]) -> tuple[list[str], list[list[str]
             str(r.sites),
             _fmt_params(r.params),
             *(f"{statistics.median(x.stages.get(s, 0.0) for x in r.rounds):.3f}" for s in STAGES),
-            f"{statistics.median(x.site_idle_s / x.duration_s for x in r.rounds):.0%}",
+            f"{statistics.median(x.site_idle_s / max(x.duration_s, 1e-9) for x in r.rounds):.0%}",
         ]
         for r in results
     ]

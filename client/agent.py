@@ -186,6 +186,7 @@ class SiteAgent:
             if task.secagg is not None:  # the key exchange comes before the training
                 masker = self._secagg_setup(task, task.secagg)
                 crash_point("after_secagg_setup", task.round)
+                started = time.monotonic()  # waiting for the others' keys is no download
             global_state = self._global_model(impl, task, max(task.deadline_in_s, 1.0))
             # As the site sees it: the coordinator's download_s ends when the last byte
             # leaves it, which buffers on a slow link hide.

@@ -243,22 +243,31 @@ def _round(
 
 
 def _lost(r: RoundRecord, p: ParticipationRecord) -> bool:
-    """Whether a participation's work (and the bytes it moved) did not count."""
-    if r.state == "open":  # the current attempt's tasks may still count
-        return p.attempt < r.attempt or p.state in ("failed", "expired")
-    return not (r.state == "committed" and p.attempt == r.attempt and p.state == "accepted")
+    """Whether a participation's work (and the bytes it moved) can no longer count.
+
+    A task still under way (an open round's, or an async task carried on past its
+    round's commit) is not lost yet. Between a failed attempt and the next one's opening
+    the round still shows the failed attempt, whose accepted updates count as lost only
+    once the next attempt opens (or the run ends)."""
+    if r.state in ("failed", "cancelled"):  # the round its run ended in: nothing counts
+        return True
+    if p.attempt < r.attempt:  # an attempt that failed: dropped, whatever its state
+        return True
+    return p.finished and p.state != "accepted"  # failed or expired
 
 
 def site_idle_s(r: RoundRecord, parts: list[ParticipationRecord]) -> float:
-    """A committed round: the mean, over the sites whose updates it used, of the round's
-    duration less the site's own download, compute and upload (the site's measures where
-    it sent them). That is the time each sat idle: waiting for its task once the round
-    opened, for slower sites, for the aggregate and the checkpoint."""
+    """A committed round: the mean, over the sites whose updates it accepted, of the time
+    from their task to the round's commit less their own download, compute and upload
+    (the site's measures where it sent them). That is the time each sat idle: waiting
+    for its task once the round opened, for slower sites, for the aggregate and the
+    checkpoint. (An async task carried in from an earlier round counts from its own
+    assignment.)"""
     if r.state != "committed" or not r.closed_at:
         return 0.0
-    duration = r.closed_at - r.opened_at
+    closed = r.closed_at
     idle = [
-        max(0.0, duration - _busy_s(p))
+        max(0.0, closed - min(r.opened_at, p.assigned_at) - _busy_s(p))
         for p in parts
         if p.attempt == r.attempt and p.state == "accepted"
     ]

@@ -339,7 +339,8 @@ def _cmd_watch(args: argparse.Namespace) -> int:
 
     if not args.reconnect_s >= 0:
         raise ConfigError(f"--reconnect-s: must be >= 0, got {args.reconnect_s}")
-    shown: dict[int, admin_pb2.RoundStatus] = {}  # the committed rounds printed
+    shown: set[int] = set()  # the committed rounds printed
+    seen: dict[int, admin_pb2.RoundStatus] = {}  # every round, as last sent
     last_state = ""
     status = None
     backoff = Backoff(base_s=0.5, cap_s=5.0)
@@ -366,15 +367,16 @@ def _cmd_watch(args: argparse.Namespace) -> int:
                         print(_state_line(status), flush=True)
                         last_state = status.state
                     for r in status.rounds:
+                        seen[r.number] = r  # its latest: late downloads, lost tasks
                         if r.status == "committed" and r.number not in shown:
-                            shown[r.number] = r
+                            shown.add(r.number)
                             print(format_round(r), flush=True)
             reached = True  # the stream ended without an error: someone answered
             if status is not None and status.state in FINAL_STATES:
                 # After the last rounds: the daemon ends the stream after the messages
                 # that hold them (a long run's rounds may span several).
-                if shown:
-                    print(format_totals(list(shown.values())), flush=True)
+                if seen:
+                    print(format_totals([seen[n] for n in sorted(seen)]), flush=True)
                 print(_state_line(status), flush=True)
                 return 0 if status.state == "completed" else 1
             why = "it closed the stream"  # a daemon stopping ends its watches
@@ -559,7 +561,7 @@ def format_round(r: admin_pb2.RoundStatus) -> str:
         f"{k} {format_metric(k, v)}" for k, v in sorted(r.metrics.items()) if k != "compute_s"
     )
     idle = (
-        f"idle {r.site_idle_s / r.duration_s:4.0%}"
+        f"idle {min(1.0, r.site_idle_s / r.duration_s):4.0%}"
         if r.status == "committed" and r.number > 0 and r.duration_s > 0
         else " " * 9
     )
@@ -581,7 +583,7 @@ def format_totals(rounds: Sequence[admin_pb2.RoundStatus]) -> str:
         line += f", {format_bytes(lost)} ({lost / wire:.0%}) of it for work that did not count"
     if timed:
         idle = sum(r.site_idle_s for r in timed) / sum(r.duration_s for r in timed)
-        line += f"; sites sat idle {idle:.0%} of their rounds"
+        line += f"; sites sat idle {min(1.0, idle):.0%} of their rounds"
     return line
 
 

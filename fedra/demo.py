@@ -115,6 +115,16 @@ def run_demo(options: DemoOptions) -> int:
                 print(f"\nrun {run_id} {final.state}: {final.reason}")
                 return 1
             model = admin.export_model(run_id)
+            # As the rounds ended up: a download counted after its round's commit, say.
+            latest = {r.number: r for r in admin.status(run_id).rounds}
+    for summary in rounds:
+        r = latest[summary["round"]]
+        summary.update(
+            bytes_down=r.bytes_down,
+            bytes_up=r.bytes_up,
+            lost_bytes=r.lost_bytes,
+            site_idle_s=r.site_idle_s,
+        )
     return _finish(options, spec, run_id, rounds, _score(model, x_test, y_test), started)
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import (
+    BigInteger,
     Float,
     Integer,
     Select,
@@ -194,7 +195,7 @@ _ADD_DOWNLOAD = (
     update(_p)
     .where(_p.task_id == bindparam("tid"))
     .values(
-        bytes_down=_p.bytes_down + bindparam("nbytes", type_=Integer),
+        bytes_down=_p.bytes_down + bindparam("nbytes", type_=BigInteger),  # as the column
         download_s=_p.download_s + bindparam("seconds", type_=Float),
         state=case((_p.state == "assigned", "downloaded"), else_=_p.state),
         base_round=func.coalesce(bindparam("base", type_=Integer), _p.base_round),

@@ -135,6 +135,10 @@ def test_full_run_through_the_cli(cluster: LocalCluster, tmp_path: Path) -> None
     lines = watched.stdout.splitlines()
     assert [line.split()[1] for line in lines if line.startswith("round")] == list("01234")
     assert lines[-1] == f"run {run_id}: completed"  # the final state after the last round
+    plain = fedra_cli("run", "status", run_id, "--state-dir", str(cluster.state_dir))
+    assert plain.returncode == 0, plain.stderr
+    totals = plain.stdout.splitlines()[-1]  # the same sum as the watch's, before its end
+    assert lines[-2] == totals and "0 B (0%) of it for work that did not count" in totals
 
     listed = fedra_cli("run", "list", "--state-dir", str(cluster.state_dir))
     assert listed.returncode == 0, listed.stderr
@@ -493,6 +497,53 @@ def test_site_killed_mid_round_round_closes_with_quorum_and_site_rejoins(
         "site-2" in [p.site_id for p in r.participations if p.status == "accepted"] for r in later
     )
     assert sorted(ids) == sorted({p.site_id for r in status.rounds for p in r.participations})
+
+
+def test_a_cancelled_run_s_watch_counts_the_bytes_its_last_round_lost(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """The round a run is cancelled in never commits: the watch prints no line for it, but
+    its downloads are lost, and the watch's closing sum says so, as `run status` does."""
+    address = cluster.start_coordinator(flags=FAST)
+    ids = [f"site-{i}" for i in range(2)]
+    for i, site_id in enumerate(ids):  # slow training: round 2 stays open a while
+        data = {"shift": float(i), "seed": i, "samples": 64, "fit_delay_s": 2.0}
+        cluster.start_site(site_id, [SYNTHETIC], data)
+    cluster.wait_for_sites(ids)
+    with cluster.admin() as admin:
+        run_id = admin.submit(synthetic_spec(rounds=5, sites_per_round=2, min_sites=2))
+        out = tmp_path / "watch.out"
+        with out.open("w") as stdout:
+            watch = subprocess.Popen(
+                [sys.executable, "-m", "fedra", "run", "watch", run_id, "--coordinator", address,
+                 "--state-dir", str(cluster.state_dir)],
+                stdout=stdout, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            )  # fmt: skip
+        try:
+
+            def downloaded_round_2(s: admin_pb2.RunStatus) -> bool:
+                r2 = [r for r in s.rounds if r.number == 2]
+                return bool(r2) and r2[0].bytes_down > 0 and r2[0].status == "open"
+
+            wait_until(admin, run_id, downloaded_round_2)
+            cancelled = fedra_cli("run", "cancel", run_id, "--state-dir", str(cluster.state_dir))
+            assert cancelled.returncode == 0, cancelled.stderr
+            assert watch.wait(60) == 1, out.read_text()  # the run did not complete
+        finally:
+            if watch.poll() is None:
+                watch.kill()
+                watch.wait()
+        status = admin.status(run_id)
+    r2 = next(r for r in status.rounds if r.number == 2)
+    assert status.state == "cancelled" and r2.status == "cancelled"
+    assert r2.lost_bytes == r2.bytes_down + r2.bytes_up > 0
+    lines = out.read_text().splitlines()
+    assert lines[-1].startswith(f"run {run_id}: cancelled")
+    assert not any(line.startswith("round   2") for line in lines)
+    plain = fedra_cli("run", "status", run_id, "--state-dir", str(cluster.state_dir))
+    assert plain.returncode == 0, plain.stderr
+    assert lines[-2] == plain.stdout.splitlines()[-1]
+    assert f"{format_bytes(r2.lost_bytes)} (" in lines[-2], lines[-2]
 
 
 def test_site_restarted_mid_round_is_given_its_current_task(cluster: LocalCluster) -> None:

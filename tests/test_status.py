@@ -64,6 +64,12 @@ def test_a_committed_round_loses_what_it_did_not_use() -> None:
     assert s.bytes_down + s.bytes_up == 7 * MB + MB // 2
 
 
+def test_an_async_task_still_training_past_its_round_s_commit_is_not_lost() -> None:
+    # Carried on into the next round (open_round moves it there): it may still count.
+    parts = [_part("a", "accepted"), _part("b", "downloaded"), _part("c", "assigned", down=0)]
+    assert _status(_round(1, "committed"), parts).lost_bytes == 0
+
+
 def test_an_open_round_loses_only_what_cannot_count_any_more() -> None:
     parts = [
         _part("a", "accepted", attempt=1),  # an earlier attempt: lost
@@ -93,10 +99,17 @@ def test_idle_is_the_round_less_each_used_site_s_own_work() -> None:
 
 
 def test_a_site_that_measured_more_than_the_round_is_never_negative_idle() -> None:
-    # An async run's carried task: trained across rounds, its work is longer than this one.
     parts = [_part("a", "accepted", compute_s=50.0), _part("b", "accepted", compute_s=0.0)]
     s = _status(_round(1, "committed", duration=10.0), parts)
     assert s.site_idle_s == pytest.approx((0.0 + 6.0) / 2)
+
+
+def test_an_async_task_carried_in_counts_its_idle_time_from_its_own_assignment() -> None:
+    # Assigned 20 s before this round opened (at 100): 30 s to the commit, 6 s of work.
+    carried = ParticipationRecord(**{**_part("a", "accepted").__dict__, "assigned_at": 80.0})
+    s = _status(_round(1, "committed", duration=10.0), [carried])
+    assert s.site_idle_s == pytest.approx(24.0)
+    assert "idle 100%" in format_round(s)  # a share of the round: never above all of it
 
 
 def test_without_its_own_measure_the_coordinator_s_download_time_is_used() -> None:

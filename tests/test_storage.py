@@ -371,6 +371,26 @@ def test_mark_downloaded_accumulates(run_store: Store) -> None:
         run_store.mark_downloaded("no-such-task", 1, 0.1)
 
 
+def test_byte_counts_beyond_32_bits_are_kept(run_store: Store) -> None:
+    """A model of several GB: counts are 64-bit in the database, bound as such too."""
+    _open(run_store, 1, 1, ["a", "b"])
+    big = 3 * 2**31 + 5
+    run_store.mark_downloaded_many([(_task(1, 1, "a"), big, 1.0, 0)])
+    run_store.mark_downloaded(_task(1, 1, "a"), big, 1.0)
+    run_store.accept_update(
+        _task(1, 1, "b"),
+        nonce=b"n" * 16,
+        sha256="a" * 64,
+        num_samples=1,
+        metrics={},
+        bytes_up=big,
+        upload_s=1.0,
+        now=T0,
+    )
+    a, b = run_store.list_participations(RUN, 1)
+    assert (a.bytes_down, b.bytes_up) == (2 * big, big)
+
+
 def test_mark_downloaded_many_writes_all_in_one_transaction(run_store: Store) -> None:
     _open(run_store, 1, 1, ["a", "b"])
     commits: list[str] = []
