@@ -15,6 +15,10 @@ takes a round for final while a row of it can still change. A crash in the
 milliseconds between a download and its row loses that row: the task resumes as not
 yet downloaded (its site downloads again if it needs to), and an async run counts its
 staleness from the round it was issued in rather than the one it downloaded.
+
+Transfers that crossed the wire for nothing are counted here too (``Cut``): a download
+cut off midway, an upload cut off or refused. Their bytes go to the task's
+``bytes_cut``, never to its completed download or accepted upload.
 """
 
 from __future__ import annotations
@@ -40,12 +44,22 @@ class Download:
     base_round: int  # the round whose global model it was
 
 
+@dataclass(frozen=True)
+class Cut:
+    """Bytes of one of a task's transfers that was cut off or refused."""
+
+    task_id: str
+    nbytes: int
+
+
 class DownloadLedger:
     """Writes finished downloads to the store in the background, in order.
 
     A download is ``started`` when a site may begin it, then either ``record``-ed (all
-    its bytes sent; written here soon after) or ``abandoned`` (the call ended early).
-    ``on_written`` is called after each batch is written, so watchers can look again.
+    its bytes sent; written here soon after) or ``abandoned`` (the call ended early;
+    the bytes it had sent are counted as cut). ``record_cut`` counts the bytes of any
+    other transfer that crossed the wire for nothing. ``on_written`` is called after
+    each batch is written, so watchers can look again.
     """
 
     def __init__(
@@ -57,7 +71,7 @@ class DownloadLedger:
         self.store, self.on_written = store, on_written
         self.retry_delays_s = retry_delays_s
         self._cond = threading.Condition()
-        self._queue: list[Download] = []
+        self._queue: list[Download | Cut] = []
         self._queued = 0  # downloads ever queued
         self._written = 0  # of those, written (or given up on)
         self._pending: Counter[str] = Counter()  # task -> downloads under way or queued
@@ -70,20 +84,30 @@ class DownloadLedger:
         with self._cond:
             self._pending[task_id] += 1
 
-    def abandoned(self, task_id: str) -> None:
+    def abandoned(self, task_id: str, nbytes: int = 0) -> None:
+        """A download ended early, after sending ``nbytes``: those are cut."""
+        if nbytes > 0:
+            self.record(Cut(task_id, nbytes))  # its pending count goes once that is written
+            return
         with self._cond:
             self._release([task_id])
 
-    def record(self, download: Download) -> None:
+    def record_cut(self, task_id: str, nbytes: int) -> None:
+        """Count ``nbytes`` of a transfer of ``task_id`` that was cut off or refused."""
+        if nbytes > 0:
+            self.started(task_id)  # pending until written, as a download is
+            self.record(Cut(task_id, nbytes))
+
+    def record(self, entry: Download | Cut) -> None:
         with self._cond:
             if not self._closing:
-                self._queue.append(download)
+                self._queue.append(entry)
                 self._queued += 1
                 self._cond.notify_all()
                 return
-        self._write([download])  # after close: write it here, nothing is lost
+        self._write([entry])  # after close: write it here, nothing is lost
         with self._cond:
-            self._release([download.task_id])
+            self._release([entry.task_id])
         self.on_written()
 
     def pending(self) -> set[str]:
@@ -125,11 +149,14 @@ class DownloadLedger:
                 self._cond.notify_all()
             self.on_written()
 
-    def _write(self, batch: list[Download]) -> None:
-        rows = [(d.task_id, d.nbytes, d.seconds, d.base_round) for d in batch]
+    def _write(self, batch: list[Download | Cut]) -> None:
+        rows = [
+            (d.task_id, d.nbytes, d.seconds, d.base_round) for d in batch if isinstance(d, Download)
+        ]
+        cuts = [(c.task_id, c.nbytes) for c in batch if isinstance(c, Cut)]
         for attempt, delay in enumerate((*self.retry_delays_s, None)):
             try:
-                missing = self.store.mark_downloaded_many(rows)
+                missing = self.store.mark_downloaded_many(rows, cuts)
                 break
             except ClaimLostError:  # no retry: the database is another coordinator's now
                 why = "the database is another coordinator's now"
@@ -147,4 +174,4 @@ class DownloadLedger:
                 log.warning("recording %d finished downloads failed; retrying", len(batch))
                 self._stopped.wait(delay)
         for task_id in missing:
-            log.warning("a finished download of unknown task %s was not recorded", task_id)
+            log.warning("a transfer of unknown task %s was not recorded", task_id)

@@ -208,10 +208,14 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
             request.site_id, request.task_id, request.delta
         )
         started = time.monotonic()
+        sent = 0  # handed to gRPC, frames included
         try:
-            yield from _model_chunks(self.engine, digest, size)
-        except BaseException:  # cancelled, failed, or closed by gRPC: nothing to count
-            self.engine.downloads.abandoned(request.task_id)
+            for chunk in _model_chunks(self.engine, digest, size):
+                sent += len(chunk)
+                yield chunk
+                del chunk  # not held while the next one is read
+        except BaseException:  # cancelled, failed, or closed by gRPC: what went out is cut
+            self.engine.downloads.abandoned(request.task_id, min(sent, size))
             raise
         self.engine.record_download(request.task_id, size, time.monotonic() - started, base)
 
@@ -234,13 +238,20 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
             ticket = uploads.begin_upload(self.engine, _header_from_proto(h))
         except uploads.AlreadyAccepted as done:
             return site_pb2.UploadUpdateResponse(bytes_received=done.nbytes)
+        task_id, size = ticket.header.task_id, ticket.header.payload_bytes
+        received = _Received(request_iterator)
         try:
-            digest = uploads.receive(self.engine, ticket, _data_chunks(request_iterator))
-        except BaseException:
+            digest = uploads.receive(self.engine, ticket, received)
+        except BaseException:  # cut off or refused: what arrived crossed the wire for nothing
             uploads.abort_upload(self.engine, ticket)
+            self.engine.downloads.record_cut(task_id, received.nbytes)
             raise
-        uploads.accept(self.engine, ticket, digest, ticket.header.payload_bytes)
-        return site_pb2.UploadUpdateResponse(bytes_received=ticket.header.payload_bytes)
+        try:
+            uploads.accept(self.engine, ticket, digest, size)
+        except BaseException:  # refused whole (too late, say): all of it for nothing
+            self.engine.downloads.record_cut(task_id, size)
+            raise
+        return site_pb2.UploadUpdateResponse(bytes_received=size)
 
     @mapped
     def ReportFailure(
@@ -304,13 +315,20 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
         return site_pb2.SecAggRevealResponse()
 
 
-def _data_chunks(messages: Iterator[site_pb2.UpdateChunk | memoryview]) -> Iterator[memoryview]:
-    for message in messages:
-        data = wire.update_chunk_data(message)
-        if data is None:
-            raise InvalidArgument("only the first message of an upload may be a header")
-        yield data
-        del message, data  # not held while the next message is received
+class _Received:
+    """An upload's payload chunks, counting the bytes that arrived."""
+
+    def __init__(self, messages: Iterator[site_pb2.UpdateChunk | memoryview]) -> None:
+        self.messages, self.nbytes = messages, 0
+
+    def __iter__(self) -> Iterator[memoryview]:
+        for message in self.messages:
+            data = wire.update_chunk_data(message)
+            if data is None:
+                raise InvalidArgument("only the first message of an upload may be a header")
+            self.nbytes += len(data)
+            yield data
+            del message, data  # not held while the next message is received
 
 
 # The least time between two looks of one watch (each reads the database).

@@ -237,8 +237,10 @@ def _round(
         model_sha256=ckpts.get(r.number, ""),
         stages=r.stages,
         participations=[_participation(p) for p in parts],
-        lost_bytes=sum(p.bytes_down + p.bytes_up for p in parts if _lost(r, p)),
+        lost_bytes=sum(p.bytes_down + p.bytes_up for p in parts if _lost(r, p))
+        + sum(p.bytes_cut for p in parts),
         site_idle_s=site_idle_s(r, parts),
+        cut_bytes=sum(p.bytes_cut for p in parts),
     )
 
 
@@ -287,6 +289,7 @@ def _participation(p: ParticipationRecord) -> admin_pb2.Participation:
         num_samples=p.num_samples,
         bytes_down=p.bytes_down,
         bytes_up=p.bytes_up,
+        bytes_cut=p.bytes_cut,
         download_s=p.download_s,
         upload_s=p.upload_s,
         metrics=p.metrics,

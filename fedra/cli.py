@@ -568,14 +568,19 @@ def format_round(r: admin_pb2.RoundStatus) -> str:
     lost = f"  lost {format_bytes(r.lost_bytes)}" if r.lost_bytes else ""
     return (
         f"round {r.number:>3}  {r.updates}/{len(r.sampled_sites)} sites  "
-        f"{(r.bytes_down + r.bytes_up) / 1e6:8.3f} MB  {r.duration_s:6.2f} s  {idle}  "
+        f"{moved_bytes(r) / 1e6:8.3f} MB  {r.duration_s:6.2f} s  {idle}  "
         f"{metrics}{lost}"
     ).rstrip()
 
 
+def moved_bytes(r: admin_pb2.RoundStatus) -> int:
+    """All a round's bytes on the wire: its completed transfers and its cut ones."""
+    return r.bytes_down + r.bytes_up + r.cut_bytes
+
+
 def format_totals(rounds: Sequence[admin_pb2.RoundStatus]) -> str:
     """What the rounds moved, what of it was lost, and how long the sites sat idle."""
-    wire = sum(r.bytes_down + r.bytes_up for r in rounds)
+    wire = sum(moved_bytes(r) for r in rounds)
     lost = sum(r.lost_bytes for r in rounds)
     timed = [r for r in rounds if r.status == "committed" and r.number > 0 and r.duration_s > 0]
     line = f"{format_bytes(wire)} on the wire"

@@ -122,6 +122,7 @@ def run_demo(options: DemoOptions) -> int:
         summary.update(
             bytes_down=r.bytes_down,
             bytes_up=r.bytes_up,
+            cut_bytes=r.cut_bytes,
             lost_bytes=r.lost_bytes,
             site_idle_s=r.site_idle_s,
         )
@@ -145,7 +146,8 @@ def _round_summary(r: admin_pb2.RoundStatus, test: dict[str, float]) -> dict[str
         "site_metrics": dict(r.metrics),
         "bytes_down": r.bytes_down,
         "bytes_up": r.bytes_up,
-        "lost_bytes": r.lost_bytes,  # moved for work that did not count
+        "cut_bytes": r.cut_bytes,  # of transfers cut off or refused midway
+        "lost_bytes": r.lost_bytes,  # moved for work that did not count (cut_bytes too)
         "seconds": r.duration_s,
         "site_idle_s": r.site_idle_s,  # the mean site's time in the round not spent working
         "samples_seen": r.metrics.get("samples_seen", 0.0),  # a count: summed over the sites
@@ -153,7 +155,7 @@ def _round_summary(r: admin_pb2.RoundStatus, test: dict[str, float]) -> dict[str
 
 
 def _print_round(r: dict[str, Any]) -> None:
-    mb = (r["bytes_down"] + r["bytes_up"]) / 1e6
+    mb = (r["bytes_down"] + r["bytes_up"] + r["cut_bytes"]) / 1e6
     idle = f"{r['site_idle_s'] / r['seconds']:4.0%}" if r["round"] > 0 and r["seconds"] else ""
     print(
         f"{r['round']:>5}  {len(r['sites']):>5}  {r['test_loss']:>9.4f}  "
@@ -180,7 +182,7 @@ def _finish(
     )
     (_, _), (x_test, y_test) = digits.pooled_split(0)
     baseline = digits.evaluate_on(baseline_model, x_test, y_test)
-    wire = sum(r["bytes_down"] + r["bytes_up"] for r in rounds)
+    wire = sum(r["bytes_down"] + r["bytes_up"] + r["cut_bytes"] for r in rounds)
     lost = sum(r["lost_bytes"] for r in rounds)
     timed = [r for r in rounds if r["round"] > 0]
     seconds = sum(r["seconds"] for r in timed)

@@ -86,6 +86,8 @@ class Participation(Base):
     num_samples: Mapped[int] = mapped_column(BigInteger, default=0)
     bytes_down: Mapped[int] = mapped_column(BigInteger, default=0)
     bytes_up: Mapped[int] = mapped_column(BigInteger, default=0)
+    # Transfers cut off or refused (a partial download, a refused or late upload).
+    bytes_cut: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     download_s: Mapped[float] = mapped_column(Float, default=0.0)
     upload_s: Mapped[float] = mapped_column(Float, default=0.0)
     metrics_json: Mapped[str] = mapped_column(Text, default="{}")

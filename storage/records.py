@@ -62,6 +62,7 @@ class ParticipationRecord:
     num_samples: int = 0
     bytes_down: int = 0
     bytes_up: int = 0
+    bytes_cut: int = 0  # of transfers cut off or refused: moved for nothing
     download_s: float = 0.0
     upload_s: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)

@@ -67,6 +67,7 @@ def participation_record(r: m.Participation) -> ParticipationRecord:
         num_samples=r.num_samples,
         bytes_down=r.bytes_down,
         bytes_up=r.bytes_up,
+        bytes_cut=r.bytes_cut,
         download_s=r.download_s,
         upload_s=r.upload_s,
         metrics=json.loads(r.metrics_json),

@@ -201,6 +201,11 @@ _ADD_DOWNLOAD = (
         base_round=func.coalesce(bindparam("base", type_=Integer), _p.base_round),
     )
 )
+_ADD_CUT = (
+    update(_p)
+    .where(_p.task_id == bindparam("tid"))
+    .values(bytes_cut=_p.bytes_cut + bindparam("nbytes", type_=BigInteger))
+)
 _KNOWN_TASKS = select(_p.task_id).where(_p.task_id.in_(bindparam("tids", expanding=True)))
 _ACCEPT = (
     update(_p)
@@ -681,22 +686,30 @@ class Store:
             raise NotFoundError(task_id)
 
     def mark_downloaded_many(
-        self, downloads: Sequence[tuple[str, int, float, int | None]]
+        self,
+        downloads: Sequence[tuple[str, int, float, int | None]],
+        cuts: Sequence[tuple[str, int]] = (),
     ) -> list[str]:
-        """Count finished downloads, (task_id, bytes, seconds, base round) each, in one
-        transaction; returns the task ids that do not exist."""
-        if not downloads:
+        """Count finished downloads, (task_id, bytes, seconds, base round) each, and the
+        bytes of transfers cut off or refused, (task_id, bytes) each, in one transaction;
+        returns the task ids that do not exist."""
+        if not downloads and not cuts:
             return []
         rows_ = [
             {"tid": t, "nbytes": n, "seconds": sec, "base": base} for t, n, sec, base in downloads
         ]
+        cut_rows = [{"tid": t, "nbytes": n} for t, n in cuts]
+        named = [t for t, *_ in downloads] + [t for t, _ in cuts]
         with self._tx() as s:
             conn = s.connection()
-            found = set(conn.scalars(_KNOWN_TASKS, {"tids": [r["tid"] for r in rows_]}))
+            found = set(conn.scalars(_KNOWN_TASKS, {"tids": sorted(set(named))}))
             known = [r for r in rows_ if r["tid"] in found]
             if known:  # one statement for all of them
                 conn.execute(_ADD_DOWNLOAD, known)
-        return [t for t, *_ in downloads if t not in found]
+            known_cuts = [r for r in cut_rows if r["tid"] in found]
+            if known_cuts:
+                conn.execute(_ADD_CUT, known_cuts)
+        return [t for t in dict.fromkeys(named) if t not in found]
 
     def accept_update(
         self,

@@ -622,7 +622,7 @@ def test_demo_writes_a_summary(tmp_path: Path) -> None:
     assert summary["rounds"][3]["test_accuracy"] > summary["rounds"][0]["test_accuracy"]
     assert "final global model: test accuracy" in result.stdout
     # Nothing failed: nothing lost; the sites did some waiting, never more than the rounds.
-    wire = sum(r["bytes_down"] + r["bytes_up"] for r in summary["rounds"])
+    wire = sum(r["bytes_down"] + r["bytes_up"] + r["cut_bytes"] for r in summary["rounds"])
     assert final["bytes_on_wire"] == wire > 0 and final["lost_bytes"] == 0
     assert all(0 <= r["site_idle_s"] <= r["seconds"] for r in summary["rounds"])
     assert 0 < final["site_idle_fraction"] < 1

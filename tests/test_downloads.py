@@ -94,11 +94,13 @@ def test_a_write_that_fails_is_tried_again_then_given_up_and_the_ledger_goes_on(
         original = store.mark_downloaded_many
         calls: list[int] = []
 
-        def _fail_once(rows: list[tuple[str, int, float, int | None]]) -> list[str]:
+        def _fail_once(
+            rows: list[tuple[str, int, float, int | None]], cuts: list[tuple[str, int]]
+        ) -> list[str]:
             calls.append(len(rows))
             if len(calls) == 1:
                 raise RuntimeError("database away for a moment")
-            return original(rows)
+            return original(rows, cuts)
 
         store.mark_downloaded_many = _fail_once  # type: ignore[method-assign]
         ledger.record(Download("t-a", 7, 0.1, 1))
@@ -128,9 +130,11 @@ def test_a_download_is_pending_from_its_start_until_its_row_is_written(store: St
     hold = threading.Event()
     original = store.mark_downloaded_many
 
-    def _held(rows: list[tuple[str, int, float, int | None]]) -> list[str]:
+    def _held(
+        rows: list[tuple[str, int, float, int | None]], cuts: list[tuple[str, int]]
+    ) -> list[str]:
         hold.wait(10)
-        return original(rows)
+        return original(rows, cuts)
 
     store.mark_downloaded_many = _held  # type: ignore[method-assign]
     ledger = DownloadLedger(store, on_written=written.set)
@@ -149,4 +153,23 @@ def test_a_download_is_pending_from_its_start_until_its_row_is_written(store: St
         assert ledger.pending() == set()
     finally:
         hold.set()
+        ledger.close()
+
+
+def test_cut_transfers_are_written_and_pending_until_then(store: Store) -> None:
+    ledger = DownloadLedger(store)
+    try:
+        ledger.started("t-a")
+        ledger.abandoned("t-a", 512)  # cut off after 512 bytes: counted, not a download
+        ledger.started("t-b")
+        ledger.abandoned("t-b")  # nothing had gone out: nothing to count
+        assert "t-b" not in ledger.pending()
+        ledger.record_cut("t-c", 64)  # an upload refused after 64 bytes
+        ledger.record_cut("t-d", 0)
+        assert ledger.flush(10)
+        assert ledger.pending() == set()
+        cut = {p.site_id: p.bytes_cut for p in store.list_participations(RUN, 1)}
+        assert cut == {"a": 512, "b": 0, "c": 64, "d": 0}
+        assert _downloads(store)["a"] == ("assigned", 0, None)
+    finally:
         ledger.close()

@@ -598,6 +598,103 @@ def test_an_upload_cut_off_mid_stream_is_given_back_quietly(
     assert upload(coordinator, messages(task, site, payload)).bytes_received == len(payload)
 
 
+def _cut_bytes(c: InProcessCoordinator, run_id: str, number: int) -> dict[str, int]:
+    assert c.engine.downloads.flush(10)  # the ledger writes them in the background
+    return {p.site_id: p.bytes_cut for p in round_status(c, run_id, number).participations}
+
+
+def test_a_refused_upload_s_payload_is_counted_as_cut_and_nothing_else_changes(
+    coordinator: InProcessCoordinator,
+) -> None:
+    run_id, tasks = start_round_one(coordinator)
+    (site, task), (other_site, other_task) = sorted(tasks.items())
+    good = delta_payload()
+    refused(
+        coordinator,
+        messages(task, site, good, sha256=hashlib.sha256(b"other").hexdigest()),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "checksum mismatch",
+    )
+    # Refused from its header: no payload was read, none counted.
+    refused(
+        coordinator,
+        messages(other_task, other_site, good, codec="zstd"),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "codec",
+    )
+    assert _cut_bytes(coordinator, run_id, 1) == {site: len(good), other_site: 0}
+    r1 = round_status(coordinator, run_id, 1)
+    assert (r1.cut_bytes, r1.lost_bytes) == (len(good), len(good))
+    assert r1.status == "open" and r1.updates == 0
+    assert {p.status for p in r1.participations} <= {"assigned", "downloaded"}
+    upload(coordinator, messages(task, site, good))  # the retry counts in full
+    upload(coordinator, messages(other_task, other_site, good))
+    r1 = wait_round(coordinator, run_id, 1, "committed")
+    by_site = {p.site_id: p for p in r1.participations}
+    assert (by_site[site].bytes_up, by_site[site].bytes_cut) == (len(good), len(good))
+    assert r1.lost_bytes == len(good)  # the refused try only
+
+
+def test_an_update_that_arrives_after_its_round_closed_is_cut_whole(
+    coordinator: InProcessCoordinator,
+) -> None:
+    """Its upload began in time; the round closed (at its deadline) while it streamed."""
+    run_id, tasks = start_round_one(
+        coordinator, sites_per_round=3, min_sites=2, round_deadline_s=2.0
+    )
+    (s1, t1), (s2, t2), (late_site, late_task) = sorted(tasks.items())
+    payload = delta_payload()
+    release = threading.Event()
+
+    def _slow() -> Iterator[site_pb2.UpdateChunk]:
+        msgs = messages(late_task, late_site, payload, chunk=64)
+        yield next(msgs)  # the header: the upload is under way
+        yield next(msgs)
+        release.wait(30)
+        yield from msgs
+
+    call = coordinator.site.UploadUpdate.future(_slow(), timeout=30)
+    upload(coordinator, messages(t1, s1, payload))
+    upload(coordinator, messages(t2, s2, payload))
+    wait_round(coordinator, run_id, 1, "committed")  # at its deadline, with 2 of 3
+    release.set()
+    with pytest.raises(grpc.RpcError) as info:
+        call.result()
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION, info.value.details()
+    assert "closed before your update arrived" in (info.value.details() or "")
+    assert _cut_bytes(coordinator, run_id, 1)[late_site] == len(payload)
+    r1 = round_status(coordinator, run_id, 1)
+    assert r1.lost_bytes == len(payload) and r1.cut_bytes == len(payload)
+
+
+def test_a_download_cut_off_midway_counts_what_was_sent(
+    coordinator: InProcessCoordinator,
+) -> None:
+    register(coordinator, *SITES)
+    run_id = submit(coordinator)
+    ((init_site, init_task),) = tasks_of_round(coordinator, run_id, 0).items()
+    big = encode({**model_state(), "extra": torch.zeros(300_000)})  # 1.2 MB: 16 chunks
+    upload(coordinator, messages(init_task, init_site, big, chunk=1 << 16))
+    tasks = tasks_of_round(coordinator, run_id, 1)
+    site, task = sorted(tasks.items())[0]
+    stream = coordinator.site.DownloadModel(
+        site_pb2.DownloadModelRequest(site_id=site, task_id=task.task_id), timeout=30
+    )
+    first = next(stream)
+    assert 0 < len(first.data) < len(big) // 8
+    stream.cancel()
+    deadline = threading.Event()
+    for _ in range(200):  # the handler sees the cancellation at its next yield
+        if _cut_bytes(coordinator, run_id, 1)[site] > 0:
+            break
+        deadline.wait(0.05)
+    cut = _cut_bytes(coordinator, run_id, 1)[site]
+    assert len(first.data) <= cut < len(big)  # what had gone out, not the whole model
+    r1 = round_status(coordinator, run_id, 1)
+    mine = {p.site_id: p for p in r1.participations}[site]
+    assert mine.bytes_down == 0 and mine.status == "assigned"  # no download was finished
+
+
 def _long_run(coordinator: InProcessCoordinator, run_id: str = "long-run") -> str:
     """Six rounds of ten sites with a long error each: about 1 MB of status per round."""
     from fedra.runspec import RunSpec

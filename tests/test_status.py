@@ -64,6 +64,14 @@ def test_a_committed_round_loses_what_it_did_not_use() -> None:
     assert s.bytes_down + s.bytes_up == 7 * MB + MB // 2
 
 
+def test_cut_transfers_are_lost_even_for_a_task_that_counted() -> None:
+    retried = ParticipationRecord(**{**_part("a", "accepted").__dict__, "bytes_cut": 300})
+    s = _status(_round(1, "committed"), [retried, _part("b", "failed", down=MB)])
+    assert s.cut_bytes == 300 and s.lost_bytes == MB + 300
+    assert s.participations[0].bytes_cut == 300
+    assert format_totals([s]).startswith(f"{(3 * MB + 300) / 1e6:.3f} MB on the wire")
+
+
 def test_an_async_task_still_training_past_its_round_s_commit_is_not_lost() -> None:
     # Carried on into the next round (open_round moves it there): it may still count.
     parts = [_part("a", "accepted"), _part("b", "downloaded"), _part("c", "assigned", down=0)]

@@ -391,6 +391,20 @@ def test_byte_counts_beyond_32_bits_are_kept(run_store: Store) -> None:
     assert (a.bytes_down, b.bytes_up) == (2 * big, big)
 
 
+def test_cut_transfers_are_counted_apart_from_completed_ones(run_store: Store) -> None:
+    _open(run_store, 1, 1, ["a", "b"])
+    missing = run_store.mark_downloaded_many(
+        [(_task(1, 1, "a"), 100, 0.5, 0)],
+        [(_task(1, 1, "a"), 30), (_task(1, 1, "b"), 7), ("no-such-task", 1)],
+    )
+    assert missing == ["no-such-task"]
+    run_store.mark_downloaded_many([], [(_task(1, 1, "b"), 2**33)])  # 64-bit, added up
+    a, b = run_store.list_participations(RUN, 1)
+    assert (a.state, a.bytes_down, a.bytes_cut) == ("downloaded", 100, 30)
+    assert (b.state, b.bytes_down, b.bytes_cut) == ("assigned", 0, 7 + 2**33)
+    assert run_store.mark_downloaded_many([], []) == []
+
+
 def test_mark_downloaded_many_writes_all_in_one_transaction(run_store: Store) -> None:
     _open(run_store, 1, 1, ["a", "b"])
     commits: list[str] = []

@@ -342,6 +342,7 @@ class Participation(_message.Message):
     UPLOAD_S_FIELD_NUMBER: _builtins.int
     METRICS_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    BYTES_CUT_FIELD_NUMBER: _builtins.int
     site_id: _builtins.str
     attempt: _builtins.int
     status: _builtins.str
@@ -352,6 +353,10 @@ class Participation(_message.Message):
     download_s: _builtins.float
     upload_s: _builtins.float
     error: _builtins.str
+    bytes_cut: _builtins.int
+    """Bytes of this task's transfers that were cut off or refused (a partial download,
+    an upload cut off, refused or too late): moved for nothing, apart from the above.
+    """
     @_builtins.property
     def metrics(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]: ...
     def __init__(
@@ -367,10 +372,11 @@ class Participation(_message.Message):
         upload_s: _builtins.float = ...,
         metrics: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
         error: _builtins.str = ...,
+        bytes_cut: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "bytes_down", b"bytes_down", "bytes_up", b"bytes_up", "download_s", b"download_s", "error", b"error", "metrics", b"metrics", "num_samples", b"num_samples", "site_id", b"site_id", "status", b"status", "upload_s", b"upload_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "bytes_cut", b"bytes_cut", "bytes_down", b"bytes_down", "bytes_up", b"bytes_up", "download_s", b"download_s", "error", b"error", "metrics", b"metrics", "num_samples", b"num_samples", "site_id", b"site_id", "status", b"status", "upload_s", b"upload_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -436,6 +442,7 @@ class RoundStatus(_message.Message):
     STAGES_FIELD_NUMBER: _builtins.int
     LOST_BYTES_FIELD_NUMBER: _builtins.int
     SITE_IDLE_S_FIELD_NUMBER: _builtins.int
+    CUT_BYTES_FIELD_NUMBER: _builtins.int
     number: _builtins.int
     """0 is the initial model"""
     attempt: _builtins.int
@@ -450,12 +457,17 @@ class RoundStatus(_message.Message):
     model_sha256: _builtins.str
     lost_bytes: _builtins.int
     """Bytes moved for work that did not count: the downloads and uploads of tasks that
-    failed or expired, of attempts that failed, and of a round its run ended in.
+    failed or expired, of attempts that failed, and of a round its run ended in; and
+    every cut transfer's bytes (cut_bytes).
     """
     site_idle_s: _builtins.float
     """A committed round: the mean, over the sites whose updates it used, of the time they
     sat idle in it (the round's duration less their own download, compute and upload):
     waiting for their task, for slower sites, for the aggregate and checkpoint.
+    """
+    cut_bytes: _builtins.int
+    """Bytes of transfers cut off or refused midway (the participations' bytes_cut): on the
+    wire besides bytes_down and bytes_up, and all of them lost.
     """
     @_builtins.property
     def sampled_sites(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
@@ -490,10 +502,11 @@ class RoundStatus(_message.Message):
         stages: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
         lost_bytes: _builtins.int = ...,
         site_idle_s: _builtins.float = ...,
+        cut_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "bytes_down", b"bytes_down", "bytes_up", b"bytes_up", "closed_unix_s", b"closed_unix_s", "duration_s", b"duration_s", "lost_bytes", b"lost_bytes", "metrics", b"metrics", "model_sha256", b"model_sha256", "number", b"number", "opened_unix_s", b"opened_unix_s", "participations", b"participations", "sampled_sites", b"sampled_sites", "site_idle_s", b"site_idle_s", "stages", b"stages", "status", b"status", "updates", b"updates"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "bytes_down", b"bytes_down", "bytes_up", b"bytes_up", "closed_unix_s", b"closed_unix_s", "cut_bytes", b"cut_bytes", "duration_s", b"duration_s", "lost_bytes", b"lost_bytes", "metrics", b"metrics", "model_sha256", b"model_sha256", "number", b"number", "opened_unix_s", b"opened_unix_s", "participations", b"participations", "sampled_sites", b"sampled_sites", "site_idle_s", b"site_idle_s", "stages", b"stages", "status", b"status", "updates", b"updates"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
