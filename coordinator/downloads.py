@@ -57,8 +57,9 @@ class DownloadLedger:
 
     A download is ``started`` when a site may begin it, then either ``record``-ed (all
     its bytes sent; written here soon after) or ``abandoned`` (the call ended early;
-    the bytes it had sent are counted as cut). ``record_cut`` counts the bytes of any
-    other transfer that crossed the wire for nothing. ``on_written`` is called after
+    the bytes it had sent are counted as cut). An upload is ``started`` when the
+    coordinator agrees to receive it and ``ended`` when its call does, with the bytes
+    it moved for nothing if it was cut off or refused. ``on_written`` is called after
     each batch is written, so watchers can look again.
     """
 
@@ -72,7 +73,7 @@ class DownloadLedger:
         self.retry_delays_s = retry_delays_s
         self._cond = threading.Condition()
         self._queue: list[Download | Cut] = []
-        self._queued = 0  # downloads ever queued
+        self._queued = 0  # entries (downloads, cuts) ever queued
         self._written = 0  # of those, written (or given up on)
         self._pending: Counter[str] = Counter()  # task -> downloads under way or queued
         self._closing = False
@@ -84,19 +85,18 @@ class DownloadLedger:
         with self._cond:
             self._pending[task_id] += 1
 
-    def abandoned(self, task_id: str, nbytes: int = 0) -> None:
-        """A download ended early, after sending ``nbytes``: those are cut."""
-        if nbytes > 0:
-            self.record(Cut(task_id, nbytes))  # its pending count goes once that is written
+    def ended(self, task_id: str, cut_bytes: int = 0) -> None:
+        """A transfer ``started`` for ``task_id`` ended without a download to record: an
+        accepted upload (``cut_bytes`` 0), or one whose ``cut_bytes`` crossed the wire for
+        nothing (a download cut off, an upload cut off or refused). The task stays
+        pending until those are written."""
+        if cut_bytes > 0:
+            self.record(Cut(task_id, cut_bytes))
             return
         with self._cond:
             self._release([task_id])
 
-    def record_cut(self, task_id: str, nbytes: int) -> None:
-        """Count ``nbytes`` of a transfer of ``task_id`` that was cut off or refused."""
-        if nbytes > 0:
-            self.started(task_id)  # pending until written, as a download is
-            self.record(Cut(task_id, nbytes))
+    abandoned = ended  # a download that ended early
 
     def record(self, entry: Download | Cut) -> None:
         with self._cond:
@@ -105,7 +105,11 @@ class DownloadLedger:
                 self._queued += 1
                 self._cond.notify_all()
                 return
-        self._write([entry])  # after close: write it here, nothing is lost
+        if isinstance(entry, Cut):  # a call ended by the shutdown: the store may be closed
+            log.info("%d bytes of a transfer of task %s cut by the shutdown: not counted",
+                     entry.nbytes, entry.task_id)  # fmt: skip
+        else:
+            self._write([entry])  # after close: write it here, nothing is lost
         with self._cond:
             self._release([entry.task_id])
         self.on_written()

@@ -239,18 +239,20 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
         except uploads.AlreadyAccepted as done:
             return site_pb2.UploadUpdateResponse(bytes_received=done.nbytes)
         task_id, size = ticket.header.task_id, ticket.header.payload_bytes
+        ledger = self.engine.downloads  # the upload is pending there until it ends
         received = _Received(request_iterator)
         try:
             digest = uploads.receive(self.engine, ticket, received)
         except BaseException:  # cut off or refused: what arrived crossed the wire for nothing
+            ledger.ended(task_id, received.nbytes)
             uploads.abort_upload(self.engine, ticket)
-            self.engine.downloads.record_cut(task_id, received.nbytes)
             raise
         try:
             uploads.accept(self.engine, ticket, digest, size)
         except BaseException:  # refused whole (too late, say): all of it for nothing
-            self.engine.downloads.record_cut(task_id, size)
+            ledger.ended(task_id, size)
             raise
+        ledger.ended(task_id)
         return site_pb2.UploadUpdateResponse(bytes_received=size)
 
     @mapped

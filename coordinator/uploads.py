@@ -136,6 +136,10 @@ def begin_upload(engine: Engine, h: UpdateHeader) -> UploadTicket:
                 f"payload_bytes {h.payload_bytes} exceeds the {limit} bytes this update can take"
             )
         a.before_upload, a.state = a.state, "uploading"
+        # Pending from here until its call ends (``DownloadLedger.ended``), in the same
+        # hold of the lock: a round the upload is in is never taken as final before its
+        # bytes, cut or not, are counted.
+        engine.downloads.started(h.task_id)
         return ticket
 
 

@@ -3,6 +3,7 @@ transaction, all of them before a round commits and before the daemon stops."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -164,8 +165,10 @@ def test_cut_transfers_are_written_and_pending_until_then(store: Store) -> None:
         ledger.started("t-b")
         ledger.abandoned("t-b")  # nothing had gone out: nothing to count
         assert "t-b" not in ledger.pending()
-        ledger.record_cut("t-c", 64)  # an upload refused after 64 bytes
-        ledger.record_cut("t-d", 0)
+        ledger.started("t-c")
+        ledger.ended("t-c", 64)  # an upload refused after 64 bytes
+        ledger.started("t-d")
+        ledger.ended("t-d")  # an upload accepted
         assert ledger.flush(10)
         assert ledger.pending() == set()
         cut = {p.site_id: p.bytes_cut for p in store.list_participations(RUN, 1)}
@@ -173,3 +176,15 @@ def test_cut_transfers_are_written_and_pending_until_then(store: Store) -> None:
         assert _downloads(store)["a"] == ("assigned", 0, None)
     finally:
         ledger.close()
+
+
+def test_a_cut_after_close_is_not_written(store: Store, caplog: pytest.LogCaptureFixture) -> None:
+    """A call the shutdown ended: the store may be closed (and its claim given up)."""
+    caplog.set_level(logging.INFO, logger="fedra.coordinator")
+    ledger = DownloadLedger(store)
+    ledger.started("t-a")
+    ledger.close()
+    ledger.abandoned("t-a", 100)
+    assert ledger.pending() == set()
+    assert "cut by the shutdown: not counted" in caplog.text
+    assert {p.site_id: p.bytes_cut for p in store.list_participations(RUN, 1)}["a"] == 0

@@ -522,9 +522,11 @@ def test_a_watch_shows_a_download_and_keeps_reading_its_round_until_it_is_writte
     store = coordinator.engine.store
     original, release = store.mark_downloaded_many, threading.Event()
 
-    def _late(rows: list[tuple[str, int, float, int | None]]) -> list[str]:
+    def _late(
+        rows: list[tuple[str, int, float, int | None]], cuts: list[tuple[str, int]]
+    ) -> list[str]:
         release.wait(10)  # written after the watch's look at the download's own notice
-        return original(rows)
+        return original(rows, cuts)
 
     store.mark_downloaded_many = _late  # type: ignore[method-assign]
     threading.Timer(0.5, release.set).start()
@@ -657,12 +659,16 @@ def test_an_update_that_arrives_after_its_round_closed_is_cut_whole(
     upload(coordinator, messages(t1, s1, payload))
     upload(coordinator, messages(t2, s2, payload))
     wait_round(coordinator, run_id, 1, "committed")  # at its deadline, with 2 of 3
+    # Still streaming into a committed round: pending, so no watch takes the round for
+    # final before the bytes it moves for nothing are counted.
+    assert late_task.task_id in coordinator.engine.downloads.pending()
     release.set()
     with pytest.raises(grpc.RpcError) as info:
         call.result()
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION, info.value.details()
     assert "closed before your update arrived" in (info.value.details() or "")
     assert _cut_bytes(coordinator, run_id, 1)[late_site] == len(payload)
+    assert late_task.task_id not in coordinator.engine.downloads.pending()
     r1 = round_status(coordinator, run_id, 1)
     assert r1.lost_bytes == len(payload) and r1.cut_bytes == len(payload)
 
@@ -844,9 +850,11 @@ def test_a_round_commits_only_once_its_downloads_are_counted(
     store = coordinator.engine.store
     original, release = store.mark_downloaded_many, threading.Event()
 
-    def _held(rows: list[tuple[str, int, float, int | None]]) -> list[str]:
+    def _held(
+        rows: list[tuple[str, int, float, int | None]], cuts: list[tuple[str, int]]
+    ) -> list[str]:
         release.wait(10)
-        return original(rows)
+        return original(rows, cuts)
 
     store.mark_downloaded_many = _held  # type: ignore[method-assign]
     try:
