@@ -75,7 +75,7 @@ class DownloadLedger:
         self._queue: list[Download | Cut] = []
         self._queued = 0  # entries (downloads, cuts) ever queued
         self._written = 0  # of those, written (or given up on)
-        self._pending: Counter[str] = Counter()  # task -> downloads under way or queued
+        self._pending: Counter[str] = Counter()  # task -> transfers under way or queued
         self._closing = False
         self._stopped = threading.Event()  # wakes a retry's wait at close
         self._thread = threading.Thread(target=self._run, name="download-ledger", daemon=True)

@@ -19,7 +19,7 @@ from google.protobuf.message import Message
 
 from fedra.examples import synthetic
 from fedra.protos.codec import encode
-from fedra.protos.v1 import admin_pb2, admin_pb2_grpc, common_pb2, site_pb2
+from fedra.protos.v1 import admin_pb2, admin_pb2_grpc, common_pb2, site_pb2, site_pb2_grpc
 from tests.conftest import InProcessCoordinator
 
 TASK = "fedra.examples.synthetic:task"
@@ -679,16 +679,20 @@ def test_a_download_cut_off_midway_counts_what_was_sent(
     register(coordinator, *SITES)
     run_id = submit(coordinator)
     ((init_site, init_task),) = tasks_of_round(coordinator, run_id, 0).items()
-    big = encode({**model_state(), "extra": torch.zeros(300_000)})  # 1.2 MB: 16 chunks
-    upload(coordinator, messages(init_task, init_site, big, chunk=1 << 16))
+    big = encode({**model_state(), "extra": torch.zeros(1_000_000)})  # 4 MB: 16 chunks
+    upload(coordinator, messages(init_task, init_site, big, chunk=1 << 20))
     tasks = tasks_of_round(coordinator, run_id, 1)
     site, task = sorted(tasks.items())[0]
-    stream = coordinator.site.DownloadModel(
-        site_pb2.DownloadModelRequest(site_id=site, task_id=task.task_id), timeout=30
-    )
-    first = next(stream)
-    assert 0 < len(first.data) < len(big) // 8
-    stream.cancel()
+    # A small fixed receive window: the coordinator cannot have sent it all before the
+    # cancellation, however fast this machine is.
+    small = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1 << 16)]
+    with grpc.insecure_channel(coordinator.address, options=small) as channel:
+        stream = site_pb2_grpc.SiteServiceStub(channel).DownloadModel(
+            site_pb2.DownloadModelRequest(site_id=site, task_id=task.task_id), timeout=30
+        )
+        first = next(stream)
+        assert 0 < len(first.data) < len(big) // 8
+        stream.cancel()
     deadline = threading.Event()
     for _ in range(200):  # the handler sees the cancellation at its next yield
         if _cut_bytes(coordinator, run_id, 1)[site] > 0:
