@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from fedra.coordinator.aggregation import ServerOptimizer
 from fedra.coordinator.rounds import (
     ACCOUNTANT_KEY,
+    ATTEMPT_FAILED,
     RESIDUAL_PREFIX,
     UNMASKED_EVENT,
     start_aggregate,
@@ -132,11 +133,20 @@ def _resume_open_round(engine: Engine, run: ActiveRun, number: int, attempt: int
         )
     parts = engine.store.list_participations(run.run_id, number, attempt)
     now = engine.clock()
+    if engine.store.failed_attempt(run.run_id, number, attempt, ATTEMPT_FAILED):
+        # It failed (and said so) before the restart: the next attempt opens, nothing of
+        # this one is resumed or recorded again.
+        run.next_attempt = attempt + 1
+        for p in parts:
+            engine.mark_seen_for_recovery(p.site_id, now)
+        log.info("run %s round %d: attempt %d had failed; opening the next", run.run_id,
+                 number, attempt)  # fmt: skip
+        return
     if run.spec.secagg is not None and number != INIT_ROUND:
         # The key exchange lived in memory: retry the round with fresh keys.
         reason = "the coordinator restarted; secure aggregation starts the round again"
-        engine.store.expire_attempt(run.run_id, number, attempt, reason, now)
-        engine.store.add_event(run.run_id, "attempt_failed", reason, now, number)
+        reason = f"round {number} attempt {attempt}: {reason}"
+        engine.store.expire_attempt(run.run_id, number, attempt, reason, now, event=ATTEMPT_FAILED)
         run.next_attempt = attempt + 1
         for p in parts:
             engine.mark_seen_for_recovery(p.site_id, now)
@@ -156,6 +166,7 @@ def _resume_open_round(engine: Engine, run: ActiveRun, number: int, attempt: int
         if p.state == "accepted" and p.update_sha256 and engine.updates.exists(p.update_sha256):
             fold(engine, run, p.update_sha256, p.num_samples, p.site_id)
             a.state, a.update_sha256, a.num_samples = "accepted", p.update_sha256, p.num_samples
+            a.nonce = p.nonce or b""  # a retry whose reply the restart lost is answered as done
         elif p.state == "accepted":
             reason = "update lost from the spool across a restart"
             engine.store.fail_participation(p.task_id, reason, now)

@@ -51,6 +51,8 @@ ACCOUNTANT_KEY = "privacy.rdp"
 RESIDUAL_PREFIX = "download/"
 # The event recorded just before a secure round's sum is unmasked.
 UNMASKED_EVENT = "secagg_unmasked"
+# The event that closes a failed attempt (its data names the attempt).
+ATTEMPT_FAILED = "attempt_failed"
 
 
 def start_aggregate(engine: Engine, run: ActiveRun) -> None:
@@ -441,8 +443,10 @@ class RoundDriver:
                 )
             why += self._failures(number, attempt)
         reason = f"round {number} attempt {attempt}: {why}"
-        engine.store.expire_attempt(run.run_id, number, attempt, reason, now, self._carry_on())
-        engine.store.add_event(run.run_id, "attempt_failed", reason, now, number)
+        engine.store.expire_attempt(
+            run.run_id, number, attempt, reason, now, self._carry_on(), event=ATTEMPT_FAILED
+        )
+        crash_point("after_attempt_failed", number)
         log.warning("%s: %s", self.tag, reason)
         if attempt >= spec.max_round_attempts:
             self._finish("failed", f"{reason}; gave up after {attempt} attempts")

@@ -97,6 +97,8 @@ def begin_upload(engine: Engine, h: UpdateHeader) -> UploadTicket:
     """Check everything the header says before a payload byte is read."""
     _check_header_fields(h)
     with engine.lock:
+        # First: a retry of an update that counted is answered as done whatever the round
+        # is doing now (closing, committing, committed, or resumed after a restart).
         _check_already_accepted(engine, h)
         run, a = engine.current_task(h.site_id, h.task_id)
         assert run.open_round is not None  # current_task: the round is open and accepting
@@ -107,8 +109,6 @@ def begin_upload(engine: Engine, h: UpdateHeader) -> UploadTicket:
             )
         if a.pending:
             _check_staleness(engine, run, a)
-        if a.state == "accepted" and a.nonce == h.nonce and a.update_sha256 == h.sha256:
-            raise AlreadyAccepted(h.payload_bytes)  # a retry after a lost reply: it counted
         if a.state == "uploading":
             raise AlreadyExists(f"an upload for task {h.task_id} is already in progress")
         if not a.pending:
@@ -144,9 +144,16 @@ def begin_upload(engine: Engine, h: UpdateHeader) -> UploadTicket:
 
 
 def _check_already_accepted(engine: Engine, h: UpdateHeader) -> None:
-    """A retry of an update that counted, after its round closed: answer it as done."""
-    if engine.find_task(h.task_id) is not None:
-        return  # in an open round: begin_upload compares it with the assignment
+    """A retry of an update that counted (same site, nonce and digest): answer it as
+    done, from the live assignment while its round is open or closing, else from the
+    database (the round committed, or the reply was lost in a restart)."""
+    found = engine.find_task(h.task_id)
+    if found is not None:
+        a = found[1]
+        counted = a.site_id == h.site_id and a.state == "accepted"
+        if counted and a.nonce == h.nonce and a.update_sha256 == h.sha256:
+            raise AlreadyAccepted(h.payload_bytes)
+        return
     past = engine.store.get_participation(h.task_id)
     if (
         past is not None

@@ -759,10 +759,15 @@ class Store:
         reason: str,
         now: float,
         keep: Sequence[str] = (),
+        event: str = "",
     ) -> None:
         """Close a failed attempt: its unfinished participations become 'expired'
-        (except the tasks in ``keep``, which an async run carries on)."""
+        (except the tasks in ``keep``, which an async run carries on). With ``event`` (a
+        kind), the ledger records it in the same transaction, naming the attempt, so a
+        restart knows the attempt is over (``failed_attempt``)."""
         with self._tx() as s:
+            if event:
+                s.add(_event_row(run_id, number, now, (event, reason), {"attempt": attempt}))
             s.execute(
                 update(m.Participation)
                 .where(
@@ -886,6 +891,14 @@ class Store:
     ) -> None:
         with self._tx() as s:
             s.add(_event_row(run_id, round_number, now, (kind, message), data))
+
+    def failed_attempt(self, run_id: str, number: int, attempt: int, kind: str) -> bool:
+        """Whether the ledger holds an event ``kind`` closing that attempt of that round."""
+        with self._read() as s:
+            q = select(m.Event.data_json).where(
+                m.Event.run_id == run_id, m.Event.round_number == number, m.Event.kind == kind
+            )
+            return any(json.loads(d).get("attempt") == attempt for d in s.scalars(q))
 
     def list_events(self, run_id: str) -> list[EventRecord]:
         with self._read() as s:

@@ -1,0 +1,113 @@
+"""Retries and failed attempts across a coordinator restart (the in-process daemon is
+stopped and a new one started on the same state directory and database).
+
+A retry of an update that counted must be answered as accepted whatever happened in
+between, and a failed attempt must be recorded once.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from fedra.coordinator.engine import EngineSettings
+from fedra.protos.v1 import admin_pb2
+from tests.conftest import InProcessCoordinator
+from tests.test_site_service import (
+    delta_payload,
+    messages,
+    round_status,
+    start_round_one,
+    upload,
+)
+
+SETTINGS = EngineSettings(heartbeat_interval_s=1.0, poll_timeout_s=2.0, site_timeout_s=30.0)
+
+
+def test_a_retry_after_a_restart_is_answered_as_accepted(tmp_path: Path) -> None:
+    """The coordinator stopped after the durable accept, before the site saw the reply."""
+    first = InProcessCoordinator(tmp_path / "state", SETTINGS)
+    try:
+        run_id, tasks = start_round_one(first, sites_per_round=3, min_sites=3)
+        site, task = sorted(tasks.items())[0]
+        nonce, payload = os.urandom(16), delta_payload()
+        upload(first, messages(task, site, payload, nonce=nonce))
+    finally:
+        first.close()
+    again = InProcessCoordinator(tmp_path / "state", SETTINGS)
+    try:
+        reply = upload(again, messages(task, site, payload, nonce=nonce))
+        assert reply.bytes_received == len(payload)
+        assert round_status(again, run_id, 1).updates == 1  # counted once
+    finally:
+        again.close()
+
+
+def test_a_retry_while_its_round_closes_is_answered_as_accepted(tmp_path: Path) -> None:
+    """The driver has begun closing the round (uploads are late from here) when the
+    site's retry of an update it already sent arrives."""
+    c = InProcessCoordinator(tmp_path / "state", SETTINGS)
+    try:
+        run_id, tasks = start_round_one(c, sites_per_round=3, min_sites=3)
+        site, task = sorted(tasks.items())[0]
+        nonce, payload = os.urandom(16), delta_payload()
+        upload(c, messages(task, site, payload, nonce=nonce))
+        run = c.engine.runs[run_id]
+        with c.engine.lock:
+            run.closing = True  # what the driver sets before it commits
+        try:
+            reply = upload(c, messages(task, site, payload, nonce=nonce))
+        finally:
+            with c.engine.lock:
+                run.closing = False
+        assert reply.bytes_received == len(payload)
+        status = c.admin.GetRun(admin_pb2.GetRunRequest(run_id=run_id))
+        assert next(r for r in status.rounds if r.number == 1).updates == 1
+    finally:
+        c.close()
+
+
+def _attempt_failures(c: InProcessCoordinator, run_id: str) -> list[tuple[int | None, str]]:
+    events = c.engine.store.list_events(run_id)
+    return [(e.round_number, e.message) for e in events if e.kind == "attempt_failed"]
+
+
+def _wait_until(c: InProcessCoordinator, done: Callable[[], bool], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    version = c.engine.version
+    while not done():
+        assert time.monotonic() < deadline, "timed out"
+        version = c.engine.wait_for_change(version, 0.5)
+
+
+def test_an_attempt_that_failed_before_a_restart_is_not_failed_again(tmp_path: Path) -> None:
+    """Stopped while waiting to open the next attempt: the restarted daemon opens it, and
+    the ledger says once, with the right count, why the first one failed."""
+    quick = EngineSettings(heartbeat_interval_s=1.0, poll_timeout_s=1.0, site_timeout_s=2.0)
+    first = InProcessCoordinator(tmp_path / "state", quick)
+    try:
+        run_id, tasks = start_round_one(
+            first, sites_per_round=3, min_sites=3, max_round_attempts=2, round_deadline_s=30
+        )
+        site, task = sorted(tasks.items())[0]
+        upload(first, messages(task, site, delta_payload()))
+        # The other two go silent: attempt 1 fails, and with no site online the driver
+        # waits to open attempt 2.
+        run = first.engine.runs[run_id]
+        _wait_until(first, lambda: "waiting for online sites" in run.waiting_reason, 20)
+        assert len(_attempt_failures(first, run_id)) == 1
+    finally:
+        first.close()
+    again = InProcessCoordinator(tmp_path / "state", quick)
+    try:
+        # Attempt 2 opens with the sites given one liveness timeout to return; they do not.
+        _wait_until(again, lambda: run_id not in again.engine.runs, 30)
+        failures = _attempt_failures(again, run_id)
+        assert [n for n, _ in failures] == [1, 1], failures
+        assert "attempt 1: 1 of the 3 required updates" in failures[0][1], failures
+        assert "attempt 2: 0 of the 3 required updates" in failures[1][1], failures
+        assert again.engine.store.get_run(run_id).state == "failed"  # type: ignore[union-attr]
+    finally:
+        again.close()
