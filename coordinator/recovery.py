@@ -13,6 +13,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from fedra.coordinator.aggregation import ServerOptimizer
+from fedra.coordinator.folding import fold_ready
 from fedra.coordinator.rounds import (
     ACCOUNTANT_KEY,
     ATTEMPT_FAILED,
@@ -21,7 +22,6 @@ from fedra.coordinator.rounds import (
     start_aggregate,
 )
 from fedra.coordinator.state import INIT_ROUND, ActiveRun
-from fedra.coordinator.uploads import fold
 from fedra.privacy import RdpAccountant
 from fedra.protos.codec import CodecError, StreamDecoder, TensorSpec, decode_chunks
 from fedra.runspec import RunSpec
@@ -164,7 +164,6 @@ def _resume_open_round(engine: Engine, run: ActiveRun, number: int, attempt: int
         a.base_round = p.base_round
         engine.mark_seen_for_recovery(p.site_id, now)
         if p.state == "accepted" and p.update_sha256 and engine.updates.exists(p.update_sha256):
-            fold(engine, run, p.update_sha256, p.num_samples, p.site_id)
             a.state, a.update_sha256, a.num_samples = "accepted", p.update_sha256, p.num_samples
             a.nonce = p.nonce or b""  # a retry whose reply the restart lost is answered as done
         elif p.state == "accepted":
@@ -175,6 +174,7 @@ def _resume_open_round(engine: Engine, run: ActiveRun, number: int, attempt: int
             a.state = p.state
         else:
             a.state = "failed"
+    fold_ready(engine, run)  # in the same order as before the restart: the same sum
     log.info(
         "run %s round %d: resumed attempt %d with %d of %d updates already in",
         run.run_id, number, attempt, sum(a.state == "accepted" for a in run.assignments.values()),

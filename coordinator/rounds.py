@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fedra.coordinator.aggregation import ServerOptimizer, WeightedSum
+from fedra.coordinator.folding import fold_remaining
 from fedra.coordinator.robust import RobustError, RobustRule, UpdateStore, aggregate
 from fedra.coordinator.secure import SecureRound
 from fedra.coordinator.state import INIT_ROUND, ActiveRun
@@ -258,6 +259,13 @@ class RoundDriver:
 
     def _close(self) -> bool:
         run = self.run_state
+        if not run.broken:
+            try:  # updates that waited for a site that never delivered
+                fold_remaining(self.engine, run)
+            except Exception as exc:
+                log.exception("%s round %s: folding accepted updates failed", self.tag,
+                              run.open_round)  # fmt: skip
+                run.broken = f"folding accepted updates failed: {type(exc).__name__}"
         accepted = [a for a in run.assignments.values() if a.state == "accepted"]
         if run.broken:
             return self._retry_or_fail(len(accepted), run.broken)

@@ -87,6 +87,7 @@ class ActiveRun:
     # driver closes a round only once no fold is in flight.
     folding: int = 0
     fold_lock: threading.Lock = field(default_factory=threading.Lock)
+    folded: set[str] = field(default_factory=set)  # sites whose update is in the aggregate
 
     @property
     def upload_codec(self) -> CodecSpec:
@@ -119,7 +120,7 @@ class ActiveRun:
     ) -> None:
         self.open_round, self.attempt, self.closing = number, attempt, False
         self.opened_at, self.deadline_at = now, deadline
-        self.aggregate_s = 0.0
+        self.aggregate_s, self.folded = 0.0, set()
         self.assignments = {
             s: Assignment(t, s, "assigned", issued_round=number) for s, t in assignments.items()
         }
@@ -140,3 +141,4 @@ class ActiveRun:
         if self.robust is not None:
             self.robust.close()
         self.accumulator, self.robust, self.secure = None, None, None
+        self.folded = set()

@@ -9,9 +9,8 @@ any point either loses nothing or loses an update the site will be asked for aga
 from __future__ import annotations
 
 import logging
-import math
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -23,8 +22,8 @@ from fedra.coordinator.errors import (
     InvalidArgument,
     ResourceExhausted,
 )
+from fedra.coordinator.folding import fold_ready
 from fedra.coordinator.state import INIT_ROUND, ActiveRun, Assignment
-from fedra.privacy import clip_factor
 from fedra.protos.codec import (
     MAX_HEADER_BYTES,
     Buffer,
@@ -37,7 +36,6 @@ from fedra.protos.compression import (
     Piece,
     StreamingDecompressor,
     compressed_specs,
-    from_wire_u32,
 )
 from fedra.runspec import WIRE_CODECS, CodecSpec
 from fedra.storage.blobs import BlobDigestError
@@ -316,14 +314,13 @@ def accept(engine: Engine, ticket: UploadTicket, digest: str, nbytes: int) -> No
     # Summing a large update takes a while: polls, heartbeats and other uploads go on.
     broken = ""
     try:
-        with run.fold_lock:
-            fold(engine, run, digest, h.num_samples, h.site_id)
+        fold_ready(engine, run)  # this update, and any that waited for its turn
     except Exception as exc:
         # Accepted durably but only partly summed: this attempt's sum cannot be trusted.
         log.exception(
             "run %s round %d: folding an accepted update failed", run.run_id, ticket.round
         )
-        broken = f"folding the update of {h.site_id} failed: {type(exc).__name__}"
+        broken = f"folding accepted updates failed: {type(exc).__name__}"
     with engine.lock:
         run.folding -= 1
         run.broken = run.broken or broken
@@ -332,80 +329,6 @@ def accept(engine: Engine, ticket: UploadTicket, digest: str, nbytes: int) -> No
         "run %s round %d: accepted update from %s (%d bytes, %.2fs)",
         run.run_id, ticket.round, h.site_id, nbytes, upload_s,
     )  # fmt: skip
-
-
-def fold(engine: Engine, run: ActiveRun, digest: str, num_samples: int, site_id: str) -> None:
-    """Stream a spooled update into the round's aggregate (``run.fold_lock`` held)."""
-    started = time.perf_counter()
-    try:
-        _fold(engine, run, digest, num_samples, site_id)
-    finally:
-        run.aggregate_s += time.perf_counter() - started
-
-
-def _fold(engine: Engine, run: ActiveRun, digest: str, num_samples: int, site_id: str) -> None:
-    if run.open_round == INIT_ROUND:
-        run.init_sha256 = digest
-        return
-    if run.secure is not None:
-        run.secure.server.add_masked(site_id, _masked_pieces(engine, run, digest))
-        return
-    if run.robust is not None:
-        writer = run.robust.begin()
-        try:
-            writer.add_pieces(_dense_pieces(engine, run, digest))
-            writer.finish()
-        except BaseException:
-            writer.abort()
-            raise
-        return
-    assert run.accumulator is not None
-    spec = run.spec
-    bound = spec.privacy.clip if spec.privacy is not None else spec.aggregation.norm_bound
-    # DP-FedAvg gives every site one vote: the sensitivity of the sum is then the clip.
-    weight = 1.0 if spec.privacy is not None else float(num_samples)
-    scale = 1.0
-    a = run.assignments.get(site_id)
-    if spec.asynchronous is not None and a is not None:  # FedBuff: stale updates count less
-        scale = spec.asynchronous.weight(run.staleness(a))
-    if bound > 0:  # a first pass for the norm: the spool is local and fast
-        norm = math.sqrt(sum(_sum_of_squares(p) for p in _dense_pieces(engine, run, digest)))
-        scale *= clip_factor(norm, bound)
-    run.accumulator.add_pieces(_dense_pieces(engine, run, digest), weight * scale)
-    run.accumulator.finish_update(weight)
-
-
-def _dense_pieces(engine: Engine, run: ActiveRun, digest: str) -> Iterator[Piece]:
-    """The decompressed pieces of a spooled update, chunk by chunk."""
-    assert run.model_specs is not None
-    codec = run.spec.codec
-    decoder = StreamDecoder(compressed_specs(run.model_specs, codec), copy=False)
-    dense = StreamingDecompressor(run.model_specs, codec)
-    for chunk in engine.updates.read_chunks(digest):
-        yield from dense.feed(decoder.feed(chunk))
-        del chunk  # not held while the next block is read
-    decoder.finish()
-    dense.finish()
-
-
-def _masked_pieces(
-    engine: Engine, run: ActiveRun, digest: str
-) -> Iterator[tuple[int, torch.Tensor]]:
-    """(offset, values in [0, 2**32)) runs of a spooled masked update."""
-    assert run.model_specs is not None
-    decoder = StreamDecoder(compressed_specs(run.model_specs, CodecSpec("secagg")), copy=False)
-    for chunk in engine.updates.read_chunks(digest):
-        for piece in decoder.feed(chunk):
-            yield piece.offset, from_wire_u32(piece.values)
-        del chunk
-    decoder.finish()
-
-
-def _sum_of_squares(piece: Piece) -> float:
-    values = piece.values
-    if not values.is_floating_point():
-        return 0.0
-    return float(values.double().square().sum())
 
 
 def _drop_spooled(engine: Engine, run: ActiveRun, digest: str) -> None:

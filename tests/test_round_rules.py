@@ -15,7 +15,7 @@ import torch
 
 from fedra.client.connection import Connection
 from fedra.coordinator.engine import EngineSettings
-from fedra.coordinator.uploads import fold
+from fedra.coordinator.folding import fold
 from fedra.protos.codec import decode, encode, transfer_chunk_bytes
 from fedra.protos.v1 import admin_pb2, common_pb2, site_pb2, site_pb2_grpc
 from fedra.storage.blobs import BLOCK_BYTES

@@ -1,0 +1,161 @@
+"""Folding accepted updates into a round's aggregate, in an order that does not depend
+on when they arrived.
+
+A round's result must be the same bits whatever order its updates came in, and after
+any crash: fp32 sums depend on the order of their terms, so synchronous rounds fold
+their updates in the order of their sites' ids. An accepted update whose predecessors
+in that order are all final (folded, or failed) is folded at once, on the thread that
+accepted it; one that arrives early waits in the spool (on disk, not in memory) until
+they are, or until the round closes (``fold_remaining``). Async rounds (their result
+depends on arrival by design) and secure rounds (a sum of integers modulo 2**32, exact
+in any order) fold each update as it comes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+
+from fedra.coordinator.state import INIT_ROUND, ActiveRun, Assignment
+from fedra.privacy import clip_factor
+from fedra.protos.codec import StreamDecoder
+from fedra.protos.compression import (
+    Piece,
+    StreamingDecompressor,
+    compressed_specs,
+    from_wire_u32,
+)
+from fedra.runspec import CodecSpec
+
+if TYPE_CHECKING:
+    from fedra.coordinator.engine import Engine
+
+
+def fold_ready(engine: Engine, run: ActiveRun) -> None:
+    """Fold every accepted update whose turn has come (call without the engine's lock).
+
+    One thread folds at a time; a thread that finds another folding leaves its update
+    to it: the folder looks again after letting go of ``fold_lock``."""
+    while True:
+        if not run.fold_lock.acquire(blocking=False):
+            return
+        try:
+            _fold_turns(engine, run, to_the_end=False)
+        finally:
+            run.fold_lock.release()
+        with engine.lock:
+            if _next_turn(run, to_the_end=False) is None:
+                return
+
+
+def fold_remaining(engine: Engine, run: ActiveRun) -> None:
+    """The round has closed (no upload can be accepted): fold what still waits, skipping
+    the sites that never delivered."""
+    with run.fold_lock:
+        _fold_turns(engine, run, to_the_end=True)
+
+
+def _fold_turns(engine: Engine, run: ActiveRun, *, to_the_end: bool) -> None:
+    while True:
+        with engine.lock:
+            turn = _next_turn(run, to_the_end)
+            if turn is None:
+                return
+            digest, samples, site = turn.update_sha256, turn.num_samples, turn.site_id
+        assert digest is not None
+        fold(engine, run, digest, samples, site)
+        with engine.lock:
+            run.folded.add(site)
+
+
+def _next_turn(run: ActiveRun, to_the_end: bool) -> Assignment | None:
+    """The next accepted update to fold (engine lock held), or None if there is none yet:
+    in site order, a site still training or uploading blocks the ones after it."""
+    ordered = run.spec.asynchronous is None and run.secure is None
+    for site in sorted(run.assignments):
+        if site in run.folded:
+            continue
+        a = run.assignments[site]
+        if a.state == "accepted":
+            return a
+        if a.state != "failed" and ordered and not to_the_end:
+            return None
+    return None
+
+
+def fold(engine: Engine, run: ActiveRun, digest: str, num_samples: int, site_id: str) -> None:
+    """Stream a spooled update into the round's aggregate (``run.fold_lock`` held)."""
+    started = time.perf_counter()
+    try:
+        _fold(engine, run, digest, num_samples, site_id)
+    finally:
+        run.aggregate_s += time.perf_counter() - started
+
+
+def _fold(engine: Engine, run: ActiveRun, digest: str, num_samples: int, site_id: str) -> None:
+    if run.open_round == INIT_ROUND:
+        run.init_sha256 = digest
+        return
+    if run.secure is not None:
+        run.secure.server.add_masked(site_id, _masked_pieces(engine, run, digest))
+        return
+    if run.robust is not None:
+        writer = run.robust.begin()
+        try:
+            writer.add_pieces(_dense_pieces(engine, run, digest))
+            writer.finish()
+        except BaseException:
+            writer.abort()
+            raise
+        return
+    assert run.accumulator is not None
+    spec = run.spec
+    bound = spec.privacy.clip if spec.privacy is not None else spec.aggregation.norm_bound
+    # DP-FedAvg gives every site one vote: the sensitivity of the sum is then the clip.
+    weight = 1.0 if spec.privacy is not None else float(num_samples)
+    scale = 1.0
+    a = run.assignments.get(site_id)
+    if spec.asynchronous is not None and a is not None:  # FedBuff: stale updates count less
+        scale = spec.asynchronous.weight(run.staleness(a))
+    if bound > 0:  # a first pass for the norm: the spool is local and fast
+        norm = math.sqrt(sum(_sum_of_squares(p) for p in _dense_pieces(engine, run, digest)))
+        scale *= clip_factor(norm, bound)
+    run.accumulator.add_pieces(_dense_pieces(engine, run, digest), weight * scale)
+    run.accumulator.finish_update(weight)
+
+
+def _dense_pieces(engine: Engine, run: ActiveRun, digest: str) -> Iterator[Piece]:
+    """The decompressed pieces of a spooled update, chunk by chunk."""
+    assert run.model_specs is not None
+    codec = run.spec.codec
+    decoder = StreamDecoder(compressed_specs(run.model_specs, codec), copy=False)
+    dense = StreamingDecompressor(run.model_specs, codec)
+    for chunk in engine.updates.read_chunks(digest):
+        yield from dense.feed(decoder.feed(chunk))
+        del chunk  # not held while the next block is read
+    decoder.finish()
+    dense.finish()
+
+
+def _masked_pieces(
+    engine: Engine, run: ActiveRun, digest: str
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """(offset, values in [0, 2**32)) runs of a spooled masked update."""
+    assert run.model_specs is not None
+    decoder = StreamDecoder(compressed_specs(run.model_specs, CodecSpec("secagg")), copy=False)
+    for chunk in engine.updates.read_chunks(digest):
+        for piece in decoder.feed(chunk):
+            yield piece.offset, from_wire_u32(piece.values)
+        del chunk
+    decoder.finish()
+
+
+def _sum_of_squares(piece: Piece) -> float:
+    values = piece.values
+    if not values.is_floating_point():
+        return 0.0
+    return float(values.double().square().sum())
