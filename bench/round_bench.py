@@ -383,11 +383,34 @@ def print_tables(raw: RawResult, results: list[ConfigResult]) -> None:
     _print_table(*stages_table(results))
     print(
         "  sites idle: the mean site's share of the round spent not on its own download, "
-        "compute and upload (waiting for its task, for the others, for the commit)."
+        "compute and upload (waiting for its task, for the others, for the commit).\n"
+        "  fold tail: folding left once the last update was in. Updates are folded in the "
+        "order of their sites' ids (the same bits in any arrival order), so one that comes "
+        "early may wait for the sites before it; folding as they came would leave one fold."
     )
+    for r in results:
+        tails = [fold_tail_in_folds(x) for x in r.rounds]
+        share = statistics.median(
+            x.stages.get("fold_tail_s", 0.0) / max(x.duration_s, 1e-9) for x in r.rounds
+        )
+        print(
+            f"  N={r.sites} {_fmt_params(r.params)}: the fold tail is "
+            f"{statistics.median(tails):.2f} folds (median; max {max(tails):.2f}), "
+            f"{share:.1%} of a round: what folding in site order costs over arrival order"
+        )
 
 
-STAGES = ("distribute_s", "compute_s", "transfer_s", "aggregate_s", "checkpoint_s", "round_s")
+def fold_tail_in_folds(sample: RoundSample) -> float:
+    """The round's fold tail, in units of the mean time one update takes to fold."""
+    updates = max(1, len(sample.site_up_bps))
+    one = sample.stages.get("aggregate_s", 0.0) / updates
+    return sample.stages.get("fold_tail_s", 0.0) / one if one > 0 else 0.0
+
+
+STAGES = (
+    "distribute_s", "compute_s", "transfer_s", "aggregate_s", "fold_tail_s", "checkpoint_s",
+    "round_s",
+)  # fmt: skip
 
 
 def stages_table(results: list[ConfigResult]) -> tuple[list[str], list[list[str]]]:

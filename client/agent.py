@@ -22,6 +22,7 @@ from fedra import pki
 from fedra.client.config import SiteConfig
 from fedra.client.connection import TRANSIENT, Assignment, Connection, Session, new_nonce
 from fedra.client.executor import Executor, LocalExecutor, WorldBroken
+from fedra.client.pending import PendingUpdate, PendingUpdates
 from fedra.client.task import FitSettings, ParallelTask, Task, load_task
 from fedra.config import ConfigError
 from fedra.faults import attack, crash_point
@@ -68,6 +69,7 @@ class SiteAgent:
         self.executor: Executor = executor or LocalExecutor()
         self.current: Assignment | None = None
         self._compressors: dict[str, Compressor] = {}  # by run: top-k error feedback
+        self._pending = PendingUpdates(config.state_dir)  # sent, not yet known to count
         # The last global model of each run (its SHA-256, its tensors): with compressed
         # downloads, the next round's model is this plus a compressed step.
         self._globals: dict[str, tuple[str, dict[str, torch.Tensor]]] = {}
@@ -83,7 +85,9 @@ class SiteAgent:
                 tls = pki.load_folder(config.tls_dir)
             except (OSError, ValueError) as exc:  # a wrong path, a file for a folder, damage
                 raise ConfigError(f"{_in(config)}tls_dir: {exc}") from exc
-        self.conn = Connection(config.coordinator, config.site_id, tls)
+        self.conn = Connection(
+            config.coordinator, config.site_id, tls, reconnect_max_s=config.reconnect_max_s
+        )
         self.backoff = Backoff(cap_s=config.reconnect_max_s)
         self.tag = f"site {config.site_id}"
         self.rounds_done = 0
@@ -126,7 +130,7 @@ class SiteAgent:
                     self.tag, self.config.coordinator, exc.code().name, _details(exc), hint,
                     delay,
                 )  # fmt: skip
-                self.stop.wait(delay)
+                self.conn.wait_reconnected(delay, self.stop)
         self.conn.close()
         log.info("%s: stopped after %d rounds", self.tag, self.rounds_done)
 
@@ -178,6 +182,8 @@ class SiteAgent:
         params = task.train.params
         started = time.monotonic()
         masker = None
+        if not task.init and self._settle(task):
+            return  # this very task's update was sent before a restart, and is in
         if task.init:
             model = impl.create_model(task.seed, params)
             payload = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -205,21 +211,27 @@ class SiteAgent:
                 raise ValueError(f"the update's tensor {name!r} has non-finite values")
         if masker is not None and task.secagg is not None:
             wire = {MASKED: to_wire_u32(_masked(masker, task.secagg, payload))}
-            self._upload(task, wire, num_samples, metrics)
+            self._upload(task, wire, num_samples, metrics, new_nonce())
             crash_point("after_upload", task.round)
             self._secagg_reveal(task, masker)
             self.rounds_done += 1
             log.info("%s: masked update accepted and unmasking shares revealed", tag)
             return
         compressor = self._compressor(task)
-        before = compressor.residual  # a snapshot: restored if the update does not count
+        before = compressor.residual  # a snapshot: the residual until the update counts
         wire = compressor.compress(payload)  # once: a retried upload resends the same bytes
-        try:
-            self._upload(task, wire, num_samples, metrics)
-        except BaseException:
+        nonce = new_nonce()  # one per update: a retry of the same update reuses it
+        keep = task.codec.name == "topk"
+        if keep:  # kept (on disk first) until the update is known to count: _settle
+            after = compressor.residual
+            self._pending.hold(PendingUpdate(task, nonce, num_samples, dict(metrics), wire, after))
             self._compressors[task.run_id] = Compressor(task.codec, before or None)
+        try:
+            self._upload(task, wire, num_samples, metrics, nonce)
+        except grpc.RpcError as exc:
+            if keep and exc.code() not in TRANSIENT:  # refused: it will never count
+                self._pending.drop(task.run_id)
             raise
-        self._save_residual(task, compressor)
         self.rounds_done += 1
         log.info(
             "%s: update accepted (%s)",
@@ -370,18 +382,48 @@ class SiteAgent:
             path.parent.mkdir(parents=True, exist_ok=True)
             compressor.save(path)
 
+    def _settle(self, task: Assignment) -> bool:
+        """Learn whether the run's pending top-k update counted, by sending it again with
+        its nonce; adopt its residual if so. True if it was ``task``'s own update."""
+        pending = self._pending.get(task.run_id)
+        if pending is None:
+            return False
+        p = pending
+        same = p.task.task_id == task.task_id  # else its attempt is over: the header suffices
+        try:
+            self._upload(p.task, p.wire, p.num_samples, p.metrics, p.nonce, header_only=not same)
+        except grpc.RpcError as exc:
+            if exc.code() in TRANSIENT or exc.code() in _FATAL:
+                raise
+            log.info(
+                "%s: the update for round %d did not count (%s); its top-k residual is dropped",
+                self.tag, p.task.round, _details(exc),
+            )  # fmt: skip
+            self._pending.drop(task.run_id)
+            return False
+        if same:  # its attempt is still open: keep it pending
+            log.info("%s: the update sent before a restart is in", self.tag)
+            self.rounds_done += 1
+            return True
+        compressor = Compressor(p.task.codec, p.residual or None)
+        self._save_residual(p.task, compressor)
+        self._compressors[task.run_id] = compressor
+        self._pending.drop(task.run_id)
+        return False
+
     def _upload(
         self,
         task: Assignment,
         payload: dict[str, torch.Tensor],
         num_samples: int,
         metrics: dict[str, float],
+        nonce: bytes,
+        header_only: bool = False,
     ) -> None:
-        nonce = new_nonce()  # one per update: a retry of the same update reuses it
         retry = Backoff(cap_s=self.config.reconnect_max_s)
         while True:
             try:
-                self.conn.upload(task, payload, num_samples, metrics, nonce, timeout_s=600.0)
+                self.conn.upload(task, payload, num_samples, metrics, nonce, 600.0, header_only)
                 return
             except grpc.RpcError as exc:
                 if exc.code() not in TRANSIENT or self.stop.is_set():

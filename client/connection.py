@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -35,6 +37,23 @@ from fedra.secagg import SecAggError
 TRANSIENT = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
 )
+# The least time one connection attempt may take (TCP and TLS handshakes on a slow link).
+MIN_CONNECT_TIMEOUT_S = 2.0
+_STOP_CHECK_S = 0.2  # how often a wait for the channel looks at its stop event
+
+
+def reconnect_options(reconnect_max_s: float) -> list[tuple[str, int]]:
+    """gRPC's own reconnect backoff, capped like fedra's at ``reconnect_max_s``: its default
+    grows to 120 s, and a call on a channel in that backoff fails at once without trying,
+    so a site could stay away minutes after the coordinator came back."""
+    max_ms = max(1, round(reconnect_max_s * 1000))
+    return [
+        ("grpc.initial_reconnect_backoff_ms", min(1000, max_ms)),
+        ("grpc.max_reconnect_backoff_ms", max_ms),
+        # Despite its name, the least time gRPC gives one attempt to connect, not a
+        # pause between attempts (those follow the backoff above).
+        ("grpc.min_reconnect_backoff_ms", max(max_ms, round(MIN_CONNECT_TIMEOUT_S * 1000))),
+    ]
 
 
 @dataclass(frozen=True)
@@ -74,12 +93,14 @@ class Connection:
         site_id: str,
         tls: pki.TlsFiles | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        reconnect_max_s: float = 30.0,
     ) -> None:
         # Downloads come in the coordinator's chunk size, not ours (which only sizes uploads):
         # accept any chunk up to MAX_CHUNK_BYTES, older coordinators' 4 MiB included.
         options = [
             ("grpc.max_receive_message_length", MAX_CHUNK_BYTES + 1024 * 1024),
             ("grpc.max_send_message_length", chunk_bytes + 1024 * 1024),
+            *reconnect_options(reconnect_max_s),
         ]
         if tls is None:
             self.channel = grpc.insecure_channel(address, options=options)
@@ -102,9 +123,37 @@ class Connection:
         )
         self.site_id = site_id
         self.chunk_bytes = chunk_bytes
+        self.closed = False
 
     def close(self) -> None:
+        self.closed = True
         self.channel.close()
+
+    def wait_reconnected(self, timeout_s: float, stop: threading.Event) -> bool:
+        """Wait out a backoff delay of ``timeout_s``, ending early (True) once the channel,
+        down when the wait began, is connected again, or when ``stop`` is set: a site is
+        back as soon as gRPC reaches the coordinator, not at the end of its own delay."""
+        if self.closed or stop.is_set():  # gRPC would poll a closed channel, and complain
+            return False
+        down, ready = threading.Event(), threading.Event()
+
+        def on_change(state: grpc.ChannelConnectivity) -> None:
+            if state is not grpc.ChannelConnectivity.READY:
+                down.set()
+            elif down.is_set():  # a channel that was up all along is no reason to hurry
+                ready.set()
+
+        self.channel.subscribe(on_change, try_to_connect=True)
+        try:
+            end = time.monotonic() + timeout_s
+            while not (ready.is_set() or stop.is_set()):
+                left = end - time.monotonic()
+                if left <= 0:
+                    break
+                ready.wait(min(left, _STOP_CHECK_S))
+        finally:
+            self.channel.unsubscribe(on_change)
+        return ready.is_set()
 
     def register(self, tasks: list[str], timeout_s: float = 10.0) -> Session:
         request = site_pb2.RegisterRequest(site_id=self.site_id, tasks=tasks, version=__version__)
@@ -156,8 +205,12 @@ class Connection:
         metrics: Mapping[str, float],
         nonce: bytes,
         timeout_s: float,
+        header_only: bool = False,
     ) -> int:
-        """Stream an update up: a header with the payload's SHA-256, then the chunks."""
+        """Stream an update up: a header with the payload's SHA-256, then the chunks.
+
+        ``header_only``: ask whether an update sent before counted; the coordinator
+        answers that from the header alone (fedra.client.pending)."""
         # The header carries the payload's SHA-256, so hash first (from tensor memory, no
         # copies), then stream.
         sha256, size = digest_and_size(tensors)
@@ -184,6 +237,8 @@ class Connection:
 
         def messages() -> Iterator[site_pb2.UpdateChunk | bytes]:
             yield site_pb2.UpdateChunk(header=header)
+            if header_only:
+                return
             # UpdateChunk data messages, each built in one copy from tensor memory.
             chunk = transfer_chunk_bytes(size, self.chunk_bytes)
             yield from encode_chunks(tensors, chunk, frame=wire.update_chunk_frame)

@@ -43,6 +43,13 @@ class Guard:
             raise Unauthenticated(f"the certificate of {who.role} {who.name!r} is revoked")
         return who
 
+    def any_site(self, context: Any) -> None:
+        """The caller must be a site, not revoked: checked from its certificate alone,
+        before its request is read (which site it claims to be is checked after)."""
+        who = self.identity(context)
+        if who is not None and who.role != "site":
+            raise PermissionDenied(f"{who.role} {who.name!r} is not a site")
+
     def site(self, context: Any, site_id: str) -> None:
         """The caller must be site ``site_id`` itself."""
         who = self.identity(context)

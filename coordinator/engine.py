@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from fedra import logsafe
 from fedra.config import SITE_ID_RULE, is_valid_site_id
 from fedra.coordinator.aggregation import ServerOptimizer
 from fedra.coordinator.downloads import Download, DownloadLedger
@@ -24,6 +25,7 @@ from fedra.coordinator.errors import FailedPrecondition, InvalidArgument, NotFou
 from fedra.coordinator.recovery import restore_run
 from fedra.coordinator.rounds import RoundDriver
 from fedra.coordinator.state import INIT_ROUND, ActiveRun, Assignment
+from fedra.faults import crash_point
 from fedra.protos.codec import DEFAULT_CHUNK_BYTES
 from fedra.protos.serde import SecAggRound
 from fedra.runspec import CodecSpec, RunSpec, TrainSpec
@@ -35,6 +37,7 @@ _CARRY_GRACE_S = 30.0  # beyond join_timeout_s, how long a carried task's call w
 CROWDED_POLL_S = 1.0  # the longest a poll waits while waiting_polls others already do
 HANG_UP_CHECK_S = 1.0  # how often a waiting call checks that its caller is still there
 _CROWDED_WARNING_S = 60.0  # at most one warning about it this often
+REASON_CHARS = 500  # of a failure reason a site reports, as stored
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,7 @@ class Engine:
             if run is None:
                 continue
             log.info("run %s: resumed at round %d", run.run_id, run.open_round or run.next_round)
+            crash_point("during_startup", run.open_round or run.next_round)
             self._launch(run)
 
     def stop(self, timeout_s: float = 10.0) -> None:
@@ -181,7 +185,7 @@ class Engine:
             self._last_seen[site_id] = now
             self._left.discard(site_id)
             self.notify()
-        log.info("site %s: registered, serves %s", site_id, ", ".join(tasks))
+        log.info("site %s: registered, serves %s", site_id, logsafe.safe(", ".join(tasks)))
 
     def seen(self, site_id: str) -> None:
         if site_id not in self._site_tasks:
@@ -201,6 +205,11 @@ class Engine:
         last = self._last_seen.get(site_id)
         recent = last is not None and now - last <= self.settings.site_timeout_s
         return self._polling[site_id] > 0 or (recent and site_id not in self._left)
+
+    def site_online(self, site_id: str) -> bool:
+        """Whether the site counts as online now (is_online, under the lock)."""
+        with self.lock:
+            return self.is_online(site_id, self.clock())
 
     def eligible_sites(self, run: ActiveRun, now: float) -> list[str]:
         """Online sites serving the run's task and not busy with another run's task."""
@@ -429,7 +438,10 @@ class Engine:
             run, a = self.current_task(site_id, task_id)
             if not a.pending:
                 raise FailedPrecondition(f"task {task_id!r} is {a.state}; nothing to report")
-            self.store.fail_participation(task_id, f"site reported: {reason[:500]}", self.clock())
+            # Escaped where it enters: the reason reaches the round's and the run's log
+            # lines, and the operator's terminal through the status.
+            stored = f"site reported: {logsafe.safe(reason, REASON_CHARS)}"
+            self.store.fail_participation(task_id, stored, self.clock())
             a.state = "failed"
             self.notify()
         log.warning(
@@ -437,7 +449,7 @@ class Engine:
             run.run_id,
             run.open_round,
             site_id,
-            reason,
+            logsafe.safe(reason),
         )
 
     # -- admin -----------------------------------------------------------------
@@ -453,12 +465,11 @@ class Engine:
         now = self.clock()
         self.store.create_run(run_id, spec.name or run_id, spec.task, spec.to_json(), now)
         self.store.add_event(run_id, "submitted", f"task {spec.task}, {spec.rounds} rounds", now)
-        log.info(
-            "run %s: submitted (%s, %d rounds, %s)", run_id, spec.task, spec.rounds, spec.strategy
-        )
+        task = logsafe.safe(spec.task)  # the admin's text, free-form after its colon
+        log.info("run %s: submitted (%s, %d rounds, %s)", run_id, task, spec.rounds, spec.strategy)
         warnings = self.submit_warnings(spec)
         for warning in warnings:
-            log.warning("run %s: %s", run_id, warning)
+            log.warning("run %s: %s", run_id, logsafe.safe(warning, logsafe.MESSAGE_CHARS))
         self._launch(ActiveRun(run_id=run_id, spec=spec, optimizer=ServerOptimizer(spec)))
         return run_id, warnings
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fedra.coordinator.state import INIT_ROUND, ActiveRun, Assignment
+from fedra.faults import crash_point
 from fedra.privacy import clip_factor
 from fedra.protos.codec import StreamDecoder
 from fedra.protos.compression import (
@@ -70,6 +71,7 @@ def _fold_turns(engine: Engine, run: ActiveRun, *, to_the_end: bool) -> None:
         fold(engine, run, digest, samples, site)
         with engine.lock:
             run.folded.add(site)
+            run.folded_at = time.perf_counter()
 
 
 def _next_turn(run: ActiveRun, to_the_end: bool) -> Assignment | None:
@@ -134,9 +136,13 @@ def _dense_pieces(engine: Engine, run: ActiveRun, digest: str) -> Iterator[Piece
     codec = run.spec.codec
     decoder = StreamDecoder(compressed_specs(run.model_specs, codec), copy=False)
     dense = StreamingDecompressor(run.model_specs, codec)
+    first = True  # (not enumerate: its cached result tuple would hold the last block)
     for chunk in engine.updates.read_chunks(digest):
         yield from dense.feed(decoder.feed(chunk))
         del chunk  # not held while the next block is read
+        if first:
+            crash_point("mid_fold", run.open_round or 0)
+            first = False
     decoder.finish()
     dense.finish()
 

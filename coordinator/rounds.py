@@ -22,7 +22,8 @@ from fedra.coordinator.aggregation import ServerOptimizer, WeightedSum
 from fedra.coordinator.folding import fold_remaining
 from fedra.coordinator.robust import RobustError, RobustRule, UpdateStore, aggregate
 from fedra.coordinator.secure import SecureRound
-from fedra.coordinator.state import INIT_ROUND, ActiveRun
+from fedra.coordinator.state import ATTEMPT_FAILED, INIT_ROUND, ActiveRun
+from fedra.coordinator.storage_faults import StorageFaults
 from fedra.faults import crash_point
 from fedra.metrics import format_metric, is_count_metric
 from fedra.privacy import RdpAccountant, add_secure_gaussian_
@@ -37,9 +38,9 @@ from fedra.protos.codec import (
 )
 from fedra.protos.compression import Compressor, apply_step, floating_layout, unflatten_update
 from fedra.secagg import SecAggError
-from fedra.storage.blobs import BLOCK_BYTES
+from fedra.storage.blobs import BLOCK_BYTES, BlobCorruptError
 from fedra.storage.records import CheckpointRecord, ParticipationRecord
-from fedra.storage.store import ClaimLostError
+from fedra.storage.store import ClaimLostError, transient_fault
 
 if TYPE_CHECKING:
     from fedra.coordinator.engine import Engine
@@ -52,8 +53,6 @@ ACCOUNTANT_KEY = "privacy.rdp"
 RESIDUAL_PREFIX = "download/"
 # The event recorded just before a secure round's sum is unmasked.
 UNMASKED_EVENT = "secagg_unmasked"
-# The event that closes a failed attempt (its data names the attempt).
-ATTEMPT_FAILED = "attempt_failed"
 
 
 def start_aggregate(engine: Engine, run: ActiveRun) -> None:
@@ -78,17 +77,36 @@ class RoundDriver:
         self.tag = f"run {run.run_id}"
 
     def run(self) -> None:
-        """Drive rounds until the run ends or the engine stops."""
+        """Drive rounds until the run ends or the engine stops. A storage fault (a full
+        disk, dropped database connections) does not end the run: after a backoff it
+        goes back to its last committed state and carries on (``storage_faults``)."""
+        faults = StorageFaults(self.engine, self.run_state, self.tag, self._drop_round_updates)
         try:
-            while self._step():
-                pass
+            while True:
+                try:
+                    while self._step():
+                        faults.carried_on()
+                    return
+                except Exception as exc:
+                    why = transient_fault(exc)
+                    if not why:
+                        raise
+                    if not faults.ride_out(why):
+                        if not self.engine.stopping:
+                            self._forget()
+                        return
         except ClaimLostError:  # the run is the other coordinator's to drive now
             log.warning("%s: stopped driving it: another coordinator took the database", self.tag)
             self._forget()
         except Exception as exc:  # a bug must fail the run visibly, not hang it
-            log.exception("%s: driver crashed", self.tag)
+            reason = f"internal error: {type(exc).__name__}: {exc}"
+            if isinstance(exc, BlobCorruptError):  # never build on a model that changed
+                reason = f"stored data is damaged, so the run stops here: {exc}"
+                log.error("%s: %s", self.tag, reason)
+            else:
+                log.exception("%s: driver crashed", self.tag)
             try:
-                self._finish("failed", f"internal error: {type(exc).__name__}: {exc}")
+                self._finish("failed", reason)
             except Exception:  # e.g. the database is down too: it stays running there
                 log.exception("%s: could not record the failure", self.tag)
             finally:
@@ -334,6 +352,8 @@ class RoundDriver:
         )  # fmt: skip
         stages = ledger([p for p in parts if p.state == "accepted"], run.aggregate_s)
         stages["checkpoint_s"] = time.perf_counter() - started
+        # Folding left once the last update was in (site order can leave several).
+        stages["fold_tail_s"] = max(0.0, run.folded_at - run.last_accept_at)
         stages["round_s"] = now - run.opened_at
         crash_point("before_commit", number)
         final = "completed" if number == spec.rounds else None
@@ -342,6 +362,7 @@ class RoundDriver:
             keep=[] if final else self._carry_on(),
             event=("round_committed", _summary(parts, metrics)),
         )  # fmt: skip
+        crash_point("after_commit", number)
         with engine.lock:
             run.model_specs = spec_of(model)
             run.base_sha256 = run.model_sha256 if delta_sha else ""

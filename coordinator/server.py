@@ -23,7 +23,8 @@ from fedra import pki
 from fedra.config import READY_FILE, ConfigError
 from fedra.coordinator.auth import Guard
 from fedra.coordinator.engine import Engine, EngineSettings
-from fedra.coordinator.service import AdminService, SiteService
+from fedra.coordinator.limits import CallLimiter, EdgeLimits
+from fedra.coordinator.service import AdminService, SiteService, refuse
 from fedra.files import LockHeld, ProcessLock
 from fedra.protos import wire
 from fedra.protos.v1 import admin_pb2, admin_pb2_grpc, site_pb2, site_pb2_grpc
@@ -56,6 +57,7 @@ class CoordinatorConfig:
     stream_window_mb: float = DEFAULT_STREAM_WINDOW_MB
     grace_s: float = 5.0
     engine: EngineSettings = field(default_factory=EngineSettings)
+    limits: EdgeLimits = field(default_factory=EdgeLimits)  # calls per caller, idle streams
     tls_dir: Path | None = None  # the coordinator's folder from `fedra provision`
     insecure: bool = False  # plaintext, no identities: localhost development only
 
@@ -125,6 +127,9 @@ def server_options(chunk_bytes: int, stream_window_mb: float) -> list[tuple[str,
     """
     limit = chunk_bytes + 1024 * 1024  # a chunk plus its envelope
     options = [
+        # gRPC shares a port in use by default (SO_REUSEPORT): a second daemon on it would
+        # answer calls in turn with the first. Binding a port in use fails instead.
+        ("grpc.so_reuseport", 0),
         ("grpc.max_receive_message_length", limit),
         # What it sends it builds itself: chunks, and a whole run's status (GetRun).
         ("grpc.max_send_message_length", max(limit, wire.MAX_STATUS_BYTES)),
@@ -144,20 +149,27 @@ def create_server(
     tls: pki.TlsFiles | None = None,
     deny_list: Path | None = None,
     stream_window_mb: float = DEFAULT_STREAM_WINDOW_MB,
+    limits: EdgeLimits | None = None,
 ) -> tuple[grpc.Server, int]:
-    """The site, admin and health services on ``address``: mTLS with ``tls``, else plaintext."""
-    server = grpc.server(
-        ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-        options=server_options(engine.settings.chunk_bytes, stream_window_mb),
-    )
+    """The site, admin and health services on ``address``: mTLS with ``tls``, else plaintext.
+
+    Every call is admitted by a CallLimiter first (its caller checked, its calls in
+    flight bounded by ``limits``); a port in use is refused (RuntimeError from gRPC).
+    """
     if tls is not None and deny_list is None:
         raise ValueError("a server with TLS needs a deny list path")
     guard = Guard(pki.DenyList(deny_list) if deny_list else None, insecure=tls is None)
+    limiter = CallLimiter(guard, engine, limits or EdgeLimits(), refuse)
+    server = grpc.server(
+        ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+        interceptors=[limiter],
+        options=server_options(engine.settings.chunk_bytes, stream_window_mb),
+    )
     # Model chunks are framed and parsed by hand (fedra.protos.wire): no protobuf copies.
     wire.add_service(
         server,
         site_pb2_grpc.add_SiteServiceServicer_to_server,
-        SiteService(engine, guard),
+        SiteService(engine, guard, limiter),
         wire.SITE_SERVICE,
         {
             "DownloadModel": {"response": wire.serialize},
@@ -245,12 +257,13 @@ def _serve(config: CoordinatorConfig, tls: pki.TlsFiles | None) -> None:
         raise ConfigError(f"--db {_redact(config.database_url)}: {exc}") from None
     server: grpc.Server | None = None
     try:
-        engine.start()
         address = f"{config.host}:{config.port}"
+        # Bound before the engine starts: a port in use fails the start before any run moves.
         server, port = create_server(
             engine, address, config.max_workers, tls, config.deny_list_path,
-            config.stream_window_mb,
+            config.stream_window_mb, config.limits,
         )  # fmt: skip
+        engine.start()
         server.start()
     except BaseException:  # nothing may drive runs, or hold the database, after this
         if server is not None:

@@ -6,11 +6,11 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
-from fedra import pki
+from fedra import logsafe, pki
 from fedra.coordinator import secure, uploads
 from fedra.coordinator.auth import Guard
 from fedra.coordinator.engine import HANG_UP_CHECK_S, Engine, TaskView
@@ -26,6 +26,7 @@ from fedra.coordinator.errors import (
     Unavailable,
 )
 from fedra.coordinator.status import RunWatch, run_header, run_page, run_status
+from fedra.faults import crash_point
 from fedra.protos import wire
 from fedra.protos.codec import transfer_chunk_bytes
 from fedra.protos.serde import (
@@ -35,7 +36,11 @@ from fedra.protos.serde import (
     train_to_proto,
 )
 from fedra.protos.v1 import admin_pb2, admin_pb2_grpc, site_pb2, site_pb2_grpc
-from fedra.storage.store import ClaimLostError
+from fedra.storage.blobs import BlobCorruptError
+from fedra.storage.store import ClaimLostError, transient_fault
+
+if TYPE_CHECKING:
+    from fedra.coordinator.limits import CallLimiter
 
 log = logging.getLogger("fedra.coordinator")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -65,7 +70,7 @@ def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
         )
         context.abort(grpc.StatusCode.CANCELLED, "the call ended before its request stream")
     if isinstance(exc, ClaimLostError):  # stopping: the database is another coordinator's
-        log.info("refused a call from %s: %s", context.peer(), exc)
+        log.info("refused a call from %s: %s", context.peer(), logsafe.safe(exc))
         context.abort(
             grpc.StatusCode.UNAVAILABLE,
             "this coordinator no longer holds its database (another coordinator took it) "
@@ -74,11 +79,26 @@ def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
     if isinstance(exc, FedraError):
         code = _STATUS.get(type(exc), grpc.StatusCode.INVALID_ARGUMENT)
         level = logging.WARNING if code in _LOUD else logging.INFO
-        log.log(level, "refused a call from %s: %s: %s", context.peer(), code.name, exc)
-        context.abort(code, str(exc))
+        # The message often quotes what the caller sent (an id, a name): escaped and cut.
+        text = logsafe.safe(exc, logsafe.MESSAGE_CHARS)
+        log.log(level, "refused a call from %s: %s: %s", context.peer(), code.name, text)
+        context.abort(code, logsafe.safe(exc, logsafe.STATUS_CHARS))
+    storage = transient_fault(exc)
+    if storage:  # the site's to retry, as after a restart; the driver rides it out
+        log.warning("a call from %s met a storage fault: %s", context.peer(), storage)
+        context.abort(grpc.StatusCode.UNAVAILABLE, f"the coordinator's storage: {storage}")
+    if isinstance(exc, BlobCorruptError):  # the driver ends the run with the reason
+        log.error("a call from %s read damaged stored data: %s", context.peer(), exc)
+        context.abort(grpc.StatusCode.DATA_LOSS, "the coordinator's stored data is damaged")
     # Internals stay in the coordinator's log, never in the caller's status.
-    log.exception("unexpected error in %s", type(exc).__name__)
+    log.error("unexpected error in %s: %s", type(exc).__name__, logsafe.exception_text(exc))
     context.abort(grpc.StatusCode.INTERNAL, "internal coordinator error (see the coordinator log)")
+
+
+def refuse(context: grpc.ServicerContext, exc: Exception) -> None:
+    """End the call with the status ``exc`` maps to, as handlers do (for checks made
+    before a handler runs: fedra.coordinator.limits)."""
+    _abort(context, exc)
 
 
 def mapped(method: F) -> F:
@@ -160,8 +180,9 @@ def _model_chunks(engine: Engine, digest: str, size: int) -> Iterator[bytes]:
 
 
 class SiteService(site_pb2_grpc.SiteServiceServicer):
-    def __init__(self, engine: Engine, guard: Guard) -> None:
+    def __init__(self, engine: Engine, guard: Guard, limiter: CallLimiter | None = None) -> None:
         self.engine, self.guard = engine, guard
+        self.limiter = limiter  # set: it ends an upload whose site goes silent
 
     @mapped
     def Register(
@@ -211,6 +232,8 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
         sent = 0  # handed to gRPC, frames included
         try:
             for chunk in _model_chunks(self.engine, digest, size):
+                if sent:  # the first chunk has gone out
+                    crash_point("mid_download", base)
                 sent += len(chunk)
                 yield chunk
                 del chunk  # not held while the next one is read
@@ -223,6 +246,8 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
     def UploadUpdate(
         self, request_iterator: Iterator[site_pb2.UpdateChunk | memoryview], context: Any
     ) -> site_pb2.UploadUpdateResponse:
+        # Who is calling, before a byte is read: a revoked caller holds no thread waiting.
+        self.guard.any_site(context)
         # Data messages arrive as views of their payload (wire.parse_update_chunk).
         first = next(request_iterator, None)
         if not isinstance(first, site_pb2.UpdateChunk) or first.WhichOneof("part") != "header":
@@ -239,6 +264,8 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
         except uploads.AlreadyAccepted as done:
             return site_pb2.UploadUpdateResponse(bytes_received=done.nbytes)
         task_id, size = ticket.header.task_id, ticket.header.payload_bytes
+        if self.limiter is not None:  # it holds the round now: not past the site's silence
+            self.limiter.upload_started(context, h.site_id)
         ledger = self.engine.downloads  # the upload is pending there until it ends
         received = _Received(request_iterator)
         try:

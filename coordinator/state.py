@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     from fedra.coordinator.secure import SecureRound
 
 INIT_ROUND = 0
+# The ledger event that closes a failed attempt (its data names the attempt).
+ATTEMPT_FAILED = "attempt_failed"
 
 
 @dataclass
@@ -88,6 +90,10 @@ class ActiveRun:
     folding: int = 0
     fold_lock: threading.Lock = field(default_factory=threading.Lock)
     folded: set[str] = field(default_factory=set)  # sites whose update is in the aggregate
+    # perf_counter of the attempt's last acceptance and of the end of its last fold: what
+    # folding in site order costs a round is the folding left after the last update is in.
+    last_accept_at: float = 0.0
+    folded_at: float = 0.0
 
     @property
     def upload_codec(self) -> CodecSpec:
@@ -121,6 +127,7 @@ class ActiveRun:
         self.open_round, self.attempt, self.closing = number, attempt, False
         self.opened_at, self.deadline_at = now, deadline
         self.aggregate_s, self.folded = 0.0, set()
+        self.last_accept_at = self.folded_at = 0.0
         self.assignments = {
             s: Assignment(t, s, "assigned", issued_round=number) for s, t in assignments.items()
         }

@@ -21,16 +21,18 @@ from fedra.coordinator.errors import (
     FailedPrecondition,
     InvalidArgument,
     ResourceExhausted,
+    Unavailable,
 )
 from fedra.coordinator.folding import fold_ready
-from fedra.coordinator.state import INIT_ROUND, ActiveRun, Assignment
+from fedra.coordinator.state import ATTEMPT_FAILED, INIT_ROUND, ActiveRun, Assignment
+from fedra.faults import crash_point
 from fedra.protos.codec import (
-    MAX_HEADER_BYTES,
     Buffer,
     CodecError,
     StreamDecoder,
     TensorSpec,
     all_finite,
+    header_limit,
 )
 from fedra.protos.compression import (
     Piece,
@@ -38,7 +40,7 @@ from fedra.protos.compression import (
     compressed_specs,
 )
 from fedra.runspec import WIRE_CODECS, CodecSpec
-from fedra.storage.blobs import BlobDigestError
+from fedra.storage.blobs import BlobDigestError, StorageFullError
 from fedra.storage.store import DuplicateError
 
 if TYPE_CHECKING:
@@ -48,6 +50,10 @@ log = logging.getLogger("fedra.coordinator")
 NONCE_BYTES = 16
 # A weight far above any real data set; keeps n * value inside fp32's range and exact in fp64.
 MAX_SAMPLES = 2**40
+# Header fields a site chooses, bounded: they are stored, logged and sent in statuses.
+MAX_ID_CHARS = 128
+MAX_METRICS = 256
+MAX_METRIC_NAME_CHARS = 128
 
 
 class AlreadyAccepted(Exception):
@@ -154,13 +160,26 @@ def _check_already_accepted(engine: Engine, h: UpdateHeader) -> None:
         return
     past = engine.store.get_participation(h.task_id)
     if (
-        past is not None
-        and past.site_id == h.site_id
-        and past.state == "accepted"
-        and past.nonce == h.nonce
-        and past.update_sha256 == h.sha256
+        past is None
+        or past.site_id != h.site_id
+        or past.state != "accepted"
+        or past.nonce != h.nonce
+        or past.update_sha256 != h.sha256
     ):
-        raise AlreadyAccepted(h.payload_bytes)
+        return  # not this site's accepted update: current_task says why it cannot be sent
+    rnd = engine.store.get_round(past.run_id, past.round_number)
+    if rnd is not None and rnd.attempt == past.attempt and rnd.state in ("open", "committed"):
+        over = rnd.state == "open" and engine.store.failed_attempt(
+            past.run_id, past.round_number, past.attempt, ATTEMPT_FAILED
+        )  # failed, the next attempt not yet open
+        if not over:
+            raise AlreadyAccepted(h.payload_bytes)
+    # Accepted by an attempt that failed: the site must know it did not count (top-k
+    # error feedback keeps what it did not send only for updates that counted).
+    raise FailedPrecondition(
+        f"task {h.task_id}'s update did not count: attempt {past.attempt} of round "
+        f"{past.round_number} of run {past.run_id} failed; poll for the next task"
+    )
 
 
 def _check_staleness(engine: Engine, run: ActiveRun, a: Assignment) -> None:
@@ -181,6 +200,9 @@ def _check_staleness(engine: Engine, run: ActiveRun, a: Assignment) -> None:
 
 
 def _check_header_fields(h: UpdateHeader) -> None:
+    for field_name, text in (("run_id", h.run_id), ("task_id", h.task_id)):
+        if len(text) > MAX_ID_CHARS:
+            raise InvalidArgument(f"{field_name} must be at most {MAX_ID_CHARS} characters")
     if h.codec not in WIRE_CODECS:
         raise InvalidArgument(
             f"codec {h.codec!r} is not supported (expected one of {', '.join(WIRE_CODECS)})"
@@ -191,15 +213,26 @@ def _check_header_fields(h: UpdateHeader) -> None:
         raise InvalidArgument("sha256 must be 64 lower-case hex characters")
     if not 0 < h.num_samples <= MAX_SAMPLES:
         raise InvalidArgument(f"num_samples must be in [1, {MAX_SAMPLES}], got {h.num_samples}")
+    # Metrics are stored with the update and sent in every status: bounded like the rest.
+    if len(h.metrics) > MAX_METRICS:
+        raise InvalidArgument(
+            f"an update carries at most {MAX_METRICS} metrics, not {len(h.metrics)}"
+        )
     for key, value in h.metrics.items():
+        if len(key) > MAX_METRIC_NAME_CHARS or not key.isprintable():
+            raise InvalidArgument(
+                f"metric name {key[:60]!r}: at most {MAX_METRIC_NAME_CHARS} printable characters"
+            )
         if not torch.isfinite(torch.tensor(value)):
             raise InvalidArgument(f"metric {key!r} is not finite: {value}")
 
 
 def _size_limit(engine: Engine, expected: dict[str, TensorSpec] | None) -> int:
+    """The most bytes an update may declare: the expected tensors' data and the header
+    they need (``header_limit``); the operator's bound for an initial model."""
     if expected is None:
         return engine.settings.max_init_model_bytes
-    return 8 + MAX_HEADER_BYTES + sum(s.nbytes for s in expected.values())
+    return 8 + header_limit(expected) + sum(s.nbytes for s in expected.values())
 
 
 def receive(engine: Engine, ticket: UploadTicket, chunks: Iterable[Buffer]) -> str:
@@ -218,6 +251,8 @@ def receive(engine: Engine, ticket: UploadTicket, chunks: Iterable[Buffer]) -> s
                         f"payload is longer than the declared {h.payload_bytes} bytes"
                     )
                 writer.write(chunk)
+                if writer.bytes_written == len(chunk):
+                    crash_point("mid_upload", ticket.round)
                 _check_chunk(decoder, dense, chunk)
                 del chunk  # let it go before gRPC builds the next one
             if writer.bytes_written != h.payload_bytes:
@@ -234,6 +269,8 @@ def receive(engine: Engine, ticket: UploadTicket, chunks: Iterable[Buffer]) -> s
             raise InvalidArgument(f"payload: {exc}") from exc
         except BlobDigestError as exc:
             raise InvalidArgument(f"checksum mismatch: {exc}") from exc
+        except StorageFullError as exc:  # nothing was spooled: the site retries later
+            raise Unavailable("disk full: the coordinator cannot spool updates now") from exc
 
 
 def _check_chunk(
@@ -308,8 +345,10 @@ def accept(engine: Engine, ticket: UploadTicket, digest: str, nbytes: int) -> No
             _drop_spooled(engine, run, digest)
             abort_upload(engine, ticket)
             raise
+        crash_point("after_accept", ticket.round)  # durable, not folded, no reply
         a.state, a.update_sha256, a.num_samples = "accepted", digest, h.num_samples
         a.nonce = h.nonce
+        run.last_accept_at = time.perf_counter()
         run.folding += 1  # the driver will not close the round under this fold
     # Summing a large update takes a while: polls, heartbeats and other uploads go on.
     broken = ""
@@ -329,6 +368,7 @@ def accept(engine: Engine, ticket: UploadTicket, digest: str, nbytes: int) -> No
         "run %s round %d: accepted update from %s (%d bytes, %.2fs)",
         run.run_id, ticket.round, h.site_id, nbytes, upload_s,
     )  # fmt: skip
+    crash_point("before_reply", ticket.round)  # durable and folded, no reply
 
 
 def _drop_spooled(engine: Engine, run: ActiveRun, digest: str) -> None:

@@ -102,6 +102,7 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
     from sqlalchemy.exc import DBAPIError
 
     from fedra.coordinator.engine import EngineSettings
+    from fedra.coordinator.limits import EdgeLimits
     from fedra.coordinator.server import STATE_LOCK_FILE, CoordinatorConfig, serve
     from fedra.storage.migrate import SchemaTooNew
 
@@ -118,6 +119,11 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
         db_url=args.db or "",
         max_workers=args.workers,
         engine=settings,
+        limits=EdgeLimits(
+            calls_per_site=args.max_calls_per_site,
+            calls_per_admin=args.max_calls_per_admin,
+            stream_idle_s=args.stream_idle_s,
+        ),
         tls_dir=Path(args.tls_dir) if args.tls_dir else None,
         insecure=args.insecure,
         **window,
@@ -648,6 +654,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="what one upload may buffer in the coordinator, MiB (default 8; it also caps a "
         "site's upload rate at window / round-trip time); 0: sized by gRPC's bandwidth "
         "probing, unbounded",
+    )
+    c.add_argument(
+        "--max-calls-per-site",
+        type=int,
+        default=8,
+        help="calls one site certificate may have in flight (each holds a server thread); "
+        "past it a call is refused with RESOURCE_EXHAUSTED",
+    )
+    c.add_argument(
+        "--max-calls-per-admin",
+        type=int,
+        default=32,
+        help="the same for an admin certificate (and, with --insecure, for each connection)",
+    )
+    c.add_argument(
+        "--stream-idle-s",
+        type=float,
+        default=60.0,
+        help="an upload stream on which nothing arrives this long is ended (raise it for "
+        "links slower than a chunk per this many seconds)",
     )
     c.set_defaults(func=_cmd_coordinator)
 

@@ -1,11 +1,19 @@
 """Fault injection for tests: crash this process at a named point of a given round.
 
-Points: ``before_commit:N`` (coordinator: round N's checkpoint is durable, its database
-commit not yet made), ``after_download:N`` (site: the model of round N is in, no
-training done), ``after_secagg_setup:N`` (site: its keys and key shares are sent, no
-masked update), ``after_upload:N`` (site: its masked update is in, no shares revealed)
-and ``after_unmask:N`` (coordinator: round N's secure sum is unmasked, not committed).
-``FEDRA_FAULT_CRASH=before_commit:3`` kills the process at that point.
+``FEDRA_FAULT_CRASH=before_commit:3`` SIGKILLs the process when it reaches that point in
+round 3. Coordinator points (``COORDINATOR_POINTS``), in the order a round meets them:
+``mid_download`` (a model download has sent its first chunk), ``mid_upload`` (an
+update's first chunk is spooled), ``after_accept`` (an update is durably accepted, not
+folded, not answered), ``mid_fold`` (folding an update has read its first block),
+``before_reply`` (an update is accepted and folded, the site not yet answered),
+``after_unmask`` (a secure round's sum is unmasked, not committed), ``before_commit``
+(the round's checkpoint is durable, its database commit not yet made),
+``after_commit`` (committed, the next round not yet opened),
+``after_attempt_failed`` (an attempt's failure is recorded, the next not yet opened) and
+``during_startup`` (a restarted daemon has restored the run at that round, before
+serving). Site points: ``after_download`` (the model of round N is in, no training
+done), ``after_secagg_setup`` (keys and key shares sent, no masked update) and
+``after_upload`` (its masked update is in, no shares revealed).
 
 ``FEDRA_FAULT_ATTACK=scale:-10`` makes a site Byzantine: every update it sends is its
 honest update times the factor (robust-aggregation tests).
@@ -24,6 +32,18 @@ import torch
 log = logging.getLogger("fedra.faults")
 ENV = "FEDRA_FAULT_CRASH"
 ATTACK_ENV = "FEDRA_FAULT_ATTACK"
+COORDINATOR_POINTS = (
+    "mid_download",
+    "mid_upload",
+    "after_accept",
+    "mid_fold",
+    "before_reply",
+    "after_unmask",
+    "before_commit",
+    "after_commit",
+    "after_attempt_failed",
+    "during_startup",
+)
 
 
 def crash_point(name: str, round_number: int) -> None:

@@ -10,40 +10,29 @@ from typing import Any
 
 from fedra.config import ConfigError, check_keys, get, require
 from fedra.privacy import RdpAccountant, max_rounds
+from fedra.ranges import check
 
 
 @dataclass(frozen=True)
 class Param:
-    """A strategy parameter: its default and its open (low, high) or half-open [low, high) range."""
+    """A strategy parameter's default; its range is ``ranges.RANGES['strategy.<name>']``."""
 
     default: float
-    low: float
-    high: float
-    low_inclusive: bool = False
-
-    def contains(self, value: float) -> bool:
-        above = value >= self.low if self.low_inclusive else value > self.low
-        return math.isfinite(value) and above and value < self.high
-
-    def describe(self) -> str:
-        return f"{'[' if self.low_inclusive else '('}{self.low}, {self.high})"
 
 
-_POSITIVE = Param(1.0, 0.0, math.inf)
-_UNIT = Param(0.9, 0.0, 1.0, low_inclusive=True)
 _ADAPTIVE = {
-    "server_lr": Param(0.01, 0.0, math.inf),
-    "beta1": _UNIT,
-    "beta2": Param(0.99, 0.0, 1.0, low_inclusive=True),
-    "tau": Param(1e-3, 0.0, math.inf),
+    "server_lr": Param(0.01),
+    "beta1": Param(0.9),
+    "beta2": Param(0.99),
+    "tau": Param(1e-3),
 }
 STRATEGY_PARAMS: dict[str, dict[str, Param]] = {
-    "fedavg": {"server_lr": _POSITIVE},
-    "fedavgm": {"server_lr": _POSITIVE, "momentum": _UNIT},
+    "fedavg": {"server_lr": Param(1.0)},
+    "fedavgm": {"server_lr": Param(1.0), "momentum": Param(0.9)},
     "fedadam": _ADAPTIVE,
     "fedyogi": _ADAPTIVE,
     # Outer Nesterov SGD on the pseudo-gradient; defaults from the DiLoCo paper.
-    "diloco": {"server_lr": Param(0.7, 0.0, math.inf), "momentum": _UNIT},
+    "diloco": {"server_lr": Param(0.7), "momentum": Param(0.9)},
 }
 CODECS = ("none", "fp16", "bf16", "int8", "topk")
 # What the wire may carry: the user's codecs, and the masked integers of [secagg] runs.
@@ -68,11 +57,8 @@ class CodecSpec:
         """Return self, or raise ConfigError naming the offending field."""
         if self.name not in WIRE_CODECS:
             raise ConfigError(f"codec.name: must be one of {', '.join(CODECS)}, got {self.name!r}")
-        if not isinstance(self.block, int) or isinstance(self.block, bool) or self.block < 1:
-            raise ConfigError(f"codec.block: must be a positive int, got {self.block!r}")
-        ok = isinstance(self.fraction, int | float) and not isinstance(self.fraction, bool)
-        if not ok or not 0 < self.fraction <= 1:  # also refuses NaN
-            raise ConfigError(f"codec.fraction: must be a number in (0, 1], got {self.fraction!r}")
+        check("codec.block", self.block)
+        check("codec.fraction", self.fraction)
         if not isinstance(self.download, bool):
             raise ConfigError(f"codec.download: must be true or false, got {self.download!r}")
         if self.download and self.name not in ("fp16", "bf16", "int8", "topk"):
@@ -111,21 +97,8 @@ class AggregationSpec:
                 f"aggregation.rule: must be one of {', '.join(AGGREGATION_RULES)}, "
                 f"got {self.rule!r}"
             )
-        require(
-            math.isfinite(self.trim) and 0 <= self.trim < 0.5,
-            "aggregation.trim",
-            "must be in [0, 0.5)",
-            self.trim,
-        )
-        require(self.byzantine >= 0, "aggregation.byzantine", "must be >= 0", self.byzantine)
-        require(self.select >= 0, "aggregation.select", "must be >= 0", self.select)
-        require(
-            math.isfinite(self.norm_bound) and self.norm_bound >= 0,
-            "aggregation.norm_bound",
-            "must be a finite number >= 0 (0: no bound)",
-            self.norm_bound,
-        )
-        require(self.spill_mb >= 0, "aggregation.spill_mb", "must be >= 0", self.spill_mb)
+        for key in ("trim", "byzantine", "select", "norm_bound", "spill_mb"):
+            check(f"aggregation.{key}", getattr(self, key))
         if self.rule in ("krum", "multikrum"):
             need = 2 * self.byzantine + 3
             require(
@@ -159,15 +132,8 @@ class PrivacySpec:
     delta: float = 1e-5
 
     def validate(self) -> None:
-        for key in ("clip", "noise_multiplier", "epsilon"):
-            value = getattr(self, key)
-            require(
-                math.isfinite(value) and value > 0,
-                f"privacy.{key}",
-                "must be a finite number > 0",
-                value,
-            )
-        require(0 < self.delta < 1, "privacy.delta", "must be in (0, 1)", self.delta)
+        for key in ("clip", "noise_multiplier", "epsilon", "delta"):
+            check(f"privacy.{key}", getattr(self, key))
         if max_rounds(self.noise_multiplier, self.epsilon, self.delta) == 0:
             one = RdpAccountant().after(self.noise_multiplier).epsilon(self.delta)
             raise ConfigError(
@@ -189,21 +155,8 @@ class SecAggSpec:
     unmask_timeout_s: float = 60.0  # for the survivors' shares, after the uploads close
 
     def validate(self) -> None:
-        require(
-            math.isfinite(self.threshold) and 0 < self.threshold <= 1,
-            "secagg.threshold",
-            "must be in (0, 1]",
-            self.threshold,
-        )
-        require(self.degree >= 0, "secagg.degree", "must be >= 0 (0: all sites)", self.degree)
-        for key in ("clip", "setup_timeout_s", "unmask_timeout_s"):
-            value = getattr(self, key)
-            require(
-                math.isfinite(value) and value > 0,
-                f"secagg.{key}",
-                "must be a finite number > 0",
-                value,
-            )
+        for key in ("threshold", "degree", "clip", "setup_timeout_s", "unmask_timeout_s"):
+            check(f"secagg.{key}", getattr(self, key))
 
 
 STALENESS = ("sqrt", "constant")
@@ -228,13 +181,14 @@ class AsyncSpec:
         return 1.0 if self.staleness == "constant" else 1.0 / math.sqrt(1.0 + tau)
 
     def validate(self, sites_per_round: int) -> None:
+        check("async.buffer", self.buffer)
         require(
-            1 <= self.buffer <= sites_per_round,
+            self.buffer <= sites_per_round,
             "async.buffer",
             f"must be in [1, sites_per_round={sites_per_round}]",
             self.buffer,
         )
-        require(self.max_staleness >= 0, "async.max_staleness", "must be >= 0", self.max_staleness)
+        check("async.max_staleness", self.max_staleness)
         if self.staleness not in STALENESS:
             raise ConfigError(
                 f"async.staleness: must be one of {', '.join(STALENESS)}, got {self.staleness!r}"
@@ -250,20 +204,13 @@ class TrainSpec:
     params: dict[str, str] = field(default_factory=dict)
 
     def validate(self) -> None:
-        require(self.local_steps >= 0, "train.local_steps", "must be >= 0", self.local_steps)
-        require(self.local_epochs >= 0, "train.local_epochs", "must be >= 0", self.local_epochs)
+        for key in ("local_steps", "local_epochs", "batch_size", "learning_rate"):
+            check(f"train.{key}", getattr(self, key))
         require(
             self.local_steps > 0 or self.local_epochs > 0,
             "train.local_steps",
             "local_steps or local_epochs must be > 0",
             self.local_steps,
-        )
-        require(self.batch_size > 0, "train.batch_size", "must be > 0", self.batch_size)
-        require(
-            math.isfinite(self.learning_rate) and self.learning_rate > 0,
-            "train.learning_rate",
-            "must be a finite number > 0",
-            self.learning_rate,
         )
 
 
@@ -300,24 +247,14 @@ class RunSpec:
         require(
             bool(module and sep and attr), "task", "must look like 'package.module:attr'", self.task
         )
-        require(1 <= self.rounds <= 1_000_000, "rounds", "must be in [1, 1000000]", self.rounds)
-        require(self.sites_per_round >= 1, "sites_per_round", "must be >= 1", self.sites_per_round)
+        for key in _TOP_NUMBERS:
+            check(key, getattr(self, key))
         require(
-            0 <= self.min_sites <= self.sites_per_round,
+            self.min_sites <= self.sites_per_round,
             "min_sites",
             f"must be in [1, sites_per_round={self.sites_per_round}] (0 means sites_per_round)",
             self.min_sites,
         )
-        for key in ("round_deadline_s", "join_timeout_s"):
-            value = getattr(self, key)
-            require(math.isfinite(value) and value > 0, key, "must be a finite number > 0", value)
-        require(
-            self.max_round_attempts >= 1,
-            "max_round_attempts",
-            "must be >= 1",
-            self.max_round_attempts,
-        )
-        require(0 <= self.seed < 2**63, "seed", "must be in [0, 2**63)", self.seed)
         self.train.validate()
         self._validate_strategy()
         self._validate_aggregation()
@@ -420,10 +357,7 @@ class RunSpec:
             )
         check_keys(self.strategy_params, set(known), "strategy")
         for key, value in self.strategy_params.items():
-            bound = known[key]
-            require(
-                bound.contains(value), f"strategy.{key}", f"must be in {bound.describe()}", value
-            )
+            check(f"strategy.{key}", value)
 
     def strategy_param(self, key: str) -> float:
         """The run's value for a strategy parameter, or the strategy's default."""
@@ -447,6 +381,10 @@ class RunSpec:
         return RunSpec(**raw)
 
 
+_TOP_NUMBERS = (
+    "rounds", "sites_per_round", "min_sites", "round_deadline_s", "max_round_attempts",
+    "join_timeout_s", "seed",
+)  # fmt: skip
 _TOP_KEYS = {
     "name", "task", "rounds", "sites_per_round", "min_sites", "round_deadline_s",
     "max_round_attempts", "join_timeout_s", "seed", "train", "strategy", "codec",

@@ -27,7 +27,14 @@ MIN_CHUNKS_PER_TRANSFER = 16
 MIN_CHUNK_BYTES = 64 * 1024
 # The largest chunk a receiver must accept (earlier versions sent 4 MiB chunks).
 MAX_CHUNK_BYTES = 16 * 1024 * 1024
+# The largest header of a payload whose tensors are not known in advance (an initial
+# model); one whose tensors are known may carry only what they need (``header_limit``).
 MAX_HEADER_BYTES = 16 * 1024 * 1024
+# The most bytes of JSON ``__metadata__`` a header may carry (fedra writes none).
+MAX_METADATA_BYTES = 4096
+# Per tensor, beyond what this encoder writes: other writers' data order (offsets of other
+# lengths, up to 19 digits each), spacing after separators, and \u-escaped names.
+_ENTRY_SLACK_BYTES = 64
 
 _METADATA_KEY = "__metadata__"
 _ENTRY_KEYS = frozenset({"dtype", "shape", "data_offsets"})
@@ -120,6 +127,14 @@ def _header_bytes(specs: Mapping[str, TensorSpec], metadata: Mapping[str, str] |
     text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     text += b" " * (-len(text) % 8)
     return len(text).to_bytes(8, "little") + text
+
+
+def header_limit(specs: Mapping[str, TensorSpec]) -> int:
+    """The most header bytes (after the 8-byte length) a payload of ``specs`` may carry:
+    what this encoder writes, a little slack per tensor, and MAX_METADATA_BYTES."""
+    exact = len(_header_bytes(specs, None)) - 8
+    slack = sum(_ENTRY_SLACK_BYTES + 2 * len(name.encode("utf-8")) for name in specs)
+    return exact + slack + MAX_METADATA_BYTES
 
 
 def encoded_size(
@@ -270,6 +285,9 @@ def _parse_header(raw: bytes) -> tuple[list[_Entry], dict[str, str]]:
     metadata = header.pop(_METADATA_KEY, {})
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise CodecError("__metadata__ must be an object of strings")
+    size = sum(len(k.encode("utf-8")) + len(v.encode("utf-8")) for k, v in metadata.items())
+    if size > MAX_METADATA_BYTES:
+        raise CodecError(f"__metadata__ holds {size} bytes, more than {MAX_METADATA_BYTES}")
     # The reference writer orders data by dtype then name, so follow offsets, not key order.
     entries = sorted(
         (_parse_entry(n, e) for n, e in header.items()), key=lambda e: (e.begin, e.end)
@@ -336,11 +354,15 @@ class StreamDecoder:
     def __init__(
         self,
         expected: Mapping[str, TensorSpec] | None = None,
-        max_header_bytes: int = MAX_HEADER_BYTES,
+        max_header_bytes: int | None = None,
         copy: bool = True,
     ) -> None:
-        """``copy=False``: pieces are read-only views of the fed bytes where they can be
+        """``max_header_bytes`` defaults to what ``expected`` needs (``header_limit``), else
+        MAX_HEADER_BYTES; a longer header is refused from its length, before it is read.
+        ``copy=False``: pieces are read-only views of the fed bytes where they can be
         (aligned runs), each keeping its chunk alive; for consumers that only read them."""
+        if max_header_bytes is None:
+            max_header_bytes = MAX_HEADER_BYTES if expected is None else header_limit(expected)
         self._expected = expected
         self._copy = copy
         self._max_header_bytes = max_header_bytes
@@ -399,7 +421,10 @@ class StreamDecoder:
                 return view
             length = int.from_bytes(self._head, "little")
             if length > self._max_header_bytes:
-                raise CodecError(f"header length {length} exceeds {self._max_header_bytes} bytes")
+                why = " (what the expected tensors need)" if self._expected is not None else ""
+                raise CodecError(
+                    f"header length {length} exceeds {self._max_header_bytes} bytes{why}"
+                )
             self._header_len = length
             self._head.clear()
         need = self._header_len - len(self._head)

@@ -8,16 +8,25 @@ the sender writes the field's tag and length in front of the chunk as it builds 
 inside the bytes gRPC hands it (no copy). The bytes on the wire are exactly the protobuf
 encoding, so either side may be the generated code; anything but a lone data field (an
 empty chunk, unknown fields, a header) goes through the generated parser as before.
+
+A request that does not parse (``add_service``) is refused with INVALID_ARGUMENT before
+its handler runs; left to gRPC, it would be INTERNAL with a traceback in the log.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
 from google.protobuf.message import Message
 
+from fedra import logsafe
 from fedra.protos.v1 import common_pb2, site_pb2
+
+log = logging.getLogger("fedra.coordinator")  # add_service builds the coordinator's services
 
 _LEN = 2  # protobuf wire type of bytes fields
 MODEL_CHUNK_TAG = (1 << 3) | _LEN  # ModelChunk.data
@@ -33,6 +42,9 @@ EXPORT_MODEL = f"/{ADMIN_SERVICE}/ExportModel"
 # GetRun answers with a whole run, about 220 bytes per participation, so 64 MiB holds
 # some 300,000 (paged GetRun and WatchRun messages stay near 1 MiB however long the run).
 MAX_STATUS_BYTES = 64 * 2**20
+# How long the end of a request stream waits for news that the call ended instead (about
+# a millisecond after it, when it does): each upload's reply comes this much later.
+STREAM_END_CHECK_S = 0.005
 
 
 def _varint(value: int) -> bytes:
@@ -107,6 +119,93 @@ def serialize(message: bytes | Message) -> bytes:
     return message.SerializeToString()
 
 
+class Malformed:
+    """What a request deserializer gives for bytes that do not parse: the call is refused."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+class MalformedMessage(BaseException):
+    """Raised by a request stream at a message that does not parse. A BaseException, as
+    a cancellation is: the handler's own error mapping (``except Exception``) passes it
+    by, its cleanup (``finally``, ``except BaseException: ...; raise``) still runs, and
+    the call ends with INVALID_ARGUMENT (``_stream_request``)."""
+
+    def __init__(self, what: str, reason: str) -> None:
+        super().__init__(what, reason)
+        self.what, self.reason = what, reason
+
+
+def tolerant(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    """``deserializer`` returning ``Malformed`` where it would raise (gRPC would answer
+    INTERNAL and log a traceback)."""
+
+    def parse(raw: bytes) -> Any:
+        try:
+            return deserializer(raw)
+        except Exception as exc:  # anything the parser raises on remote bytes
+            return Malformed(f"{type(exc).__name__}: {logsafe.safe(exc)}")
+
+    return parse
+
+
+def _refuse(context: grpc.ServicerContext, what: str, reason: str) -> None:
+    message = f"{what} is not a valid message of this RPC ({reason})"
+    log.info("refused a call from %s: INVALID_ARGUMENT: %s", context.peer(), message)
+    context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def _unary_request(behavior: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    def checked(request: Any, context: grpc.ServicerContext) -> Any:
+        if isinstance(request, Malformed):
+            _refuse(context, "the request", request.reason)  # before any other work
+        return behavior(request, context)
+
+    return checked
+
+
+def _check_stream_closed(context: grpc.ServicerContext) -> None:
+    """Raise grpc.RpcError (as a cancelled call's stream does) unless the caller closed
+    its stream. gRPC ends a request stream the same way when the caller closes it and when
+    the transport refuses a message (one over the size limit): the call is then ended, but
+    that news arrives a moment later. Without this wait, a whole payload followed by an
+    oversized message was accepted while the caller was told RESOURCE_EXHAUSTED."""
+    ended = threading.Event()
+    if not context.add_callback(ended.set) or ended.wait(STREAM_END_CHECK_S):
+        raise grpc.RpcError("the call ended before its request stream was closed")
+
+
+def _messages(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+    for number, request in enumerate(requests, 1):
+        if isinstance(request, Malformed):
+            raise MalformedMessage(f"message {number} of the request stream", request.reason)
+        yield request
+    _check_stream_closed(context)
+
+
+def _stream_request(behavior: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    def checked(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+        try:
+            return behavior(_messages(requests, context), context)
+        except MalformedMessage as exc:
+            _refuse(context, exc.what, exc.reason)
+
+    return checked
+
+
+def _stream_both(behavior: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    def checked(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+        try:
+            yield from behavior(_messages(requests, context), context)
+        except MalformedMessage as exc:
+            _refuse(context, exc.what, exc.reason)
+
+    return checked
+
+
 def _with_wire(handler: Any, request: Any = None, response: Any = None) -> Any:
     """``handler`` (an RpcMethodHandler namedtuple) with its (de)serializers replaced."""
     changes = {}
@@ -114,6 +213,22 @@ def _with_wire(handler: Any, request: Any = None, response: Any = None) -> Any:
         changes["request_deserializer"] = request
     if response is not None:
         changes["response_serializer"] = response
+    return handler._replace(**changes)
+
+
+def _tolerant_handler(handler: Any) -> Any:
+    """``handler`` refusing a request that does not parse with INVALID_ARGUMENT."""
+    changes: dict[str, Any] = {"request_deserializer": tolerant(handler.request_deserializer)}
+    wrappers = {
+        "unary_unary": _unary_request,
+        "unary_stream": _unary_request,
+        "stream_unary": _stream_request,
+        "stream_stream": _stream_both,
+    }
+    for kind, wrap in wrappers.items():
+        behavior = getattr(handler, kind)
+        if behavior is not None:
+            changes[kind] = wrap(behavior)
     return handler._replace(**changes)
 
 
@@ -138,7 +253,8 @@ def add_service(
     overrides: dict[str, dict[str, Any]],
 ) -> None:
     """Register ``servicer`` as the generated ``add_generated`` would, with some methods'
-    (de)serializers replaced: ``overrides[method] = {"request": f, "response": g}``."""
+    (de)serializers replaced (``overrides[method] = {"request": f, "response": g}``), and
+    every method refusing a request that does not parse with INVALID_ARGUMENT."""
     capture = _Capture()
     add_generated(servicer, capture)
     if not capture.handlers:
@@ -146,5 +262,6 @@ def add_service(
     handlers = capture.handlers
     for method, change in overrides.items():
         handlers[method] = _with_wire(handlers[method], **change)
+    handlers = {method: _tolerant_handler(h) for method, h in handlers.items()}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
     server.add_registered_method_handlers(service, handlers)

@@ -2,18 +2,28 @@
 
 A blob is written to a temporary name in the store, fsynced, renamed to its digest
 and the directory fsynced, so after ``put`` returns the blob survives a crash and a
-reader never sees a partial file.
+reader never sees a partial file. A write that fails (a full disk: StorageFullError)
+leaves nothing behind. Reads are checked against the digest: bytes that changed on disk
+raise BlobCorruptError at the end of the read, never pass as the blob. A blob is hashed
+once per process and file (its size, mtime and inode are remembered): a model read by
+every site every round is not hashed again each time (sites check what they download
+themselves, and a restart checks the checkpoint it resumes from).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import logging
 import os
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import suppress
 from pathlib import Path
 
 from fedra.files import fsync_dir
+
+log = logging.getLogger("fedra.storage")
 
 _HEX = frozenset("0123456789abcdef")
 # Reads of the store's own files go in blocks of this size: large enough that a read costs
@@ -30,6 +40,31 @@ class BlobDigestError(ValueError):
     """The bytes written do not hash to the digest the caller promised."""
 
 
+class BlobCorruptError(ValueError):
+    """A stored blob's bytes no longer hash to its name: they changed on disk."""
+
+    def __init__(self, digest: str, actual: str) -> None:
+        super().__init__(f"blob {digest} is damaged on disk: its bytes now hash to {actual}")
+        self.digest = digest
+
+
+class StorageFullError(OSError):
+    """No space left (or over quota) for a blob: the write was undone, nothing is left."""
+
+
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _raise_if_full(exc: OSError, root: Path) -> None:
+    """StorageFullError (from ``exc``) if ``exc`` says the disk is full."""
+    if exc.errno in _FULL:
+        raise StorageFullError(exc.errno, f"disk full: cannot write a blob under {root}") from exc
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int]:
+    return st.st_size, st.st_mtime_ns, st.st_ino
+
+
 def _check_digest(digest: str) -> None:
     if len(digest) != 64 or not set(digest) <= _HEX:
         raise ValueError(f"not a lower-case hex SHA-256 digest: {digest!r}")
@@ -42,6 +77,14 @@ class BlobStore:
         self.root = Path(root)
         self._tmp = self.root / "tmp"
         self._tmp.mkdir(parents=True, exist_ok=True)
+        # digest -> (size, mtime_ns, inode) of the file when its bytes last hashed right.
+        self._verified: dict[str, tuple[int, int, int]] = {}
+
+    def _known_good(self, digest: str, fd: int) -> bool:
+        return self._verified.get(digest) == _identity(os.fstat(fd))
+
+    def _remember_good(self, digest: str, fd: int) -> None:
+        self._verified[digest] = _identity(os.fstat(fd))
 
     def path(self, digest: str) -> Path:
         _check_digest(digest)
@@ -76,8 +119,11 @@ class BlobStore:
         digest: str,
         chunk_bytes: int = BLOCK_BYTES,
         frame: Callable[[int], bytes] | None = None,
+        verify: bool = True,
     ) -> Iterator[bytes]:
-        """The blob in ``chunk_bytes`` pieces; with ``frame``, each led by ``frame(len)``.
+        """The blob in ``chunk_bytes`` pieces; with ``frame``, each led by ``frame(len)``;
+        BlobCorruptError after the last one if they do not hash to ``digest`` (unless
+        ``verify`` is off: the caller checks them itself).
 
         The raw read is dropped as soon as it is framed, and each chunk is released before
         the next is read: between yields a consumer that keeps none (``yield from``) holds
@@ -87,18 +133,29 @@ class BlobStore:
             f = self.path(digest).open("rb")
         except FileNotFoundError as exc:
             raise BlobNotFoundError(digest) from exc
+        hasher = hashlib.sha256() if verify and not self._known_good(digest, f.fileno()) else None
         with f:
             while data := f.read(chunk_bytes):
+                if hasher is not None:
+                    hasher.update(data)
                 if frame is not None:
                     data = frame(len(data)) + data
                 yield data
                 del data
+            if hasher is not None:
+                self._verify(digest, hasher.hexdigest())
+                self._remember_good(digest, f.fileno())
 
     def read(self, digest: str) -> bytes:
-        try:
-            return self.path(digest).read_bytes()
-        except FileNotFoundError as exc:
-            raise BlobNotFoundError(digest) from exc
+        return b"".join(self.read_chunks(digest))
+
+    def _verify(self, digest: str, actual: str) -> None:
+        # At the end of a read: a consumer that streamed the blob (a download, a commit)
+        # gets this error instead of the end of the stream, so it never takes it as whole.
+        if actual != digest:
+            log.error("blob %s under %s is damaged on disk (it now hashes to %s)",
+                      digest, self.root, actual)  # fmt: skip
+            raise BlobCorruptError(digest, actual)
 
     def delete(self, digest: str) -> None:
         self.path(digest).unlink(missing_ok=True)
@@ -113,11 +170,18 @@ class BlobStore:
 
 
 class BlobWriter:
-    """Streams into a temporary file while hashing; ``commit`` renames it into place."""
+    """Streams into a temporary file while hashing; ``commit`` renames it into place.
+
+    A write or commit that fails removes the temporary file before it raises; a full
+    disk raises StorageFullError."""
 
     def __init__(self, store: BlobStore) -> None:
         self._store = store
-        fd, name = tempfile.mkstemp(dir=store._tmp, prefix="blob-")
+        try:
+            fd, name = tempfile.mkstemp(dir=store._tmp, prefix="blob-")
+        except OSError as exc:
+            _raise_if_full(exc, store.root)
+            raise
         self._file = os.fdopen(fd, "wb")
         self._tmp_path = Path(name)
         self._hash = hashlib.sha256()
@@ -125,7 +189,12 @@ class BlobWriter:
         self._done = False
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
-        self._file.write(data)
+        try:
+            self._file.write(data)
+        except OSError as exc:
+            self.discard()
+            _raise_if_full(exc, self._store.root)
+            raise
         self._hash.update(data)
         self.bytes_written += len(data)
 
@@ -140,21 +209,30 @@ class BlobWriter:
             raise BlobDigestError(
                 f"payload SHA-256 is {digest}, the sender declared {expected_digest}"
             )
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
         final = self._store.path(digest)
-        final.parent.mkdir(exist_ok=True)
-        os.replace(self._tmp_path, final)
-        fsync_dir(final.parent)
+        try:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            final.parent.mkdir(exist_ok=True)
+            os.replace(self._tmp_path, final)
+        except OSError as exc:
+            self.discard()
+            _raise_if_full(exc, self._store.root)
+            raise
         self._done = True
+        fsync_dir(final.parent)
+        self._store._verified[digest] = _identity(final.stat())  # hashed as it was written
         return digest
 
     def discard(self) -> None:
         if not self._done:
-            self._file.close()
-            self._tmp_path.unlink(missing_ok=True)
             self._done = True
+            # Closing flushes what is buffered, which fails again on a full disk: the
+            # temporary file goes all the same.
+            with suppress(OSError):
+                self._file.close()
+            self._tmp_path.unlink(missing_ok=True)
 
     def __enter__(self) -> BlobWriter:
         return self

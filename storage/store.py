@@ -6,6 +6,7 @@ and PostgreSQL are both supported through the SQLAlchemy URL.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -31,7 +32,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.engine import Connection, Engine, make_url
-from sqlalchemy.exc import DBAPIError, IntegrityError
+from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from fedra.files import LockHeld, ProcessLock
@@ -79,6 +80,20 @@ class ClaimLostError(Exception):
             "another coordinator took the database while this one's hold on it was down; "
             "this one writes nothing more"
         )
+
+
+def transient_fault(exc: BaseException) -> str:
+    """What storage fault ``exc`` is, if it is one worth waiting out: a full disk (a blob,
+    SQLite's file), a database that cannot be reached or dropped the connection (a
+    PostgreSQL restart); '' for any other error."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        text = str(exc.strerror or exc)
+        return text if text.startswith("disk full") else f"disk full ({text})"
+    invalidated = isinstance(exc, DBAPIError) and exc.connection_invalidated
+    if isinstance(exc, OperationalError | InterfaceError) or invalidated:
+        cause = str(getattr(exc, "orig", None) or exc).strip().splitlines()
+        return f"the database is unavailable ({cause[0] if cause else type(exc).__name__})"
+    return ""
 
 
 # The PostgreSQL advisory lock a coordinator holds on its database: b"fedra-co" as an int.
@@ -620,6 +635,13 @@ class Store:
         with self._read() as s:
             row = s.scalars(
                 select(m.Round).where(m.Round.run_id == run_id, m.Round.state == "open")
+            ).one_or_none()
+            return None if row is None else rows.round_record(row)
+
+    def get_round(self, run_id: str, number: int) -> RoundRecord | None:
+        with self._read() as s:
+            row = s.scalars(
+                select(m.Round).where(m.Round.run_id == run_id, m.Round.number == number)
             ).one_or_none()
             return None if row is None else rows.round_record(row)
 

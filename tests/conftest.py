@@ -15,6 +15,7 @@ import grpc
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import HealthCheck, settings
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
@@ -129,3 +130,19 @@ def world_of_one(tmp_path: Path) -> Iterator[World]:
 def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
     with LocalCluster(tmp_path / "cluster") as c:
         yield c
+
+
+# Property-based suites (tests/test_hostile.py) run a bounded, repeatable number of examples
+# in CI; FEDRA_HOSTILE_EXAMPLES=N runs more, and HYPOTHESIS_PROFILE=explore new ones each time.
+_EXAMPLES = int(os.environ.get("FEDRA_HOSTILE_EXAMPLES", "50"))
+settings.register_profile(
+    "ci",
+    max_examples=_EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    print_blob=True,
+)
+settings.register_profile("explore", settings.get_profile("ci"), derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import grpc
+import pytest
+
 from fedra.coordinator.engine import EngineSettings
-from fedra.protos.v1 import admin_pb2
+from fedra.protos.v1 import admin_pb2, site_pb2
 from tests.conftest import InProcessCoordinator
 from tests.test_site_service import (
     delta_payload,
@@ -21,6 +24,7 @@ from tests.test_site_service import (
     round_status,
     start_round_one,
     upload,
+    wait_round,
 )
 
 SETTINGS = EngineSettings(heartbeat_interval_s=1.0, poll_timeout_s=2.0, site_timeout_s=30.0)
@@ -111,3 +115,50 @@ def test_an_attempt_that_failed_before_a_restart_is_not_failed_again(tmp_path: P
         assert again.engine.store.get_run(run_id).state == "failed"  # type: ignore[union-attr]
     finally:
         again.close()
+
+
+def _header_only(msgs: Iterator[site_pb2.UpdateChunk]) -> Iterator[site_pb2.UpdateChunk]:
+    yield next(msgs)  # how a site asks whether an update it sent before counted
+
+
+def test_a_site_learns_whether_its_update_counted_from_the_header_alone(
+    tmp_path: Path,
+) -> None:
+    """Accepted in an attempt that then failed: it did not count, and the site is told so;
+    accepted in a round that committed: it counted (a top-k site moves its residual on
+    only then)."""
+    quick = EngineSettings(heartbeat_interval_s=1.0, poll_timeout_s=1.0, site_timeout_s=2.0)
+    c = InProcessCoordinator(tmp_path / "state", quick)
+    try:
+        run_id, tasks = start_round_one(
+            c, sites_per_round=3, min_sites=3, max_round_attempts=3, round_deadline_s=30
+        )
+        site, task = sorted(tasks.items())[0]
+        nonce, payload = os.urandom(16), delta_payload()
+        upload(c, messages(task, site, payload, nonce=nonce))
+        _wait_until(c, lambda: len(_attempt_failures(c, run_id)) == 1, 20)  # others silent
+        with pytest.raises(grpc.RpcError) as refused:
+            upload(c, _header_only(messages(task, site, payload, nonce=nonce)))
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "did not count: attempt 1 of round 1" in (refused.value.details() or "")
+        # Attempt 2 (the silent sites are back): every site delivers, the round commits,
+        # and the header is enough.
+        run = c.engine.runs[run_id]
+        second: dict[str, site_pb2.Task] = {}
+        deadline = time.monotonic() + 30
+        while len(second) < len(tasks):  # each poll (1 s at most) says the site is there
+            assert time.monotonic() < deadline, "attempt 2 did not open"
+            for s in sorted(set(tasks) - set(second)):
+                r = c.site.PollTask(site_pb2.PollTaskRequest(site_id=s), timeout=10)
+                if r.HasField("task"):
+                    second[s] = r.task
+        assert run.attempt == 2
+        sent = {s: (os.urandom(16), delta_payload()) for s in second}
+        for s, t in second.items():
+            upload(c, messages(t, s, sent[s][1], nonce=sent[s][0]))
+        wait_round(c, run_id, 1, "committed")
+        t = second[site]
+        reply = upload(c, _header_only(messages(t, site, sent[site][1], nonce=sent[site][0])))
+        assert reply.bytes_received == len(sent[site][1])
+    finally:
+        c.close()

@@ -178,6 +178,7 @@ def test_full_round_flow_downloads_the_initial_model_and_averages(
     stages = dict(r1.stages)
     assert set(stages) == {
         "distribute_s", "compute_s", "transfer_s", "aggregate_s", "checkpoint_s", "round_s",
+        "fold_tail_s",
     }  # fmt: skip
     assert all(v >= 0 for v in stages.values())
     assert stages["aggregate_s"] > 0 and stages["checkpoint_s"] > 0 and stages["distribute_s"] > 0
