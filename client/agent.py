@@ -43,6 +43,15 @@ log = logging.getLogger("fedra.site")
 _SECAGG_WAIT_S = 20.0  # one long poll of a secure-aggregation stage
 # Identity failures: nothing this site sends will be accepted until an operator acts.
 _FATAL = frozenset({grpc.StatusCode.UNAUTHENTICATED})
+# The coordinator's answers to a pending update that say it did not count and never will.
+_DID_NOT_COUNT = frozenset(
+    {
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.INVALID_ARGUMENT,
+    }
+)
 # Failures that mean "this task no longer counts": drop it and poll again.
 _TASK_GONE = frozenset(
     {
@@ -222,16 +231,11 @@ class SiteAgent:
         wire = compressor.compress(payload)  # once: a retried upload resends the same bytes
         nonce = new_nonce()  # one per update: a retry of the same update reuses it
         keep = task.codec.name == "topk"
-        if keep:  # kept (on disk first) until the update is known to count: _settle
+        if keep:  # kept (on disk first) until the next task says it counted: _settle
             after = compressor.residual
-            self._pending.hold(PendingUpdate(task, nonce, num_samples, dict(metrics), wire, after))
             self._compressors[task.run_id] = Compressor(task.codec, before or None)
-        try:
-            self._upload(task, wire, num_samples, metrics, nonce)
-        except grpc.RpcError as exc:
-            if keep and exc.code() not in TRANSIENT:  # refused: it will never count
-                self._pending.drop(task.run_id)
-            raise
+            self._pending.hold(PendingUpdate(task, nonce, num_samples, dict(metrics), wire, after))
+        self._upload(task, wire, num_samples, metrics, nonce)
         self.rounds_done += 1
         log.info(
             "%s: update accepted (%s)",
@@ -393,7 +397,7 @@ class SiteAgent:
         try:
             self._upload(p.task, p.wire, p.num_samples, p.metrics, p.nonce, header_only=not same)
         except grpc.RpcError as exc:
-            if exc.code() in TRANSIENT or exc.code() in _FATAL:
+            if exc.code() not in _DID_NOT_COUNT:  # not an answer (yet): settled next time
                 raise
             log.info(
                 "%s: the update for round %d did not count (%s); its top-k residual is dropped",

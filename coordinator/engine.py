@@ -193,9 +193,13 @@ class Engine:
         self._last_seen[site_id] = self.clock()
         self._left.discard(site_id)
 
-    def mark_seen_for_recovery(self, site_id: str, now: float) -> None:
-        """Give a site sampled before a restart one liveness timeout to come back."""
-        self._last_seen.setdefault(site_id, now)
+    def mark_seen_for_recovery(self, site_id: str, now: float, refresh: bool = False) -> None:
+        """Give a site sampled before a restart one liveness timeout to come back; with
+        ``refresh``, also one that was heard from (its heartbeats waited out a reload)."""
+        if refresh:
+            self._last_seen[site_id] = max(now, self._last_seen.get(site_id, now))
+        else:
+            self._last_seen.setdefault(site_id, now)
 
     def hung_up(self, site_id: str) -> bool:
         """Whether the site hung up on its poll (it stopped) and has not been heard since."""

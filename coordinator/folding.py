@@ -53,6 +53,12 @@ def fold_ready(engine: Engine, run: ActiveRun) -> None:
                 return
 
 
+def has_turn(run: ActiveRun) -> bool:
+    """Whether an accepted update waits for a fold it could have now (engine lock held):
+    the site before it failed, and no upload's thread is folding."""
+    return run.folding == 0 and _next_turn(run, to_the_end=False) is not None
+
+
 def fold_remaining(engine: Engine, run: ActiveRun) -> None:
     """The round has closed (no upload can be accepted): fold what still waits, skipping
     the sites that never delivered."""

@@ -1,11 +1,12 @@
 """Bounds at the edge: each caller's calls in flight, and request streams that stall.
 
 Every call holds one of the server's worker threads while it lasts, so one caller may
-hold only a few at once: past its bound a call is refused (RESOURCE_EXHAUSTED) before
-it reads anything. A request stream on which nothing arrives for ``stream_idle_s`` is
-ended, and so is an upload whose site went silent (no chunk, no heartbeat, no other
-call) for the engine's ``site_timeout_s``: its task goes back to the round, which then
-fails it like any other work of an offline site. One shared thread watches the streams.
+hold only a few at once: past its bound a call is refused (UNAVAILABLE, so that a site
+retries it with backoff, as after a network blip) before it reads anything. A request
+stream on which nothing arrives for ``stream_idle_s`` is ended, and so is an upload
+whose site went silent (no chunk, no heartbeat, no other call) for the engine's
+``site_timeout_s``: its task goes back to the round, which then fails it like any other
+work of an offline site. One shared thread watches the streams.
 
 With mTLS a caller is its certificate (role and name), checked and looked up in the
 deny list before anything else. Insecure mode (localhost development) has no
@@ -27,7 +28,7 @@ import grpc
 
 from fedra.config import ConfigError
 from fedra.coordinator.auth import Guard
-from fedra.coordinator.errors import ResourceExhausted
+from fedra.coordinator.errors import Unavailable
 
 if TYPE_CHECKING:
     from fedra.coordinator.engine import Engine
@@ -142,7 +143,7 @@ class CallLimiter(grpc.ServerInterceptor):
         if full:
             self.refuse(
                 context,
-                ResourceExhausted(
+                Unavailable(
                     f"{caller.who} already has {caller.limit} calls in progress, the most "
                     f"this coordinator allows ({caller.flag}): retry once one has ended"
                 ),

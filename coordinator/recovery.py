@@ -24,7 +24,7 @@ from fedra.coordinator.state import ATTEMPT_FAILED, INIT_ROUND, ActiveRun
 from fedra.privacy import RdpAccountant
 from fedra.protos.codec import CodecError, StreamDecoder, TensorSpec, decode_chunks
 from fedra.runspec import RunSpec
-from fedra.storage.blobs import BlobNotFoundError
+from fedra.storage.blobs import BlobCorruptError, BlobNotFoundError
 from fedra.storage.records import RunRecord
 
 if TYPE_CHECKING:
@@ -82,7 +82,8 @@ def restore_run(engine: Engine, record: RunRecord) -> ActiveRun | None:
     if open_round is not None:
         if _unmasked_before(engine, run, open_round.number, open_round.attempt):
             return None
-        _resume_open_round(engine, run, open_round.number, open_round.attempt)
+        if not _resume_open_round(engine, run, open_round.number, open_round.attempt):
+            return None
     return run
 
 
@@ -96,6 +97,7 @@ def verified_specs(engine: Engine, digest: str) -> dict[str, TensorSpec]:
     decoder.finish()
     if hasher.hexdigest() != digest:
         raise CodecError(f"its SHA-256 is {hasher.hexdigest()}, not {digest}")
+    engine.models.mark_verified(digest)
     return decoder.specs
 
 
@@ -124,7 +126,8 @@ def _unmasked_before(engine: Engine, run: ActiveRun, number: int, attempt: int) 
     return True
 
 
-def _resume_open_round(engine: Engine, run: ActiveRun, number: int, attempt: int) -> None:
+def _resume_open_round(engine: Engine, run: ActiveRun, number: int, attempt: int) -> bool:
+    """Resume the open round; False if the run turns out to have ended (it is recorded)."""
     if number != run.next_round:
         raise RuntimeError(
             f"run {run.run_id}: open round {number} does not follow the last checkpoint "
@@ -134,13 +137,21 @@ def _resume_open_round(engine: Engine, run: ActiveRun, number: int, attempt: int
     now = engine.clock()
     if engine.store.failed_attempt(run.run_id, number, attempt, ATTEMPT_FAILED):
         # It failed (and said so) before the restart: the next attempt opens, nothing of
-        # this one is resumed or recorded again.
-        run.next_attempt = attempt + 1
+        # this one is resumed or recorded again; its spooled updates will not be used.
         for p in parts:
+            if p.update_sha256 and not engine.spool_in_use(p.update_sha256):
+                engine.updates.delete(p.update_sha256)
             engine.mark_seen_for_recovery(p.site_id, now)
+        if attempt >= run.spec.max_round_attempts:  # it was the last: the run had failed
+            reason = f"round {number}: gave up after {attempt} attempts"
+            engine.store.set_run_state(run.run_id, "failed", reason, now)
+            engine.store.add_event(run.run_id, "failed", reason, now, number)
+            log.error("run %s: %s", run.run_id, reason)
+            return False
+        run.next_attempt = attempt + 1
         log.info("run %s round %d: attempt %d had failed; opening the next", run.run_id,
                  number, attempt)  # fmt: skip
-        return
+        return True
     if run.spec.secagg is not None and number != INIT_ROUND:
         # The key exchange lived in memory: retry the round with fresh keys.
         reason = "the coordinator restarted; secure aggregation starts the round again"
@@ -150,7 +161,7 @@ def _resume_open_round(engine: Engine, run: ActiveRun, number: int, attempt: int
         for p in parts:
             engine.mark_seen_for_recovery(p.site_id, now)
         log.info("run %s round %d: %s", run.run_id, number, reason)
-        return
+        return True
     deadline = now + run.spec.round_deadline_s
     engine.store.extend_deadline(run.run_id, number, deadline)
     run.set_open(number, attempt, {p.site_id: p.task_id for p in parts}, now, deadline)
@@ -162,12 +173,14 @@ def _resume_open_round(engine: Engine, run: ActiveRun, number: int, attempt: int
         a.issued_round = number if p.issued_round is None else p.issued_round
         a.base_round = p.base_round
         engine.mark_seen_for_recovery(p.site_id, now)
-        if p.state == "accepted" and p.update_sha256 and engine.updates.exists(p.update_sha256):
+        damage = _spool_damage(engine, p.update_sha256) if p.state == "accepted" else ""
+        if p.state == "accepted" and not damage:
             a.state, a.update_sha256, a.num_samples = "accepted", p.update_sha256, p.num_samples
             a.nonce = p.nonce or b""  # a retry whose reply the restart lost is answered as done
-        elif p.state == "accepted":
-            reason = "update lost from the spool across a restart"
-            engine.store.fail_participation(p.task_id, reason, now)
+        elif p.state == "accepted":  # the round goes on without it (the quorum permitting)
+            reason = f"update {damage} across a restart"
+            engine.store.fail_participation(p.task_id, reason, now, accepted_too=True)
+            log.error("run %s round %d: %s's %s", run.run_id, number, p.site_id, reason)
             a.state = "failed"
         elif p.state in ("assigned", "downloaded"):
             a.state = p.state
@@ -179,3 +192,18 @@ def _resume_open_round(engine: Engine, run: ActiveRun, number: int, attempt: int
         run.run_id, number, attempt, sum(a.state == "accepted" for a in run.assignments.values()),
         len(parts),
     )  # fmt: skip
+    return True
+
+
+def _spool_damage(engine: Engine, digest: str | None) -> str:
+    """'' if the spooled update is whole (read through once, checked against its name),
+    else what is wrong with it; a damaged one is deleted."""
+    if not digest or not engine.updates.exists(digest):
+        return "lost from the spool"
+    try:
+        for _ in engine.updates.read_chunks(digest):
+            pass
+    except BlobCorruptError:
+        engine.updates.delete(digest)
+        return "damaged in the spool"
+    return ""

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fedra.coordinator.aggregation import ServerOptimizer, WeightedSum
-from fedra.coordinator.folding import fold_remaining
+from fedra.coordinator.folding import fold_ready, fold_remaining, has_turn
 from fedra.coordinator.robust import RobustError, RobustRule, UpdateStore, aggregate
 from fedra.coordinator.secure import SecureRound
 from fedra.coordinator.state import ATTEMPT_FAILED, INIT_ROUND, ActiveRun
@@ -127,6 +127,14 @@ class RoundDriver:
         outcome = self._wait()
         if outcome == "closed":
             return self._close()
+        if outcome == "fold":  # a site before them failed: fold the updates that waited
+            try:
+                fold_ready(engine, run)
+            except Exception as exc:
+                log.exception("%s round %s: folding accepted updates failed", self.tag,
+                              run.open_round)  # fmt: skip
+                with engine.lock:
+                    run.broken = f"folding accepted updates failed: {type(exc).__name__}"
         return True
 
     # -- opening -----------------------------------------------------------------
@@ -220,6 +228,8 @@ class RoundDriver:
                 done = all(s in ("accepted", "failed") for s in states)
                 if spec_async := run.spec.asynchronous:  # FedBuff: the buffer is full
                     done = done or states.count("accepted") >= spec_async.buffer
+                if not done and not run.broken and has_turn(run):
+                    return "fold"
                 if done or now >= run.deadline_at or run.broken:
                     run.closing = True  # from here on, uploads are late
                     engine.notify()
@@ -353,7 +363,8 @@ class RoundDriver:
         stages = ledger([p for p in parts if p.state == "accepted"], run.aggregate_s)
         stages["checkpoint_s"] = time.perf_counter() - started
         # Folding left once the last update was in (site order can leave several).
-        stages["fold_tail_s"] = max(0.0, run.folded_at - run.last_accept_at)
+        tail = run.folded_at - run.last_accept_at if run.last_accept_at else 0.0  # 0: resumed
+        stages["fold_tail_s"] = max(0.0, tail)
         stages["round_s"] = now - run.opened_at
         crash_point("before_commit", number)
         final = "completed" if number == spec.rounds else None

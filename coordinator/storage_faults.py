@@ -101,6 +101,8 @@ class StorageFaults:
             if fresh is None:  # it cannot go on (a damaged checkpoint): it says why
                 return False
             adopt(run, fresh)
+            for site in run.assignments:  # their heartbeats waited for this lock
+                engine.mark_seen_for_recovery(site, engine.clock(), refresh=True)
             resumed = run.open_round if run.open_round is not None else run.next_round
             done = resumed - 1
             message = f"{why}; carried on from " + (

@@ -34,7 +34,7 @@ class Bound:
             return False
         if self.integer and not isinstance(value, int):
             return False
-        if not math.isfinite(value):  # an int is always finite; a float may not be
+        if isinstance(value, float) and not math.isfinite(value):  # (10**400 is an int)
             return False
         above = value > self.low if self.low_open else value >= self.low
         below = value < self.high if self.high_open else value <= self.high

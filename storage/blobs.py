@@ -3,11 +3,12 @@
 A blob is written to a temporary name in the store, fsynced, renamed to its digest
 and the directory fsynced, so after ``put`` returns the blob survives a crash and a
 reader never sees a partial file. A write that fails (a full disk: StorageFullError)
-leaves nothing behind. Reads are checked against the digest: bytes that changed on disk
-raise BlobCorruptError at the end of the read, never pass as the blob. A blob is hashed
-once per process and file (its size, mtime and inode are remembered): a model read by
-every site every round is not hashed again each time (sites check what they download
-themselves, and a restart checks the checkpoint it resumes from).
+leaves nothing behind. Reads are checked against the digest: a file whose bytes do not
+hash to its name raises BlobCorruptError at the end of the read. A blob is hashed once
+per process and file (its size, mtime and inode are remembered), so a model read by
+every site every round is not hashed each time: a file rewritten since is checked
+again, but a bit that flips in place under a running daemon is caught only by the sites
+(they check what they download) and by the next start (it checks what it resumes from).
 """
 
 from __future__ import annotations
@@ -79,6 +80,10 @@ class BlobStore:
         self._tmp.mkdir(parents=True, exist_ok=True)
         # digest -> (size, mtime_ns, inode) of the file when its bytes last hashed right.
         self._verified: dict[str, tuple[int, int, int]] = {}
+
+    def mark_verified(self, digest: str) -> None:
+        """Record that the blob's file, as it is now, was read through and hashed right."""
+        self._verified[digest] = _identity(self.path(digest).stat())
 
     def _known_good(self, digest: str, fd: int) -> bool:
         return self._verified.get(digest) == _identity(os.fstat(fd))

@@ -90,10 +90,20 @@ def transient_fault(exc: BaseException) -> str:
         text = str(exc.strerror or exc)
         return text if text.startswith("disk full") else f"disk full ({text})"
     invalidated = isinstance(exc, DBAPIError) and exc.connection_invalidated
+    if isinstance(exc, OperationalError) and not invalidated and _is_schema_error(exc):
+        return ""  # a broken schema or a read-only file does not heal by waiting
     if isinstance(exc, OperationalError | InterfaceError) or invalidated:
         cause = str(getattr(exc, "orig", None) or exc).strip().splitlines()
         return f"the database is unavailable ({cause[0] if cause else type(exc).__name__})"
     return ""
+
+
+_SCHEMA_ERRORS = ("no such table", "no such column", "has no column", "readonly", "syntax error")
+
+
+def _is_schema_error(exc: OperationalError) -> bool:
+    text = str(getattr(exc, "orig", None) or exc).lower()
+    return any(marker in text for marker in _SCHEMA_ERRORS)
 
 
 # The PostgreSQL advisory lock a coordinator holds on its database: b"fedra-co" as an int.
@@ -767,10 +777,16 @@ class Store:
         except IntegrityError as exc:
             raise DuplicateError(f"nonce {nonce.hex()} was already used") from exc
 
-    def fail_participation(self, task_id: str, error: str, now: float) -> None:
+    def fail_participation(
+        self, task_id: str, error: str, now: float, *, accepted_too: bool = False
+    ) -> None:
+        """Fail an unfinished task (with ``accepted_too``, also an accepted one whose
+        update was lost before its round committed)."""
         with self._tx() as s:
             row = self._participation_row(s, task_id)
-            if row.state not in FINAL_PARTICIPATION_STATES:
+            if row.state not in FINAL_PARTICIPATION_STATES or (
+                accepted_too and row.state == "accepted"
+            ):
                 row.state, row.error, row.finished_at = "failed", error, now
 
     def expire_attempt(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -257,6 +258,10 @@ class Arena:
         assert not problems, f"{what}: {problems}"
 
 
+# Every hostile call's outcome, by status name: the suite's figures (FEDRA_HOSTILE_REPORT).
+TALLY: Counter[str] = Counter()
+
+
 def check_refusal(call: Callable[[], Any], what: str) -> grpc.StatusCode:
     """Run a hostile call; OK, or a deliberate status with a message (returned)."""
     try:
@@ -269,7 +274,9 @@ def check_refusal(call: Callable[[], Any], what: str) -> grpc.StatusCode:
         assert code in DELIBERATE, f"{what}: {code} {exc.details()!r}"
         assert exc.details(), f"{what}: {code} without a message"
         assert len(exc.details()) <= 2000, f"{what}: a {len(exc.details())}-char status message"
+        TALLY[code.name] += 1
         return code  # type: ignore[no-any-return]
+    TALLY["OK"] += 1
     return grpc.StatusCode.OK
 
 

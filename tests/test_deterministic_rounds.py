@@ -8,6 +8,7 @@ magnitude, so that folding them in arrival order gives other bits.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -18,10 +19,17 @@ from fedra.coordinator.engine import EngineSettings
 from fedra.protos.codec import encode
 from fedra.protos.v1 import common_pb2, site_pb2
 from tests.conftest import InProcessCoordinator
-from tests.test_site_service import messages, model_state, start_round_one, upload, wait_round
+from tests.test_site_service import (
+    messages,
+    model_state,
+    register,
+    start_round_one,
+    upload,
+    wait_round,
+)
 
 SETTINGS = EngineSettings(heartbeat_interval_s=1.0, poll_timeout_s=2.0, site_timeout_s=30.0)
-SCALES = {"site-a": 1e-3, "site-b": 1.0, "site-c": 1e3}
+SCALES = {"site-a": 1e-3, "site-b": 1.0, "site-c": 1e3, "site-d": 10.0}
 RULES = {
     "mean": {},
     "fedadam": {"strategy": "fedadam"},
@@ -111,5 +119,32 @@ def _only_two(state_dir: Path) -> str:
         ckpt = c.engine.store.get_checkpoint(run_id, 1)
         assert ckpt is not None
         return ckpt.model_sha256
+    finally:
+        c.close()
+
+
+def test_updates_behind_a_failed_site_are_folded_before_the_round_closes(
+    tmp_path: Path,
+) -> None:
+    """A site early in the order fails while a later one is still training: the updates
+    that waited behind it are folded then, not left for the commit."""
+    c = InProcessCoordinator(tmp_path / "state", SETTINGS)
+    try:
+        register(c, "site-d")
+        run_id, tasks = start_round_one(c, sites_per_round=4, min_sites=3, seed=7)
+        run = c.engine.runs[run_id]
+        upload(c, messages(tasks["site-c"], "site-c", _update("site-c")))
+        upload(c, messages(tasks["site-a"], "site-a", _update("site-a")))
+        assert run.folded == {"site-a"}
+        c.site.ReportFailure(
+            site_pb2.ReportFailureRequest(
+                site_id="site-b", task_id=tasks["site-b"].task_id, reason="out of memory"
+            )
+        )
+        deadline, version = time.monotonic() + 10, c.engine.version
+        while run.folded != {"site-a", "site-c"}:  # site-d is still training
+            assert time.monotonic() < deadline, run.folded
+            version = c.engine.wait_for_change(version, 0.5)
+        assert run.open_round == 1 and not run.closing
     finally:
         c.close()

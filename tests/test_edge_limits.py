@@ -149,7 +149,7 @@ def test_a_site_holds_only_so_many_calls_and_silent_streams_end(
     tmp_path: Path, limiters: list[CallLimiter], caplog: pytest.LogCaptureFixture
 ) -> None:
     """A site may have calls_per_site calls in flight: one more is refused with
-    RESOURCE_EXHAUSTED naming the bound and its flag, others are served meanwhile, and
+    UNAVAILABLE naming the bound and its flag, others are served meanwhile, and
     streams that send nothing are ended after stream_idle_s, freeing their slots."""
     idle_s = 1.5
     limits = EdgeLimits(calls_per_site=4, stream_idle_s=idle_s)
@@ -165,7 +165,7 @@ def test_a_site_holds_only_so_many_calls_and_silent_streams_end(
         _wait_for(lambda: limiter.in_flight() == 4, "the four streams admitted")
         with pytest.raises(grpc.RpcError) as info:
             greedy.Heartbeat(site_pb2.HeartbeatRequest(site_id="site-a"), timeout=5)
-        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         details = info.value.details() or ""
         assert "site 'site-a' already has 4 calls" in details and "--max-calls-per-site" in details
         other.Heartbeat(site_pb2.HeartbeatRequest(site_id="site-b"), timeout=5)
@@ -196,7 +196,7 @@ def test_insecure_mode_bounds_each_connection(tmp_path: Path, limiters: list[Cal
         _wait_for(lambda: limiter.in_flight() == 3, "the three streams admitted")
         with pytest.raises(grpc.RpcError) as info:
             c.admin().ListRuns(admin_pb2.ListRunsRequest(), timeout=5)  # the same connection
-        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "connection ipv" in (info.value.details() or "")
         release.set()  # the streams end (empty: refused), and the connection may call again
         for call in held:

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import random
+import resource
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +33,7 @@ from tests.hostile_arena import (
     ATTACKER,
     DELIBERATE,
     HONEST,
+    TALLY,
     Arena,
     arena,
     check_refusal,
@@ -52,10 +55,28 @@ pytestmark = pytest.mark.timeout(300)
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _figures() -> Iterator[None]:
+    """FEDRA_HOSTILE_REPORT=FILE: write how many hostile calls were made, by outcome."""
+    yield
+    path = os.environ.get("FEDRA_HOSTILE_REPORT")
+    if path:
+        figures = {"calls": sum(TALLY.values()), "by_status": dict(sorted(TALLY.items()))}
+        Path(path).write_text(json.dumps(figures, indent=1))
+
+
+# The daemon's memory may not grow with what attackers send: the peak of this process
+# (the daemon runs in it) over one test stays under this, whatever the examples were.
+PEAK_GROWTH_BYTES = 256 * 2**20
+
+
 @pytest.fixture
 def coordinator(tmp_path: Path) -> Iterator[Arena]:
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     with arena(tmp_path) as a:
         yield a
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    assert grown < PEAK_GROWTH_BYTES, f"the peak RSS grew by {grown >> 20} MiB under attack"
 
 
 def caller(rpc: Rpc) -> str:

@@ -162,3 +162,69 @@ def test_a_site_learns_whether_its_update_counted_from_the_header_alone(
         assert reply.bytes_received == len(sent[site][1])
     finally:
         c.close()
+
+
+class _Killed(BaseException):
+    """Stands for SIGKILL at a fault point: the driver thread ends there, nothing after."""
+
+
+def test_a_last_attempt_that_failed_before_a_restart_ends_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Killed between recording its last attempt's failure and ending the run: the
+    restarted daemon ends it, and opens no attempt past max_round_attempts."""
+
+    def crash_point(name: str, round_number: int) -> None:
+        if name == "after_attempt_failed":
+            raise _Killed
+
+    monkeypatch.setattr("fedra.coordinator.rounds.crash_point", crash_point)
+    monkeypatch.setattr("threading.excepthook", lambda args: None)  # the driver's "death"
+    quick = EngineSettings(heartbeat_interval_s=1.0, poll_timeout_s=1.0, site_timeout_s=2.0)
+    first = InProcessCoordinator(tmp_path / "state", quick)
+    try:
+        run_id, _ = start_round_one(
+            first, sites_per_round=3, min_sites=3, max_round_attempts=1, round_deadline_s=30
+        )
+        _wait_until(first, lambda: len(_attempt_failures(first, run_id)) == 1, 20)
+    finally:
+        first.close()
+    assert first.engine.store.get_run(run_id).state == "running"  # type: ignore[union-attr]
+    monkeypatch.undo()
+    again = InProcessCoordinator(tmp_path / "state", quick)
+    try:
+        record = again.engine.store.get_run(run_id)
+        assert record is not None and record.state == "failed", record
+        assert "gave up after 1 attempts" in record.reason
+        assert len(_attempt_failures(again, run_id)) == 1
+        assert run_id not in again.engine.runs
+    finally:
+        again.close()
+
+
+def test_a_spooled_update_damaged_across_a_restart_fails_its_task_alone(tmp_path: Path) -> None:
+    """The daemon starts, the damaged update's task fails with the reason, the others'
+    updates stay in, and the round goes on."""
+    first = InProcessCoordinator(tmp_path / "state", SETTINGS)
+    try:
+        run_id, tasks = start_round_one(first, sites_per_round=3, min_sites=2)
+        (a, ta), (b, tb) = sorted(tasks.items())[:2]
+        upload(first, messages(ta, a, delta_payload(0.1)))
+        upload(first, messages(tb, b, delta_payload(0.2)))
+        damaged = first.engine.store.get_participation(ta.task_id)
+        assert damaged is not None and damaged.update_sha256
+        path = first.engine.updates.path(damaged.update_sha256)
+    finally:
+        first.close()
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    again = InProcessCoordinator(tmp_path / "state", SETTINGS)
+    try:
+        run = again.engine.runs[run_id]
+        assert run.assignments[a].state == "failed" and run.assignments[b].state == "accepted"
+        part = again.engine.store.get_participation(ta.task_id)
+        assert part is not None and "damaged in the spool" in part.error
+        assert not path.exists()
+    finally:
+        again.close()

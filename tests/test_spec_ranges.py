@@ -183,3 +183,8 @@ def test_submit_run_refuses_each_out_of_range_value_with_invalid_argument(
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (key, value)
         assert info.value.details().startswith(f"{key}: "), (key, value, info.value.details())
     assert coordinator.admin.ListRuns(admin_pb2.ListRunsRequest()).runs == []
+
+
+def test_an_integer_too_large_for_a_float_is_out_of_range_not_a_crash() -> None:
+    with pytest.raises(ConfigError, match=r"^rounds: "):
+        RunSpec(task="pkg.mod:task", rounds=10**400).validate()

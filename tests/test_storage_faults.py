@@ -269,3 +269,17 @@ def _tasks_of(c: InProcessCoordinator, run_id: str, number: int) -> dict[str, si
         assert r.HasField("task") and r.task.round == number, (site, r)
         tasks[site] = r.task
     return tasks
+
+
+def test_only_faults_that_can_heal_are_waited_out() -> None:
+    """A dropped connection or a full disk is ridden out; a broken schema is not."""
+    from sqlalchemy.exc import OperationalError
+
+    from fedra.storage.store import transient_fault
+
+    gone = OperationalError("SELECT 1", {}, Exception("server closed the connection"))
+    broken = OperationalError("SELECT 1", {}, Exception("no such table: rounds"))
+    assert "database is unavailable" in transient_fault(gone)
+    assert transient_fault(broken) == ""
+    assert transient_fault(OSError(errno.ENOSPC, "No space left on device")).startswith("disk")
+    assert transient_fault(ValueError("a bug")) == ""
