@@ -56,6 +56,7 @@ STRATEGIES = {
 CODECS = {
     "none": CodecSpec(),
     "fp16": CodecSpec("fp16"),
+    "bf16": CodecSpec("bf16"),
     "int8": CodecSpec("int8", block=64, download=True),
     "topk": CodecSpec("topk", fraction=0.1),
 }
@@ -88,6 +89,7 @@ class Tally:
     duplicate_rounds: int = 0
     lost_tasks: int = 0  # tasks whose work did not count (failed or expired)
     lost_bytes: int = 0
+    actions_left: int = 0  # of the plan, when the run ended before all were carried out
     rounds: int = 0
     identical_rounds: int = 0
     max_abs_diff: float = 0.0
@@ -325,10 +327,10 @@ def torture(
             with fed.cluster.admin() as admin:
                 run_id = admin.submit(spec)
             t = Torture(fed, run_id, tally, rng)
-            for action in plan(rng, quick):
-                if t.finished():
-                    break
-                t.act(action)
+            actions = plan(rng, quick)
+            while actions and not t.finished():
+                t.act(actions.pop())
+            tally.actions_left = len(actions)
             _wait(t.finished, 600, "the tortured run to end")
             tally.state = fed.state(run_id)
             final = fed.committed(run_id)
@@ -385,7 +387,7 @@ def run_config(
 
 def report(tallies: list[Tally]) -> str:
     head = (
-        f"{'config':<16}{'kills':>6}{'coord':>6}{'points':>7}{'sites':>6}{'resumes':>8}"
+        f"{'config':<16}{'kills':>6}{'coord':>6}{'points':>7}{'sites':>6}{'resumes':>8}{'left':>5}"
         f"{'lost':>5}{'dups':>5}{'wasted':>7}{'identical':>10}{'max diff':>10}  ok"
     )
     lines = [head]
@@ -393,6 +395,7 @@ def report(tallies: list[Tally]) -> str:
         lines.append(
             f"{t.config:<16}{t.trials:>6}{t.coordinator_kills:>6}"
             f"{sum(t.fault_points_hit.values()):>7}{t.site_kills:>6}{t.resumes:>8}"
+            f"{t.actions_left:>5}"
             f"{t.committed_rounds_lost:>5}{t.duplicate_rounds:>5}{t.lost_tasks:>7}"
             f"{f'{t.identical_rounds}/{t.rounds}':>10}{t.max_abs_diff:>10.3g}  "
             f"{'yes' if t.ok else 'NO (' + t.state + ')'}"
@@ -413,7 +416,7 @@ def report(tallies: list[Tally]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the bounded version CI runs")
-    parser.add_argument("--rounds", type=int, default=0, help="rounds per run (7 quick, 10)")
+    parser.add_argument("--rounds", type=int, default=0, help="rounds per run (20 quick, 40)")
     parser.add_argument("--db", default=None, help="a PostgreSQL URL (default: SQLite)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the kills' instants")
     parser.add_argument("--configs", default="", help="strategy+codec,... (default: all)")
@@ -422,7 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    rounds = args.rounds or (7 if args.quick else 10)
+    # Enough rounds that the run outlasts the plan (it only moves while the daemon is up).
+    rounds = args.rounds or (20 if args.quick else 40)
     if args.configs:
         configs = [tuple(c.split("+", 1)) for c in args.configs.split(",")]
     elif args.quick:
