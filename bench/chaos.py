@@ -416,7 +416,7 @@ def report(tallies: list[Tally]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the bounded version CI runs")
-    parser.add_argument("--rounds", type=int, default=0, help="rounds per run (20 quick, 40)")
+    parser.add_argument("--rounds", type=int, default=0, help="rounds per run (20 quick, 60)")
     parser.add_argument("--db", default=None, help="a PostgreSQL URL (default: SQLite)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the kills' instants")
     parser.add_argument("--configs", default="", help="strategy+codec,... (default: all)")
@@ -426,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     # Enough rounds that the run outlasts the plan (it only moves while the daemon is up).
-    rounds = args.rounds or (20 if args.quick else 40)
+    rounds = args.rounds or (20 if args.quick else 60)
     if args.configs:
         configs = [tuple(c.split("+", 1)) for c in args.configs.split(",")]
     elif args.quick:

@@ -28,7 +28,7 @@ from fedra.coordinator.state import INIT_ROUND, ActiveRun, Assignment
 from fedra.faults import crash_point
 from fedra.protos.codec import DEFAULT_CHUNK_BYTES
 from fedra.protos.serde import SecAggRound
-from fedra.runspec import CodecSpec, RunSpec, TrainSpec
+from fedra.runspec import MAX_TASK_CHARS, CodecSpec, RunSpec, TrainSpec
 from fedra.storage import BlobStore, Store
 from fedra.storage.records import CheckpointRecord, RunRecord, SiteRecord
 
@@ -38,6 +38,7 @@ CROWDED_POLL_S = 1.0  # the longest a poll waits while waiting_polls others alre
 HANG_UP_CHECK_S = 1.0  # how often a waiting call checks that its caller is still there
 _CROWDED_WARNING_S = 60.0  # at most one warning about it this often
 REASON_CHARS = 500  # of a failure reason a site reports, as stored
+MAX_SITE_TASKS, MAX_VERSION_CHARS = 64, 64  # what a site may register, as stored
 
 
 @dataclass(frozen=True)
@@ -171,6 +172,12 @@ class Engine:
         _check_site_id(site_id)
         if not tasks:
             raise InvalidArgument("tasks: a site must serve at least one task")
+        if len(tasks) > MAX_SITE_TASKS or any(len(t) > MAX_TASK_CHARS for t in tasks):
+            raise InvalidArgument(
+                f"tasks: at most {MAX_SITE_TASKS}, each at most {MAX_TASK_CHARS} characters"
+            )
+        if len(version) > MAX_VERSION_CHARS:
+            raise InvalidArgument(f"version: at most {MAX_VERSION_CHARS} characters")
         now = self.clock()
         with self.lock:
             if self._polling[site_id] > 0:

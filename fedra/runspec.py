@@ -35,6 +35,7 @@ STRATEGY_PARAMS: dict[str, dict[str, Param]] = {
     "diloco": {"server_lr": Param(0.7), "momentum": Param(0.9)},
 }
 CODECS = ("none", "fp16", "bf16", "int8", "topk")
+MAX_NAME_CHARS, MAX_TASK_CHARS = 200, 300  # a run's name and task entry point
 # What the wire may carry: the user's codecs, and the masked integers of [secagg] runs.
 WIRE_CODECS = (*CODECS, "secagg")
 
@@ -247,6 +248,11 @@ class RunSpec:
         require(
             bool(module and sep and attr), "task", "must look like 'package.module:attr'", self.task
         )
+        # As the database stores them (PostgreSQL refuses longer values).
+        require(len(self.task) <= MAX_TASK_CHARS, "task", f"at most {MAX_TASK_CHARS} characters",
+                f"{len(self.task)} characters")  # fmt: skip
+        require(len(self.name) <= MAX_NAME_CHARS, "name", f"at most {MAX_NAME_CHARS} characters",
+                f"{len(self.name)} characters")  # fmt: skip
         for key in _TOP_NUMBERS:
             check(key, getattr(self, key))
         require(

@@ -49,6 +49,14 @@ def _update(site: str) -> bytes:
     )
 
 
+def _committed(c: InProcessCoordinator, run_id: str) -> str:
+    """Round 1's checkpoint digest, once it is committed."""
+    wait_round(c, run_id, 1, "committed")
+    ckpt = c.engine.store.get_checkpoint(run_id, 1)
+    assert ckpt is not None
+    return ckpt.model_sha256
+
+
 def _round_one(
     state_dir: Path, order: Sequence[str], spec: dict[str, object], restart_after: int = -1
 ) -> str:
@@ -62,10 +70,7 @@ def _round_one(
             if i == restart_after:
                 c.close()
                 c = InProcessCoordinator(state_dir, SETTINGS)
-        wait_round(c, run_id, 1, "committed")
-        ckpt = c.engine.store.get_checkpoint(run_id, 1)
-        assert ckpt is not None
-        return ckpt.model_sha256
+        return _committed(c, run_id)
     finally:
         c.close()
 
@@ -95,12 +100,10 @@ def test_an_update_waits_for_its_turn_and_a_failed_site_gives_it_up(tmp_path: Pa
                 site_id="site-b", task_id=tasks["site-b"].task_id, reason="out of memory"
             )
         )
-        wait_round(c, run_id, 1, "committed")
+        got = _committed(c, run_id)
     finally:
         c.close()
-    reference = _only_two(tmp_path / "reference")
-    ckpt = c.engine.store.get_checkpoint(run_id, 1)
-    assert ckpt is not None and ckpt.model_sha256 == reference
+    assert got == _only_two(tmp_path / "reference")
 
 
 def _only_two(state_dir: Path) -> str:
@@ -115,10 +118,7 @@ def _only_two(state_dir: Path) -> str:
         )
         for site in ("site-a", "site-c"):
             upload(c, messages(tasks[site], site, _update(site)))
-        wait_round(c, run_id, 1, "committed")
-        ckpt = c.engine.store.get_checkpoint(run_id, 1)
-        assert ckpt is not None
-        return ckpt.model_sha256
+        return _committed(c, run_id)
     finally:
         c.close()
 

@@ -4,6 +4,7 @@ that do not parse (fedra.protos.wire's tolerant deserializers)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from types import SimpleNamespace
 from typing import Any
@@ -202,3 +203,33 @@ def test_a_malformed_request_is_refused_before_the_handler_acts_on_it(
     code, details = info.value.args
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "DecodeError: bad" in details
     assert all(m == b"ok" for m in seen)
+
+
+@pytest.mark.parametrize(
+    ("tasks", "version", "text"),
+    [
+        (["pkg.mod:task"] * 65, "1", "tasks: at most 64"),
+        (["pkg.mod:" + "t" * 300], "1", "each at most 300 characters"),
+        (["pkg.mod:task"], "v" * 65, "version: at most 64"),
+    ],
+)
+def test_what_a_site_registers_is_bounded_as_it_is_stored(
+    coordinator: Any, tasks: list[str], version: str, text: str
+) -> None:
+    """PostgreSQL would refuse longer values (INTERNAL); the site is told what is wrong."""
+    request = site_pb2.RegisterRequest(site_id="site-a", tasks=tasks, version=version)
+    with pytest.raises(grpc.RpcError) as info:
+        coordinator.site.Register(request)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert text in (info.value.details() or "")
+    assert coordinator.engine.store.list_sites() == []
+
+
+@pytest.mark.parametrize(("key", "value"), [("name", "n" * 201), ("task", "p.m:" + "t" * 297)])
+def test_a_run_s_name_and_task_are_bounded_as_they_are_stored(key: str, value: str) -> None:
+    from fedra.config import ConfigError
+    from fedra.runspec import RunSpec
+
+    spec = RunSpec(task="pkg.mod:task", rounds=1)
+    with pytest.raises(ConfigError, match=f"^{key}: at most"):
+        dataclasses.replace(spec, **{key: value}).validate()

@@ -30,6 +30,7 @@ from tests.test_site_service import (
     model_state,
     round_status,
     start_round_one,
+    tasks_of_round,
     upload,
     wait_round,
 )
@@ -247,7 +248,7 @@ def test_a_damaged_model_blob_is_never_served_nor_built_on(
         upload(coordinator, messages(task, site, delta_payload()))
     model_sha = wait_round(coordinator, run_id, 1, "committed").model_sha256
     _damage(coordinator.engine.models, model_sha)
-    round2 = _tasks_of(coordinator, run_id, 2)
+    round2 = tasks_of_round(coordinator, run_id, 2)
     site, task = sorted(round2.items())[0]
     with pytest.raises(grpc.RpcError) as info:
         b"".join(_download(coordinator, site, task))
@@ -259,16 +260,6 @@ def test_a_damaged_model_blob_is_never_served_nor_built_on(
     assert f"blob {model_sha} is damaged" in status.reason, status.reason
     assert [c.round_number for c in coordinator.engine.store.list_checkpoints(run_id)] == [0, 1]
     assert any("damaged" in m for m in _events(coordinator, run_id, "failed"))
-
-
-def _tasks_of(c: InProcessCoordinator, run_id: str, number: int) -> dict[str, site_pb2.Task]:
-    rnd = wait_round(c, run_id, number)
-    tasks = {}
-    for site in rnd.sampled_sites:
-        r = c.site.PollTask(site_pb2.PollTaskRequest(site_id=site), timeout=10)
-        assert r.HasField("task") and r.task.round == number, (site, r)
-        tasks[site] = r.task
-    return tasks
 
 
 def test_only_faults_that_can_heal_are_waited_out() -> None:
