@@ -28,6 +28,8 @@ from tests.test_site_service import (
 )
 
 SETTINGS = EngineSettings(heartbeat_interval_s=1.0, poll_timeout_s=2.0, site_timeout_s=30.0)
+# Sites that stop polling are offline within seconds: attempts fail quickly.
+QUICK = EngineSettings(heartbeat_interval_s=1.0, poll_timeout_s=1.0, site_timeout_s=2.0)
 
 
 def test_a_retry_after_a_restart_is_answered_as_accepted(tmp_path: Path) -> None:
@@ -89,8 +91,7 @@ def _wait_until(c: InProcessCoordinator, done: Callable[[], bool], timeout_s: fl
 def test_an_attempt_that_failed_before_a_restart_is_not_failed_again(tmp_path: Path) -> None:
     """Stopped while waiting to open the next attempt: the restarted daemon opens it, and
     the ledger says once, with the right count, why the first one failed."""
-    quick = EngineSettings(heartbeat_interval_s=1.0, poll_timeout_s=1.0, site_timeout_s=2.0)
-    first = InProcessCoordinator(tmp_path / "state", quick)
+    first = InProcessCoordinator(tmp_path / "state", QUICK)
     try:
         run_id, tasks = start_round_one(
             first, sites_per_round=3, min_sites=3, max_round_attempts=2, round_deadline_s=30
@@ -104,7 +105,7 @@ def test_an_attempt_that_failed_before_a_restart_is_not_failed_again(tmp_path: P
         assert len(_attempt_failures(first, run_id)) == 1
     finally:
         first.close()
-    again = InProcessCoordinator(tmp_path / "state", quick)
+    again = InProcessCoordinator(tmp_path / "state", QUICK)
     try:
         # Attempt 2 opens with the sites given one liveness timeout to return; they do not.
         _wait_until(again, lambda: run_id not in again.engine.runs, 30)
@@ -127,8 +128,7 @@ def test_a_site_learns_whether_its_update_counted_from_the_header_alone(
     """Accepted in an attempt that then failed: it did not count, and the site is told so;
     accepted in a round that committed: it counted (a top-k site moves its residual on
     only then)."""
-    quick = EngineSettings(heartbeat_interval_s=1.0, poll_timeout_s=1.0, site_timeout_s=2.0)
-    c = InProcessCoordinator(tmp_path / "state", quick)
+    c = InProcessCoordinator(tmp_path / "state", QUICK)
     try:
         run_id, tasks = start_round_one(
             c, sites_per_round=3, min_sites=3, max_round_attempts=3, round_deadline_s=30
@@ -180,8 +180,7 @@ def test_a_last_attempt_that_failed_before_a_restart_ends_the_run(
 
     monkeypatch.setattr("fedra.coordinator.rounds.crash_point", crash_point)
     monkeypatch.setattr("threading.excepthook", lambda args: None)  # the driver's "death"
-    quick = EngineSettings(heartbeat_interval_s=1.0, poll_timeout_s=1.0, site_timeout_s=2.0)
-    first = InProcessCoordinator(tmp_path / "state", quick)
+    first = InProcessCoordinator(tmp_path / "state", QUICK)
     try:
         run_id, _ = start_round_one(
             first, sites_per_round=3, min_sites=3, max_round_attempts=1, round_deadline_s=30
@@ -191,7 +190,7 @@ def test_a_last_attempt_that_failed_before_a_restart_ends_the_run(
         first.close()
     assert first.engine.store.get_run(run_id).state == "running"  # type: ignore[union-attr]
     monkeypatch.undo()
-    again = InProcessCoordinator(tmp_path / "state", quick)
+    again = InProcessCoordinator(tmp_path / "state", QUICK)
     try:
         record = again.engine.store.get_run(run_id)
         assert record is not None and record.state == "failed", record
