@@ -7,10 +7,12 @@ into the next global model, FedAvg being the plain step.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import NamedTuple
 
 import torch
 
+from fedra.config import ConfigError
 from fedra.protos.codec import TensorPiece, TensorSpec
 from fedra.protos.compression import SparsePiece
 from fedra.runspec import RunSpec
@@ -74,13 +76,22 @@ class WeightedSum:
 
 
 class ServerOptimizer:
-    """FedAvg, FedAvgM, FedAdam, FedYogi and DiLoCo: x <- x + step(mean delta), with state."""
+    """FedAvg, FedAvgM, FedAdam, FedYogi and DiLoCo: x <- x + step(mean delta), with state.
+
+    The rule is the strategy's entry in ``_RULES``, looked up once."""
 
     def __init__(self, spec: RunSpec) -> None:
+        rule = _RULES.get(spec.strategy)
+        if rule is None:
+            raise ConfigError(
+                f"strategy.name: unknown strategy {spec.strategy!r} "
+                f"(expected one of {', '.join(_RULES)})"
+            )
         self.kind = spec.strategy
         self.lr = spec.strategy_param("server_lr")
-        self.params = {k: spec.strategy_param(k) for k in _STATE_PARAMS[self.kind]}
+        self.params = {k: spec.strategy_param(k) for k in rule.params}
         self.state: dict[str, torch.Tensor] = {}
+        self._direction = rule.direction
 
     def step(self, model: dict[str, torch.Tensor], mean_delta: Mapping[str, torch.Tensor]) -> None:
         """Apply one outer step to ``model`` in place."""
@@ -100,7 +111,12 @@ class ServerOptimizer:
         flat run ``param`` moves in place by the matching run ``delta`` of the mean update.
         Every rule is elementwise, so a model streamed through in pieces gets the same step;
         the state (momenta) is kept whole, shaped like the tensor."""
-        update = self._direction(name, shape, slice(offset, offset + param.numel()), delta)
+        run = slice(offset, offset + param.numel())
+
+        def state(kind: str) -> torch.Tensor:  # the run of state tensor "<kind>.<name>"
+            return self._state(f"{kind}.{name}", shape, run, delta)
+
+        update = self._direction(self.params, state, delta)
         param.add_(update.to(param.dtype), alpha=self.lr)
 
     def _state(
@@ -111,38 +127,6 @@ class ServerOptimizer:
             whole = self.state[key] = torch.zeros(shape, dtype=like.dtype)
         return whole.view(-1)[run]
 
-    def _direction(
-        self, name: str, shape: torch.Size | tuple[int, ...], run: slice, delta: torch.Tensor
-    ) -> torch.Tensor:
-        if self.kind == "fedavg":
-            return delta
-        if self.kind == "fedavgm":
-            # Hsu et al. 2019: v <- beta v + delta; x <- x + lr v
-            m = self._state(f"m.{name}", shape, run, delta)
-            m.mul_(self.params["momentum"]).add_(delta)
-            return m
-        if self.kind == "diloco":
-            # DiLoCo (Douillard et al. 2023): outer SGD with Nesterov momentum on the
-            # pseudo-gradient g = global - local = -delta, as torch.optim.SGD(nesterov=True):
-            # b <- mu b + g; x <- x - lr (g + mu b). With b' = -b: x <- x + lr (d + mu b').
-            mu = self.params["momentum"]
-            b = self._state(f"m.{name}", shape, run, delta)
-            b.mul_(mu).add_(delta)
-            return delta + mu * b
-        # FedAdam / FedYogi (Reddi et al. 2021), no bias correction as in the paper:
-        # m <- b1 m + (1-b1) d; x <- x + lr m / (sqrt(v) + tau), with
-        # Adam: v <- b2 v + (1-b2) d^2;  Yogi: v <- v - (1-b2) d^2 sign(v - d^2)
-        b1, b2, tau = self.params["beta1"], self.params["beta2"], self.params["tau"]
-        m = self._state(f"m.{name}", shape, run, delta)
-        v = self._state(f"v.{name}", shape, run, delta)
-        m.mul_(b1).add_(delta, alpha=1 - b1)
-        squared = delta * delta
-        if self.kind == "fedyogi":
-            v.sub_((1 - b2) * squared * torch.sign(v - squared))
-        else:
-            v.mul_(b2).add_(squared, alpha=1 - b2)
-        return m / (v.sqrt() + tau)
-
     def state_dict(self) -> dict[str, torch.Tensor]:
         return dict(self.state)
 
@@ -150,10 +134,66 @@ class ServerOptimizer:
         self.state = {k: v.clone() for k, v in state.items()}
 
 
-_STATE_PARAMS = {
-    "fedavg": (),
-    "fedavgm": ("momentum",),
-    "fedadam": ("beta1", "beta2", "tau"),
-    "fedyogi": ("beta1", "beta2", "tau"),
-    "diloco": ("momentum",),
+# ``state(kind)``: the run of the rule's state tensor ``kind`` (momenta) matching the delta's.
+_State = Callable[[str], torch.Tensor]
+# A rule's step direction for a run ``d`` of the mean delta, given the strategy's parameters.
+Direction = Callable[[Mapping[str, float], _State, torch.Tensor], torch.Tensor]
+
+
+def _fedavg(p: Mapping[str, float], state: _State, d: torch.Tensor) -> torch.Tensor:
+    return d
+
+
+def _fedavgm(p: Mapping[str, float], state: _State, d: torch.Tensor) -> torch.Tensor:
+    # Hsu et al. 2019: v <- beta v + delta; x <- x + lr v
+    m = state("m")
+    m.mul_(p["momentum"]).add_(d)
+    return m
+
+
+def _diloco(p: Mapping[str, float], state: _State, d: torch.Tensor) -> torch.Tensor:
+    # DiLoCo (Douillard et al. 2023): outer SGD with Nesterov momentum on the
+    # pseudo-gradient g = global - local = -delta, as torch.optim.SGD(nesterov=True):
+    # b <- mu b + g; x <- x - lr (g + mu b). With b' = -b: x <- x + lr (d + mu b').
+    mu = p["momentum"]
+    b = state("m")
+    b.mul_(mu).add_(d)
+    return d + mu * b
+
+
+def _adaptive(
+    second_moment: Callable[[torch.Tensor, torch.Tensor, float], None],
+) -> Direction:
+    """FedAdam / FedYogi (Reddi et al. 2021), no bias correction as in the paper:
+    m <- b1 m + (1-b1) d; x <- x + lr m / (sqrt(v) + tau), v by ``second_moment``."""
+
+    def direction(p: Mapping[str, float], state: _State, d: torch.Tensor) -> torch.Tensor:
+        b1, b2, tau = p["beta1"], p["beta2"], p["tau"]
+        m, v = state("m"), state("v")
+        m.mul_(b1).add_(d, alpha=1 - b1)
+        second_moment(v, d * d, b2)
+        return m / (v.sqrt() + tau)
+
+    return direction
+
+
+def _adam_v(v: torch.Tensor, squared: torch.Tensor, b2: float) -> None:
+    v.mul_(b2).add_(squared, alpha=1 - b2)  # v <- b2 v + (1-b2) d^2
+
+
+def _yogi_v(v: torch.Tensor, squared: torch.Tensor, b2: float) -> None:
+    v.sub_((1 - b2) * squared * torch.sign(v - squared))  # v <- v - (1-b2) d^2 sign(v - d^2)
+
+
+class _Rule(NamedTuple):
+    params: tuple[str, ...]  # the strategy parameters its direction reads
+    direction: Direction
+
+
+_RULES: dict[str, _Rule] = {
+    "fedavg": _Rule((), _fedavg),
+    "fedavgm": _Rule(("momentum",), _fedavgm),
+    "fedadam": _Rule(("beta1", "beta2", "tau"), _adaptive(_adam_v)),
+    "fedyogi": _Rule(("beta1", "beta2", "tau"), _adaptive(_yogi_v)),
+    "diloco": _Rule(("momentum",), _diloco),
 }

@@ -13,18 +13,19 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from fedra import logsafe
 from fedra.config import SITE_ID_RULE, is_valid_site_id
 from fedra.coordinator.aggregation import ServerOptimizer
+from fedra.coordinator.commits import GroupCommit
 from fedra.coordinator.downloads import Download, DownloadLedger
 from fedra.coordinator.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from fedra.coordinator.recovery import restore_run
 from fedra.coordinator.rounds import RoundDriver
-from fedra.coordinator.state import INIT_ROUND, ActiveRun, Assignment
+from fedra.coordinator.state import INIT_ROUND, ActiveRun, Assignment, TaskState
+from fedra.coordinator.wakeups import Wakeups, run_key, site_key, stage_key
 from fedra.faults import crash_point
 from fedra.protos.codec import DEFAULT_CHUNK_BYTES
 from fedra.protos.serde import SecAggRound
@@ -34,11 +35,10 @@ from fedra.storage.records import CheckpointRecord, RunRecord, SiteRecord
 
 log = logging.getLogger("fedra.coordinator")
 _CARRY_GRACE_S = 30.0  # beyond join_timeout_s, how long a carried task's call waits
-CROWDED_POLL_S = 1.0  # the longest a poll waits while waiting_polls others already do
-HANG_UP_CHECK_S = 1.0  # how often a waiting call checks that its caller is still there
-_CROWDED_WARNING_S = 60.0  # at most one warning about it this often
 REASON_CHARS = 500  # of a failure reason a site reports, as stored
 MAX_SITE_TASKS, MAX_VERSION_CHARS = 64, 64  # what a site may register, as stored
+LIVENESS_WRITE_S = 10.0  # how often sites' last-heard times are written, at most
+SITES_PAGE, MAX_SITES_PAGE = 1000, 5000  # sites in one ListSites reply: default, most
 
 
 @dataclass(frozen=True)
@@ -49,11 +49,6 @@ class EngineSettings:
     site_timeout_s: float = 20.0
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     max_init_model_bytes: int = 16 * 2**30
-    # Each waiting call (a long poll for a task, a secure aggregation stage, a run watch)
-    # holds one of the server's worker threads: past this many at once (0: no bound) a
-    # poll or stage call waits at most CROWDED_POLL_S, so that uploads and downloads
-    # queued behind them get a worker within a second, not a poll timeout.
-    waiting_polls: int = 0
 
 
 @dataclass(frozen=True)
@@ -101,13 +96,14 @@ class Engine:
         self._site_tasks: dict[str, tuple[str, ...]] = {}
         self._last_seen: dict[str, float] = {}
         self._polling: Counter[str] = Counter()
-        # Waiting calls that are not task polls (waiting_calls), under a lock of their own:
-        # a watch's count may drop wherever its generator is finalised, holding whatever.
-        self._waiting_others = 0
-        self._waiting_lock = threading.Lock()
         self._left: set[str] = set()  # sites that hung up on their poll, not heard from since
-        self._crowded_warned_at = -_CROWDED_WARNING_S
+        # Calls waiting without a thread (long polls, stage calls, watches), by what they
+        # wait for; and each run's open (round, attempt) as its sites' polls last saw it.
+        self.wakeups = Wakeups()
+        self._issued: dict[str, tuple[int | None, int, str]] = {}
         self.downloads = DownloadLedger(store, on_written=self._notify_now)
+        self.commits = GroupCommit(store)  # the writes calls wait on, batched
+        self._seen_written_at = self.clock()
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -131,9 +127,11 @@ class Engine:
         with self.lock:
             self.stopping = True
             self.notify()
+        self.wakeups.close()
         for thread in list(self._drivers.values()):
             thread.join(timeout_s)
         self.downloads.close(timeout_s)
+        self.commits.close(timeout_s)
         if self._last_seen and not self.store.fenced:  # fenced: the sites are another's now
             self.store.touch_sites(dict(self._last_seen))
 
@@ -161,10 +159,29 @@ class Engine:
         with self.lock:
             self.notify()
 
-    def notify(self) -> None:
-        """Wake drivers, long polls and watchers (call with the lock held)."""
+    def notify(self, run_id: str | None = None) -> None:
+        """Wake the drivers, the calls waiting on ``run_id`` (every run's if None), and the
+        polls of sites a round has just been opened for (call with the lock held)."""
         self.version += 1
         self.changed.notify_all()
+        keys: list[tuple[str, str]] = []
+        for run in self.runs.values() if run_id is None else filter(None, [self.runs.get(run_id)]):
+            keys.append(run_key(run.run_id))
+            opened = (run.open_round, run.attempt)
+            issued = (*opened, run.secure.stage if run.secure is not None else "")
+            last = self._issued.get(run.run_id)
+            if last != issued:  # the attempt or its stage moved: who waits on it looks again
+                self._issued[run.run_id] = issued
+                keys.append(stage_key(run.run_id))
+                if last is None or last[:2] != opened:  # a round opened: its sites' tasks
+                    keys.extend(site_key(site) for site in run.assignments)
+        for gone in [r for r in self._issued if r not in self.runs]:  # the run ended
+            del self._issued[gone]
+            keys += [run_key(gone), stage_key(gone)]
+        if self.stopping:
+            self.wakeups.close()
+        elif keys:
+            self.wakeups.wake(keys)
 
     # -- sites -----------------------------------------------------------------
 
@@ -186,7 +203,7 @@ class Engine:
                     "are two processes using the same site_id?",
                     site_id,
                 )
-        self.store.upsert_site(site_id, tasks, version, now)
+        self.commits.write(self.store.upsert_site_op(site_id, tasks, version, now))
         with self.lock:
             self._site_tasks[site_id] = tuple(tasks)
             self._last_seen[site_id] = now
@@ -197,8 +214,13 @@ class Engine:
     def seen(self, site_id: str) -> None:
         if site_id not in self._site_tasks:
             raise NotFound(f"site {site_id!r} is not registered; call Register first")
-        self._last_seen[site_id] = self.clock()
+        now = self._last_seen[site_id] = self.clock()
         self._left.discard(site_id)
+        if now - self._seen_written_at >= LIVENESS_WRITE_S and not self.store.fenced:
+            # Heartbeats are kept in memory and written in one batch every few seconds
+            # (nobody waits on them): what `fedra sites` shows survives a crash.
+            self._seen_written_at = now
+            self.commits.write_later(self.store.touch_sites_op(dict(self._last_seen)))
 
     def mark_seen_for_recovery(self, site_id: str, now: float, refresh: bool = False) -> None:
         """Give a site sampled before a restart one liveness timeout to come back; with
@@ -247,88 +269,40 @@ class Engine:
             found = self.find_task(task_id)
             return found is not None and found[1].site_id == site_id and not found[1].final
 
-    def poll(
-        self, site_id: str, timeout_s: float, active: Callable[[], bool] = lambda: True
-    ) -> TaskView | None:
-        """Long poll: the site's current task, waiting up to ``timeout_s`` for one.
-
-        ``active`` says whether the caller is still there: a site that hangs up on its
-        poll (it stopped) is offline at once, not when its poll would have timed out.
-        """
-        wait = max(0.0, min(timeout_s, self.settings.poll_timeout_s))
+    def poll_begin(self, site_id: str) -> float:
+        """A long poll of ``site_id`` begins: it is online while it lasts. Returns when it
+        began, for ``poll_end``."""
         with self.lock:
-            wait = self.crowded_wait(wait)
-            deadline = time.monotonic() + wait
             was_online = self.is_online(site_id, self.clock())
             self.seen(site_id)
-            began = self._last_seen[site_id]  # a newer call of the site's moves it on
             self._polling[site_id] += 1
             if not was_online:  # a site coming online may complete a round's sample
                 self.notify()
-            gone = False
-            try:
-                while not self.stopping:
-                    view = self._task_for(site_id)
-                    remaining = deadline - time.monotonic()
-                    if view is not None or remaining <= 0:
-                        return view
-                    if not active():
-                        gone = True
-                        return None
-                    self.changed.wait(min(remaining, HANG_UP_CHECK_S))
-                return None
-            finally:
-                self._polling[site_id] -= 1
-                # Hung up, and not heard from since this poll began (by a newer connection
-                # of the same site, say): gone. Any other end of a poll says it is there.
-                last = self._last_seen.get(site_id, began)
-                if gone and last <= began and not self._polling[site_id]:
-                    self._left.add(site_id)
-                elif not gone:
-                    self._last_seen[site_id] = self.clock()
-                    self._left.discard(site_id)
+            return self._last_seen[site_id]
+
+    def task_for(self, site_id: str) -> TaskView | None:
+        """The site's task in an open round, if it has one now."""
+        with self.lock:
+            return None if self.stopping else self._task_for(site_id)
+
+    def poll_end(self, site_id: str, began: float, gone: bool) -> None:
+        """The poll ended; ``gone``: its caller hung up (it stopped), and is offline at
+        once unless it was heard from since the poll began (by a newer connection, say)."""
+        with self.lock:
+            self._polling[site_id] -= 1
+            if not self._polling[site_id]:
+                del self._polling[site_id]
+            last = self._last_seen.get(site_id, began)
+            if gone and last <= began and not self._polling[site_id]:
+                self._left.add(site_id)
+                self.notify()  # the round need not wait for its liveness timeout
+            elif not gone:
+                self._last_seen[site_id] = self.clock()
+                self._left.discard(site_id)
 
     def waiting_calls(self) -> int:
-        """Calls holding a worker thread while they wait: task polls, secure aggregation
-        stage calls and run watches."""
-        with self.lock:
-            polls = sum(self._polling.values())
-        with self._waiting_lock:
-            return polls + self._waiting_others
-
-    def crowded_wait(self, wait_s: float) -> float:
-        """How long a call about to wait may: ``wait_s``, or at most CROWDED_POLL_S while
-        ``waiting_polls`` calls already wait (and the operator is told, now and then)."""
-        limit = self.settings.waiting_polls
-        if limit and self.waiting_calls() >= limit:
-            self._warn_crowded(limit)
-            return min(wait_s, CROWDED_POLL_S)
-        return wait_s
-
-    @contextmanager
-    def waiting(self) -> Iterator[None]:
-        """Count a call that is not a task poll among the waiting calls while it waits."""
-        with self._waiting_lock:
-            self._waiting_others += 1
-        try:
-            yield
-        finally:
-            with self._waiting_lock:
-                self._waiting_others -= 1
-
-    def _warn_crowded(self, limit: int) -> None:
-        now = time.monotonic()
-        if now - self._crowded_warned_at < _CROWDED_WARNING_S:
-            return
-        self._crowded_warned_at = now
-        log.warning(
-            "%d calls are waiting (long polls, secure aggregation stages, run watches), as "
-            "many as this daemon lets wait at once (each holds a worker thread): further "
-            "polls return within %g s; start the coordinator with more --workers for "
-            "this many sites",
-            limit,
-            CROWDED_POLL_S,
-        )
+        """Calls waiting now (long polls, secure aggregation stages, run watches)."""
+        return self.wakeups.waiting()
 
     def _task_for(self, site_id: str) -> TaskView | None:
         for run in self.runs.values():
@@ -438,8 +412,8 @@ class Engine:
         self.downloads.record(Download(task_id, nbytes, seconds, base))
         with self.lock:
             found = self.find_task(task_id)
-            if found is not None and found[1].state == "assigned":
-                found[1].state = "downloaded"
+            if found is not None and found[1].state is TaskState.ASSIGNED:
+                found[1].move(TaskState.DOWNLOADED)
             if found is not None:
                 found[1].base_round = base
             self.notify()
@@ -453,7 +427,7 @@ class Engine:
             # lines, and the operator's terminal through the status.
             stored = f"site reported: {logsafe.safe(reason, REASON_CHARS)}"
             self.store.fail_participation(task_id, stored, self.clock())
-            a.state = "failed"
+            a.move(TaskState.FAILED)
             self.notify()
         log.warning(
             "run %s round %s: site %s failed its task: %s",
@@ -519,14 +493,28 @@ class Engine:
             raise NotFound(f"no run {run_id!r}")
         return record
 
-    def list_sites(self) -> list[tuple[SiteRecord, bool, float]]:
-        """Each known site with whether it is online and when it was last heard from."""
+    def list_sites(
+        self, after: str = "", limit: int = SITES_PAGE
+    ) -> tuple[list[tuple[SiteRecord, bool, float]], str]:
+        """A page of known sites (id order, after ``after``) with whether each is online
+        and when it was last heard from, and the id to continue after ('' at the end).
+
+        Read from the database and from liveness kept in memory, without the engine's
+        lock: a listing never waits for a round's writes, nor holds them up."""
+        limit = max(1, min(limit, MAX_SITES_PAGE))
         now = self.clock()
-        with self.lock:
-            return [
-                (s, self.is_online(s.id, now), self._last_seen.get(s.id, s.last_seen_at))
-                for s in self.store.list_sites()
-            ]
+        found = self.store.list_sites(after, limit + 1)
+        page = [
+            (s, self.is_online(s.id, now), self._last_seen.get(s.id, s.last_seen_at))
+            for s in found[:limit]
+        ]
+        return page, (found[limit - 1].id if len(found) > limit else "")
+
+    def site_counts(self) -> tuple[int, int]:
+        """(sites registered, of them online now), counted in memory, without the lock."""
+        now = self.clock()
+        known = list(self._site_tasks)  # one atomic copy: registrations may go on
+        return len(known), sum(self.is_online(s, now) for s in known)
 
     def export_checkpoint(self, run_id: str, round_number: int | None) -> CheckpointRecord:
         """The checkpoint of ``round_number`` (or the latest)."""

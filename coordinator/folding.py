@@ -8,21 +8,21 @@ in that order are all final (folded, or failed) is folded at once, on the thread
 accepted it; one that arrives early waits in the spool (on disk, not in memory) until
 they are, or until the round closes (``fold_remaining``). Async rounds (their result
 depends on arrival by design) and secure rounds (a sum of integers modulo 2**32, exact
-in any order) fold each update as it comes.
+in any order) fold each update as it comes: the run's aggregator says which
+(``Aggregator.ordered``), and takes each update as a ``SpooledUpdate`` to read through.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from fedra.coordinator.state import INIT_ROUND, ActiveRun, Assignment
+from fedra.coordinator.state import INIT_ROUND, ActiveRun, Assignment, TaskState
 from fedra.faults import crash_point
-from fedra.privacy import clip_factor
 from fedra.protos.codec import StreamDecoder
 from fedra.protos.compression import (
     Piece,
@@ -83,14 +83,19 @@ def _fold_turns(engine: Engine, run: ActiveRun, *, to_the_end: bool) -> None:
 def _next_turn(run: ActiveRun, to_the_end: bool) -> Assignment | None:
     """The next accepted update to fold (engine lock held), or None if there is none yet:
     in site order, a site still training or uploading blocks the ones after it."""
-    ordered = run.spec.asynchronous is None and run.secure is None
-    for site in sorted(run.assignments):
-        if site in run.folded:
-            continue
+    ordered = run.aggregator.ordered
+    order, start = run.fold_order()
+    for i in range(start, len(order)):
+        site = order[i]
         a = run.assignments[site]
-        if a.state == "accepted":
+        if site in run.folded or a.state is TaskState.FAILED:
+            if i == start:  # done with for good: the next look starts after it
+                start += 1
+                run.fold_from = start
+            continue
+        if a.state is TaskState.ACCEPTED:
             return a
-        if a.state != "failed" and ordered and not to_the_end:
+        if ordered and not to_the_end:
             return None
     return None
 
@@ -108,32 +113,24 @@ def _fold(engine: Engine, run: ActiveRun, digest: str, num_samples: int, site_id
     if run.open_round == INIT_ROUND:
         run.init_sha256 = digest
         return
-    if run.secure is not None:
-        run.secure.server.add_masked(site_id, _masked_pieces(engine, run, digest))
-        return
-    if run.robust is not None:
-        writer = run.robust.begin()
-        try:
-            writer.add_pieces(_dense_pieces(engine, run, digest))
-            writer.finish()
-        except BaseException:
-            writer.abort()
-            raise
-        return
-    assert run.accumulator is not None
-    spec = run.spec
-    bound = spec.privacy.clip if spec.privacy is not None else spec.aggregation.norm_bound
-    # DP-FedAvg gives every site one vote: the sensitivity of the sum is then the clip.
-    weight = 1.0 if spec.privacy is not None else float(num_samples)
-    scale = 1.0
     a = run.assignments.get(site_id)
-    if spec.asynchronous is not None and a is not None:  # FedBuff: stale updates count less
-        scale = spec.asynchronous.weight(run.staleness(a))
-    if bound > 0:  # a first pass for the norm: the spool is local and fast
-        norm = math.sqrt(sum(_sum_of_squares(p) for p in _dense_pieces(engine, run, digest)))
-        scale *= clip_factor(norm, bound)
-    run.accumulator.add_pieces(_dense_pieces(engine, run, digest), weight * scale)
-    run.accumulator.finish_update(weight)
+    staleness = run.staleness(a) if a is not None else 0
+    run.aggregator.fold(site_id, _Spooled(engine, run, digest), num_samples, staleness)
+
+
+@dataclass(frozen=True)
+class _Spooled:
+    """An accepted update in the spool (``aggregators.SpooledUpdate``)."""
+
+    engine: Engine
+    run: ActiveRun
+    digest: str
+
+    def dense(self) -> Iterator[Piece]:
+        return _dense_pieces(self.engine, self.run, self.digest)
+
+    def masked(self) -> Iterator[tuple[int, torch.Tensor]]:
+        return _masked_pieces(self.engine, self.run, self.digest)
 
 
 def _dense_pieces(engine: Engine, run: ActiveRun, digest: str) -> Iterator[Piece]:
@@ -164,10 +161,3 @@ def _masked_pieces(
             yield piece.offset, from_wire_u32(piece.values)
         del chunk
     decoder.finish()
-
-
-def _sum_of_squares(piece: Piece) -> float:
-    values = piece.values
-    if not values.is_floating_point():
-        return 0.0
-    return float(values.double().square().sum())

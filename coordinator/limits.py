@@ -1,12 +1,13 @@
 """Bounds at the edge: each caller's calls in flight, and request streams that stall.
 
-Every call holds one of the server's worker threads while it lasts, so one caller may
-hold only a few at once: past its bound a call is refused (UNAVAILABLE, so that a site
+Every call in flight costs the daemon memory and a share of its executor, so one caller
+may have only a few at once: past its bound a call is refused (UNAVAILABLE, so that a site
 retries it with backoff, as after a network blip) before it reads anything. A request
 stream on which nothing arrives for ``stream_idle_s`` is ended, and so is an upload
 whose site went silent (no chunk, no heartbeat, no other call) for the engine's
 ``site_timeout_s``: its task goes back to the round, which then fails it like any other
-work of an offline site. One shared thread watches the streams.
+work of an offline site. One shared thread watches the streams, and ends a call by
+cancelling its task on the server's event loop.
 
 With mTLS a caller is its certificate (role and name), checked and looked up in the
 deny list before anything else. Insecure mode (localhost development) has no
@@ -15,12 +16,14 @@ identities: a caller is its connection (the peer address), bounded as an admin i
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -43,7 +46,7 @@ DEFAULT_STREAM_IDLE_S = 60.0
 _MAX_TICK_S = 1.0  # the watchdog looks at least this often
 _MIN_TICK_S = 0.05
 
-Refuse = Callable[[grpc.ServicerContext, Exception], None]
+Refuse = Callable[[Any, Exception], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -78,59 +81,79 @@ class _Caller:
 class _Call:
     """A call in flight, and whether (since when) it waits for its caller's next message."""
 
-    def __init__(self, caller: _Caller, context: grpc.ServicerContext, method: str) -> None:
+    def __init__(self, caller: _Caller, context: Any, method: str) -> None:
         self.caller, self.context, self.method = caller, context, method
+        self._loop = asyncio.get_running_loop()
+        self._cut_now: asyncio.Future[None] = self._loop.create_future()
         self.waiting_since: float | None = None
         self.site_id = ""  # set: an upload in progress, ended if its site goes silent
         self.cut = ""  # why the watchdog ended it
         self.ended = False
 
-    def requests(self, messages: Iterator[Any]) -> Iterator[Any]:
-        """The request stream, timing each wait for the caller (not the handler's work)."""
+    async def requests(self, messages: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        """The request stream, timing each wait for the caller (not the handler's work);
+        ended (grpc.RpcError, answered CANCELLED) the moment the watchdog cuts it."""
+        stream = aiter(messages)
         end = object()
         try:
             while True:
                 self.waiting_since = time.monotonic()
-                message = next(messages, end)
+                receiving = asyncio.ensure_future(anext(stream, end))
+                await asyncio.wait((receiving, self._cut_now), return_when=asyncio.FIRST_COMPLETED)
                 self.waiting_since = None
+                if self.cut:
+                    receiving.cancel()
+                    raise grpc.RpcError(self.cut)
+                message = receiving.result()
+                del receiving
                 if message is end:
                     break
                 yield message
                 del message  # not held while the next one is received
         finally:
             self.waiting_since = None
-        if self.cut:  # ended by the watchdog: gRPC may report it as the stream's end
-            raise grpc.RpcError()
+
+    def end(self) -> None:
+        """Cut the stream now (from any thread): its next wait for a message ends."""
+        with suppress(RuntimeError):  # the loop closed: the call is over anyway
+            self._loop.call_soon_threadsafe(_set_once, self._cut_now)
 
 
-class CallLimiter(grpc.ServerInterceptor):
+def _set_once(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+class CallLimiter(grpc.aio.ServerInterceptor):
     """Checks the caller, bounds its calls in flight, and ends stalled request streams."""
 
     def __init__(self, guard: Guard, engine: Engine, limits: EdgeLimits, refuse: Refuse) -> None:
         self.guard, self.engine, self.limits, self.refuse = guard, engine, limits, refuse
         self._lock = threading.Lock()
         self._in_flight: Counter[tuple[str, str]] = Counter()
-        self._streams: dict[grpc.ServicerContext, _Call] = {}
+        self._streams: dict[Any, _Call] = {}
         self._watchdog: threading.Thread | None = None
         bound = min(limits.stream_idle_s, engine.settings.site_timeout_s) / 4
         self._tick_s = max(_MIN_TICK_S, min(_MAX_TICK_S, bound))
 
-    def intercept_service(
+    async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]
+        ],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler[Any, Any] | None:
-        handler = continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
         if handler is None:
             return None
         return _bounded(self, handler, handler_call_details.method)
 
-    def enter(self, context: grpc.ServicerContext, method: str, streaming: bool) -> _Call:
+    async def enter(self, context: Any, method: str, streaming: bool) -> _Call:
         """Admit a call (or refuse it: context.abort raises) before it reads anything."""
         try:
             caller = self._caller(context)
         except Exception as exc:  # revoked, no certificate, deny list unreadable
-            self.refuse(context, exc)
+            await self.refuse(context, exc)
             raise  # not reached: refuse aborts the call
         call = _Call(caller, context, method)
         with self._lock:
@@ -141,7 +164,7 @@ class CallLimiter(grpc.ServerInterceptor):
                     self._streams[context] = call
                     self._start_watchdog()
         if full:
-            self.refuse(
+            await self.refuse(
                 context,
                 Unavailable(
                     f"{caller.who} already has {caller.limit} calls in progress, the most "
@@ -149,8 +172,7 @@ class CallLimiter(grpc.ServerInterceptor):
                 ),
             )
         # Also when gRPC drops a response stream without closing its generator.
-        if not context.add_callback(lambda: self.leave(call)):
-            self.leave(call)
+        context.add_done_callback(lambda _: self.leave(call))
         return call
 
     def leave(self, call: _Call) -> None:
@@ -164,7 +186,7 @@ class CallLimiter(grpc.ServerInterceptor):
                 del self._in_flight[call.caller.key]
             self._streams.pop(call.context, None)
 
-    def upload_started(self, context: grpc.ServicerContext, site_id: str) -> None:
+    def upload_started(self, context: Any, site_id: str) -> None:
         """The call is an upload of ``site_id``'s: ended if that site goes silent."""
         with self._lock:
             call = self._streams.get(context)
@@ -176,7 +198,7 @@ class CallLimiter(grpc.ServerInterceptor):
         with self._lock:
             return sum(self._in_flight.values())
 
-    def _caller(self, context: grpc.ServicerContext) -> _Caller:
+    def _caller(self, context: Any) -> _Caller:
         who = self.guard.identity(context)
         if who is None:  # insecure: no identities; the connection stands for the caller
             peer = context.peer()
@@ -237,7 +259,7 @@ class CallLimiter(grpc.ServerInterceptor):
         log.warning(
             "ended %s of %s (%s): %s", call.method, call.caller.who, call.context.peer(), reason
         )
-        call.context.cancel()
+        call.end()
 
 
 def _bounded(
@@ -251,17 +273,18 @@ def _bounded(
         else handler.unary_stream or handler.unary_unary
     )
 
-    def unary_out(request: Any, context: grpc.ServicerContext) -> Any:
-        call = limiter.enter(context, method, streaming)
+    async def unary_out(request: Any, context: Any) -> Any:
+        call = await limiter.enter(context, method, streaming)
         try:
-            return behavior(call.requests(request) if streaming else request, context)
+            return await behavior(call.requests(request) if streaming else request, context)
         finally:
             limiter.leave(call)
 
-    def stream_out(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-        call = limiter.enter(context, method, streaming)
+    async def stream_out(request: Any, context: Any) -> AsyncIterator[Any]:
+        call = await limiter.enter(context, method, streaming)
         try:
-            yield from behavior(call.requests(request) if streaming else request, context)
+            async for item in behavior(call.requests(request) if streaming else request, context):
+                yield item
         finally:
             limiter.leave(call)
 

@@ -14,12 +14,7 @@ from typing import TYPE_CHECKING
 
 from fedra.coordinator.aggregation import ServerOptimizer
 from fedra.coordinator.folding import fold_ready
-from fedra.coordinator.rounds import (
-    ACCOUNTANT_KEY,
-    RESIDUAL_PREFIX,
-    UNMASKED_EVENT,
-    start_aggregate,
-)
+from fedra.coordinator.rounds import ACCOUNTANT_KEY, RESIDUAL_PREFIX, start_aggregate
 from fedra.coordinator.state import ATTEMPT_FAILED, INIT_ROUND, ActiveRun
 from fedra.privacy import RdpAccountant
 from fedra.protos.codec import CodecError, StreamDecoder, TensorSpec, decode_chunks
@@ -102,13 +97,15 @@ def verified_specs(engine: Engine, digest: str) -> dict[str, TensorSpec]:
 
 
 def _unmasked_before(engine: Engine, run: ActiveRun, number: int, attempt: int) -> bool:
-    """A secure round whose sum was unmasked but not committed ends the run: running it
-    again would unmask a second sum of the same updates over another set of sites, and
-    the difference of the two would expose what secure aggregation hides."""
-    if run.spec.secagg is None:
+    """An attempt whose aggregate was released but not committed ends the run (a secure
+    round's unmasked sum): running it again would unmask a second sum of the same updates
+    over another set of sites, and the difference of the two would expose what secure
+    aggregation hides."""
+    released = run.aggregator.release_event
+    if not released:
         return False
     unmasked = any(
-        e.kind == UNMASKED_EVENT and e.round_number == number and e.data.get("attempt") == attempt
+        e.kind == released and e.round_number == number and e.data.get("attempt") == attempt
         for e in engine.store.list_events(run.run_id)
     )
     if not unmasked:
@@ -152,9 +149,10 @@ def _resume_open_round(engine: Engine, run: ActiveRun, number: int, attempt: int
         log.info("run %s round %d: attempt %d had failed; opening the next", run.run_id,
                  number, attempt)  # fmt: skip
         return True
-    if run.spec.secagg is not None and number != INIT_ROUND:
-        # The key exchange lived in memory: retry the round with fresh keys.
-        reason = "the coordinator restarted; secure aggregation starts the round again"
+    if run.aggregator.restart_reason and number != INIT_ROUND:
+        # Its aggregate cannot be rebuilt from the spool (a secure round's key exchange
+        # lived in memory): the round is retried, with fresh keys.
+        reason = f"the coordinator restarted; {run.aggregator.restart_reason}"
         reason = f"round {number} attempt {attempt}: {reason}"
         engine.store.expire_attempt(run.run_id, number, attempt, reason, now, event=ATTEMPT_FAILED)
         run.next_attempt = attempt + 1
@@ -175,17 +173,18 @@ def _resume_open_round(engine: Engine, run: ActiveRun, number: int, attempt: int
         engine.mark_seen_for_recovery(p.site_id, now)
         damage = _spool_damage(engine, p.update_sha256) if p.state == "accepted" else ""
         if p.state == "accepted" and not damage:
-            a.state, a.update_sha256, a.num_samples = "accepted", p.update_sha256, p.num_samples
+            a.restore("accepted")
+            a.update_sha256, a.num_samples = p.update_sha256, p.num_samples
             a.nonce = p.nonce or b""  # a retry whose reply the restart lost is answered as done
         elif p.state == "accepted":  # the round goes on without it (the quorum permitting)
             reason = f"update {damage} across a restart"
             engine.store.fail_participation(p.task_id, reason, now, accepted_too=True)
             log.error("run %s round %d: %s's %s", run.run_id, number, p.site_id, reason)
-            a.state = "failed"
+            a.restore("failed")
         elif p.state in ("assigned", "downloaded"):
-            a.state = p.state
+            a.restore(p.state)
         else:
-            a.state = "failed"
+            a.restore("failed")
     fold_ready(engine, run)  # in the same order as before the restart: the same sum
     log.info(
         "run %s round %d: resumed attempt %d with %d of %d updates already in",

@@ -18,15 +18,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fedra.coordinator.aggregation import ServerOptimizer, WeightedSum
+from fedra.coordinator.aggregation import ServerOptimizer
+from fedra.coordinator.aggregators import AggregationError, Attempt
 from fedra.coordinator.folding import fold_ready, fold_remaining, has_turn
-from fedra.coordinator.robust import RobustError, RobustRule, UpdateStore, aggregate
-from fedra.coordinator.secure import SecureRound
-from fedra.coordinator.state import ATTEMPT_FAILED, INIT_ROUND, ActiveRun
+from fedra.coordinator.state import ATTEMPT_FAILED, INIT_ROUND, ActiveRun, TaskState
 from fedra.coordinator.storage_faults import StorageFaults
 from fedra.faults import crash_point
 from fedra.metrics import format_metric, is_count_metric
-from fedra.privacy import RdpAccountant, add_secure_gaussian_
+from fedra.privacy import RdpAccountant
 from fedra.protos.codec import (
     Buffer,
     StreamDecoder,
@@ -36,8 +35,7 @@ from fedra.protos.codec import (
     encode_chunks,
     spec_of,
 )
-from fedra.protos.compression import Compressor, apply_step, floating_layout, unflatten_update
-from fedra.secagg import SecAggError
+from fedra.protos.compression import Compressor, apply_step
 from fedra.storage.blobs import BLOCK_BYTES, BlobCorruptError
 from fedra.storage.records import CheckpointRecord, ParticipationRecord
 from fedra.storage.store import ClaimLostError, transient_fault
@@ -47,28 +45,21 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fedra.coordinator")
 _RECHECK_S = 1.0  # liveness is re-evaluated at least this often while waiting
+_LOOK_GAP_PER_SITE_S, _MAX_LOOK_GAP_S = 5e-6, 0.025  # between two looks of a waiting round
 # The key in the optimiser-state checkpoint blob that holds the privacy accountant.
 ACCOUNTANT_KEY = "privacy.rdp"
 # ... and the prefix of the server's error-feedback residual for compressed downloads.
 RESIDUAL_PREFIX = "download/"
-# The event recorded just before a secure round's sum is unmasked.
-UNMASKED_EVENT = "secagg_unmasked"
 
 
 def start_aggregate(engine: Engine, run: ActiveRun) -> None:
     """Give a freshly opened (or resumed) attempt of a training round its aggregate."""
-    spec, specs = run.spec, run.model_specs
-    assert specs is not None and run.open_round is not None
+    specs, number = run.model_specs, run.open_round
+    assert specs is not None and number is not None
     run.drop_aggregate()
-    if spec.secagg is not None:
-        length = sum(s.numel for _, s in floating_layout(specs))
-        sites = sorted(run.assignments)
-        run.secure = SecureRound(spec, run.run_id, run.open_round, run.attempt, sites, length)
-    elif spec.aggregation.robust:
-        spill = engine.updates.root / "spill" / f"{run.run_id}-{run.open_round}-{run.attempt}"
-        run.robust = UpdateStore(specs, spill, spec.aggregation.spill_mb << 20)
-    else:
-        run.accumulator = WeightedSum(specs)
+    spill = engine.updates.root / "spill" / f"{run.run_id}-{number}-{run.attempt}"
+    sites = tuple(sorted(run.assignments))
+    run.aggregator.begin(Attempt(run.run_id, number, run.attempt, sites, specs, spill))
 
 
 class RoundDriver:
@@ -181,6 +172,7 @@ class RoundDriver:
                     f"{len(eligible)} eligible, want {wanted} (quorum {quorum})"
                 )
                 engine.changed.wait(_RECHECK_S)
+                self._gather(len(eligible))
             # Keyed by the spec's seed alone, so the same spec samples the same sites.
             rng = random.Random(f"{spec.seed}:{number}:{attempt}")
             sampled = sorted(rng.sample(eligible, max(0, min(wanted, len(eligible)))))
@@ -222,12 +214,12 @@ class RoundDriver:
                     return "cancelled"
                 now = engine.clock()
                 self._fail_silent_sites(now)
-                if run.secure is not None and not run.broken:
-                    self._advance_secure(now)
+                if not run.broken:
+                    self._advance_stages(now)
                 states = [a.state for a in run.assignments.values()]
                 done = all(s in ("accepted", "failed") for s in states)
                 if spec_async := run.spec.asynchronous:  # FedBuff: the buffer is full
-                    done = done or states.count("accepted") >= spec_async.buffer
+                    done = done or states.count(TaskState.ACCEPTED) >= spec_async.buffer
                 if not done and not run.broken and has_turn(run):
                     return "fold"
                 if done or now >= run.deadline_at or run.broken:
@@ -235,38 +227,49 @@ class RoundDriver:
                     engine.notify()
                     while run.folding and not engine.stopping:  # let accepted updates land
                         engine.changed.wait(_RECHECK_S)
-                    if run.secure is not None and not run.broken and not engine.stopping:
-                        self._unmask()
+                    if not run.broken and not engine.stopping:
+                        self._after_uploads()
                     return "stopping" if engine.stopping else "closed"
                 engine.changed.wait(min(run.deadline_at - now, _RECHECK_S))
+                self._gather(len(run.assignments))
 
-    def _advance_secure(self, now: float) -> None:
-        """Close a key-exchange stage that is complete or overdue (lock held)."""
+    def _gather(self, sites: int) -> None:
+        """A look costs time in proportion to the sites, and thousands of sites bring
+        thousands of changes: after a wake-up, let a burst of them gather before the next
+        look (lock held; a few ms at most, nothing at a handful of sites)."""
+        engine, run = self.engine, self.run_state
+        gap = min(_MAX_LOOK_GAP_S, _LOOK_GAP_PER_SITE_S * sites)
+        if gap > 0.0005:
+            engine.changed.wait_for(lambda: engine.stopping or run.cancelled, gap)
+
+    def _advance_stages(self, now: float) -> None:
+        """Close a stage before the uploads (a key exchange) that is complete or overdue
+        (lock held)."""
         run = self.run_state
-        assert run.secure is not None
-        stage = run.secure.stage
-        out, why = run.secure.advance(run.assignments, run.required_updates)
-        for site in out:
+        change = run.aggregator.advance(run.assignments, run.required_updates)
+        for site in change.dropped:
             a = run.assignments[site]
-            reason = "did not take part in the secure-aggregation key exchange in time"
-            self.engine.store.fail_participation(a.task_id, reason, now)
-            a.state = "failed"
-            log.warning("%s round %s: %s: %s", self.tag, run.open_round, site, reason)
-        if why:
-            run.broken = why
-        if out or why or run.secure.stage != stage:  # wake the sites waiting on the stage
+            self.engine.store.fail_participation(a.task_id, change.dropped_why, now)
+            a.move(TaskState.FAILED)
+            log.warning("%s round %s: %s: %s", self.tag, run.open_round, site, change.dropped_why)
+        if change.broken:
+            run.broken = change.broken
+        if change.changed:  # wake the sites waiting on the stage
             self.engine.notify()
 
-    def _unmask(self) -> None:
-        """Uploads are closed: collect the survivors' shares (lock held)."""
+    def _after_uploads(self) -> None:
+        """Uploads are closed: run the stage that follows them, if the aggregator has one
+        (the survivors reveal their shares), to its end (lock held)."""
         run, engine = self.run_state, self.engine
-        assert run.secure is not None
         accepted = sum(a.state == "accepted" for a in run.assignments.values())
         if accepted < run.required_updates:
-            return  # the attempt fails anyway: ask nobody to reveal anything
-        run.broken = run.secure.begin_unmask()
+            return  # the attempt fails anyway: ask nobody for anything
+        why = run.aggregator.close_uploads()
+        if why is None:
+            return
+        run.broken = why
         engine.notify()
-        while not run.broken and not run.secure.unmasked_ready() and not engine.stopping:
+        while not run.broken and run.aggregator.collecting() and not engine.stopping:
             engine.changed.wait(_RECHECK_S)
 
     def _fail_silent_sites(self, now: float) -> None:
@@ -280,7 +283,7 @@ class RoundDriver:
                     else f"site went silent for more than {engine.settings.site_timeout_s:g} s"
                 )
                 engine.store.fail_participation(a.task_id, reason, now)
-                a.state = "failed"
+                a.move(TaskState.FAILED)
                 log.warning("%s round %s: %s: %s", self.tag, run.open_round, a.site_id, reason)
 
     # -- closing -----------------------------------------------------------------
@@ -313,7 +316,7 @@ class RoundDriver:
         else:
             try:
                 mean, count = self._mean_update()
-            except (SecAggError, RobustError) as exc:
+            except AggregationError as exc:
                 return self._retry_or_fail(0, str(exc))
             bad = _first_non_finite(mean)
             if bad:  # finite updates can still overflow in the sum: never commit that
@@ -428,41 +431,17 @@ class RoundDriver:
 
     def _mean_update(self) -> tuple[dict[str, torch.Tensor], int]:
         """The attempt's aggregate update, shaped like the model, and how many it combines."""
-        run, spec = self.run_state, self.run_state.spec
-        assert run.model_specs is not None
-        privacy = spec.privacy
-        if run.secure is not None:
-            with self.engine.lock:
-                run.secure.finishing = True  # late reveals are answered as not needed
-            # Durably first: a restart must not unmask a second sum of the same updates.
-            self.engine.store.add_event(
-                run.run_id, UNMASKED_EVENT, f"attempt {run.attempt}", self.engine.clock(),
+        run, engine = self.run_state, self.engine
+        aggregator = run.aggregator
+        with engine.lock:
+            aggregator.seal()
+        if aggregator.release_event:
+            # Durably first: a restart must not release a second sum of the same updates.
+            engine.store.add_event(
+                run.run_id, aggregator.release_event, f"attempt {run.attempt}", engine.clock(),
                 run.open_round, {"attempt": run.attempt},
             )  # fmt: skip
-            total, count = run.secure.server.finish()
-            crash_point("after_unmask", run.open_round or 0)
-            # With [privacy] the sites added the noise; the denominator is fixed, as in
-            # DP-FedAvg, so that it reveals nothing about who dropped out.
-            total.div_(spec.sites_per_round if privacy is not None else count)
-            return unflatten_update(total, run.model_specs), count
-        if run.robust is not None:
-            rule = spec.aggregation
-            result = aggregate(
-                run.robust,
-                RobustRule(rule.rule, rule.trim, rule.byzantine, rule.select),
-                norm_bound=rule.norm_bound,
-            )
-            if rule.rule in ("krum", "multikrum"):
-                log.info("%s: %s kept updates %s", self.tag, rule.rule, result.selected)
-            return result.mean, len(result.selected)
-        assert run.accumulator is not None
-        acc = run.accumulator
-        if privacy is None:
-            return acc.mean(), acc.count
-        std = privacy.noise_multiplier * privacy.clip
-        for total in acc.sums.values():  # the Gaussian mechanism, on the sum of clipped updates
-            add_secure_gaussian_(total, std)
-        return acc.mean(denominator=spec.sites_per_round), acc.count
+        return aggregator.finish()
 
     def _retry_or_fail(self, accepted: int, why: str = "") -> bool:
         run, engine, spec = self.run_state, self.engine, self.run_state.spec

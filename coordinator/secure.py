@@ -33,7 +33,7 @@ from fedra.secagg import RoundPlan, SecAggError, ServerSecAgg, plan_round, quant
 if TYPE_CHECKING:
     from fedra.coordinator.engine import Engine
 
-_WAIT_CAP_S = 30.0  # the longest one long-poll call of a stage waits
+STAGE_WAIT_CAP_S = 30.0  # the longest one long-poll call of a stage waits
 
 
 class SecureRound:
@@ -153,37 +153,23 @@ def _secure_task(engine: Engine, site_id: str, task_id: str) -> tuple[ActiveRun,
     return run, run.secure
 
 
-def _wait_for(
-    engine: Engine,
-    site_id: str,
-    task_id: str,
-    done: Callable[[SecureRound], bool],
-    wait_s: float,
-) -> tuple[ActiveRun, SecureRound, bool]:
-    """Wait (lock held) until ``done`` or ``wait_s``; the task must stay current. The wait
-    counts among the daemon's waiting calls, and is short while too many others wait."""
-    limit = time.monotonic() + engine.crowded_wait(max(0.0, min(wait_s, _WAIT_CAP_S)))
-    with engine.waiting():
-        while True:
-            run, sec = _secure_task(engine, site_id, task_id)
-            remaining = limit - time.monotonic()
-            if done(sec) or remaining <= 0 or engine.stopping:
-                return run, sec, done(sec)
-            engine.changed.wait(remaining)
+def stage_id(engine: Engine, site_id: str, task_id: str) -> str:
+    """The run whose stage a site's stage call waits on (lock taken): see ``wakeups``."""
+    with engine.lock:
+        run, _ = _secure_task(engine, site_id, task_id)
+        return run.run_id
 
 
-def keys(
+def post_keys(
     engine: Engine,
     site_id: str,
     task_id: str,
     public_keys: bytes,
     signature: bytes,
-    wait_s: float,
     verify: Callable[[bytes, bytes], bytes],
-) -> tuple[bool, dict[str, tuple[bytes, bytes, bytes]]]:
+) -> None:
     """Take a site's public keys (``verify(message, signature)`` returns its certificate,
-    b'' in insecure mode), wait for the stage to close, and answer with each neighbour's
-    (keys, signature, certificate)."""
+    b'' in insecure mode); none: the site asks again for its neighbours' keys."""
     with engine.lock:
         run, sec = _secure_task(engine, site_id, task_id)
         if public_keys:
@@ -198,11 +184,18 @@ def keys(
                 raise InvalidArgument(f"public_keys: {exc}") from exc
             sec.keys_from.add(site_id)
             sec.credentials[site_id] = (signature, cert)
-            engine.notify()
+            engine.notify(run.run_id)
         elif site_id not in sec.keys_from:
             raise FailedPrecondition("send public_keys first")
-        _, sec, ready = _wait_for(engine, site_id, task_id, lambda s: s.stage != "keys", wait_s)
-        if not ready:
+
+
+def keys_answer(
+    engine: Engine, site_id: str, task_id: str
+) -> tuple[bool, dict[str, tuple[bytes, bytes, bytes]]]:
+    """Once the key stage has closed: each neighbour's (keys, signature, certificate)."""
+    with engine.lock:
+        _, sec = _secure_task(engine, site_id, task_id)
+        if sec.stage == "keys":
             return False, {}
         return True, {
             peer: (peer_keys, *sec.credentials[peer])
@@ -210,9 +203,9 @@ def keys(
         }
 
 
-def shares(
-    engine: Engine, site_id: str, task_id: str, ciphertexts: Mapping[str, bytes], wait_s: float
-) -> tuple[bool, dict[str, bytes]]:
+def post_shares(
+    engine: Engine, site_id: str, task_id: str, ciphertexts: Mapping[str, bytes]
+) -> None:
     with engine.lock:
         run, sec = _secure_task(engine, site_id, task_id)
         if ciphertexts:
@@ -226,36 +219,47 @@ def shares(
             except SecAggError as exc:
                 raise InvalidArgument(f"ciphertexts: {exc}") from exc
             sec.shares_from.add(site_id)
-            engine.notify()
+            engine.notify(run.run_id)
         elif site_id not in sec.shares_from:
             raise FailedPrecondition("send ciphertexts first")
-        done = lambda s: s.stage not in ("keys", "shares")  # noqa: E731
-        _, sec, ready = _wait_for(engine, site_id, task_id, done, wait_s)
-        return ready, sec.server.inbox(site_id) if ready else {}
 
 
-def unmask(
-    engine: Engine, site_id: str, task_id: str, wait_s: float
-) -> tuple[bool, list[str], list[str]]:
+def shares_answer(engine: Engine, site_id: str, task_id: str) -> tuple[bool, dict[str, bytes]]:
+    """Once the share stage has closed: the ciphertexts addressed to the site."""
+    with engine.lock:
+        _, sec = _secure_task(engine, site_id, task_id)
+        if sec.stage in ("keys", "shares"):
+            return False, {}
+        return True, sec.server.inbox(site_id)
+
+
+def check_unmask(engine: Engine, site_id: str, task_id: str) -> None:
     with engine.lock:
         _, sec = _secure_task(engine, site_id, task_id)
         if site_id not in sec.shares_from:
             raise FailedPrecondition(f"site {site_id!r} is not part of this round's masked sum")
-        _, sec, ready = _wait_for(engine, site_id, task_id, lambda s: s.stage == "unmask", wait_s)
-        if not ready:
-            return False, [], []
+
+
+def unmask_answer(
+    engine: Engine, site_id: str, task_id: str
+) -> tuple[bool, tuple[list[str], list[str]]]:
+    """Once uploads have closed: the survivors whose shares the site reveals, and the
+    dropped sites whose masks it helps remove."""
+    with engine.lock:
+        _, sec = _secure_task(engine, site_id, task_id)
+        if sec.stage != "unmask":
+            return False, ([], [])
         if sec.finishing:
-            return True, [], []  # unmasked with the shares already in: none needed from it
+            return True, ([], [])  # unmasked with the shares already in: none needed from it
         try:
-            survivors, dropped = sec.server.unmask_request(site_id)
+            return True, sec.server.unmask_request(site_id)
         except SecAggError as exc:
             raise FailedPrecondition(str(exc)) from exc
-        return True, survivors, dropped
 
 
 def reveal(engine: Engine, site_id: str, task_id: str, revealed: Mapping[str, bytes]) -> None:
     with engine.lock:
-        _, sec = _secure_task(engine, site_id, task_id)
+        run, sec = _secure_task(engine, site_id, task_id)
         if sec.stage != "unmask":
             raise FailedPrecondition(f"shares are revealed only once uploads close ({sec.stage})")
         if sec.finishing:
@@ -265,4 +269,4 @@ def reveal(engine: Engine, site_id: str, task_id: str, revealed: Mapping[str, by
         except SecAggError as exc:
             raise InvalidArgument(f"shares: {exc}") from exc
         sec.revealed.add(site_id)
-        engine.notify()
+        engine.notify(run.run_id)

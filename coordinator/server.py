@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import json
@@ -12,15 +13,17 @@ import signal
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from fedra import pki
 from fedra.config import READY_FILE, ConfigError
+from fedra.coordinator.api import CoordinatorAPI
 from fedra.coordinator.auth import Guard
 from fedra.coordinator.engine import Engine, EngineSettings
 from fedra.coordinator.limits import CallLimiter, EdgeLimits
@@ -38,7 +41,9 @@ CLAIM_CHECK_S = 10.0  # how often the daemon checks it still holds its database
 # 8 MiB: a site 50 ms away uploads at up to 168 MB/s (1.3 Gbit/s).
 DEFAULT_STREAM_WINDOW_MB = 8.0
 MAX_STREAM_WINDOW_MB = 1024.0  # HTTP/2 windows stop at 2 GiB - 1
-DEFAULT_WORKERS, MIN_WORKERS, MAX_WORKERS = 128, 16, 4096  # the server's worker threads
+# Threads for the blocking steps of calls (the database, hashing, folding): a call that
+# waits (a long poll, a stage, a watch) holds none, so this is not sized to the sites.
+DEFAULT_WORKERS, MIN_WORKERS, MAX_WORKERS = 32, 4, 1024
 SERVICE_NAMES = (
     site_pb2.DESCRIPTOR.services_by_name["SiteService"].full_name,
     admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name,
@@ -51,8 +56,7 @@ class CoordinatorConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     db_url: str = ""  # empty: SQLite file in the state directory
-    # Each connected site holds one worker during its long poll (see poll_slots).
-    max_workers: int = DEFAULT_WORKERS
+    max_workers: int = DEFAULT_WORKERS  # threads for blocking steps (not per waiting call)
     # Each upload's HTTP/2 receive window, MiB; 0: sized by gRPC's BDP probing (server_options).
     stream_window_mb: float = DEFAULT_STREAM_WINDOW_MB
     grace_s: float = 5.0
@@ -87,12 +91,6 @@ class CoordinatorConfig:
         return self.db_url or f"sqlite:///{self.state_dir / 'fedra.db'}"
 
 
-def poll_slots(workers: int) -> int:
-    """How many long polls may wait at once: the workers less a quarter (at least 8) kept
-    for the calls that move data, register and heartbeat."""
-    return workers - max(8, workers // 4)
-
-
 def build_engine(config: CoordinatorConfig, claim: bool = False) -> Engine:
     """The engine over the config's database and state directory; with ``claim``, the
     database is claimed for this process (Store.claim) before its schema is touched."""
@@ -105,14 +103,11 @@ def build_engine(config: CoordinatorConfig, claim: bool = False) -> Engine:
         except BaseException:
             store.close()
             raise
-    settings = config.engine
-    if not settings.waiting_polls:
-        settings = replace(settings, waiting_polls=poll_slots(config.max_workers))
     return Engine(
         store,
         models=BlobStore(config.state_dir / "blobs"),
         updates=BlobStore(config.state_dir / "updates"),
-        settings=settings,
+        settings=config.engine,
     )
 
 
@@ -142,6 +137,56 @@ def server_options(chunk_bytes: int, stream_window_mb: float) -> list[tuple[str,
     return options
 
 
+T = TypeVar("T")
+
+
+class Server:
+    """The event-driven gRPC server (grpc.aio) on an event loop of its own thread, with
+    blocking methods for the daemon's main thread and for tests: ``start``, ``stop``."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="grpc-loop")
+        self._thread.daemon = True
+        self._thread.start()
+        self._server: grpc.aio.Server | None = None
+        self.api: CoordinatorAPI | None = None
+
+    def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        """Run ``coroutine`` on the server's loop and return its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    def start(self) -> None:
+        assert self._server is not None
+        self.run(self._server.start())
+
+    def stop(self, grace_s: float | None) -> threading.Event:
+        """Stop serving: calls in flight get ``grace_s`` to end, then are cancelled. The
+        returned event is set (stopped) when this returns."""
+        stopped = threading.Event()
+        if self._thread.is_alive():
+            self.run(self._stop(grace_s))
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            self._loop.close()
+        stopped.set()
+        return stopped
+
+    async def _stop(self, grace_s: float | None) -> None:
+        if self._server is not None:
+            await self._server.stop(grace_s)
+        if self.api is not None:
+            self.api.close()  # steps not yet begun are dropped; those under way end
+        rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in rest:
+            task.cancel()
+        if rest:
+            await asyncio.wait(rest, timeout=_DRAIN_S)
+
+
+_DRAIN_S = 30.0  # how long stopping waits for the blocking steps under way to end
+
+
 def create_server(
     engine: Engine,
     address: str,
@@ -150,18 +195,40 @@ def create_server(
     deny_list: Path | None = None,
     stream_window_mb: float = DEFAULT_STREAM_WINDOW_MB,
     limits: EdgeLimits | None = None,
-) -> tuple[grpc.Server, int]:
+) -> tuple[Server, int]:
     """The site, admin and health services on ``address``: mTLS with ``tls``, else plaintext.
 
     Every call is admitted by a CallLimiter first (its caller checked, its calls in
-    flight bounded by ``limits``); a port in use is refused (RuntimeError from gRPC).
+    flight bounded by ``limits``); its blocking steps run on ``max_workers`` threads
+    (``api``); a port in use is refused (RuntimeError from gRPC).
     """
     if tls is not None and deny_list is None:
         raise ValueError("a server with TLS needs a deny list path")
     guard = Guard(pki.DenyList(deny_list) if deny_list else None, insecure=tls is None)
+    handle = Server()
+    try:
+        port = handle.run(
+            _build(handle, engine, guard, address, max_workers, tls, stream_window_mb, limits)
+        )
+    except BaseException:
+        handle.stop(0)
+        raise
+    return handle, port
+
+
+async def _build(
+    handle: Server,
+    engine: Engine,
+    guard: Guard,
+    address: str,
+    max_workers: int,
+    tls: pki.TlsFiles | None,
+    stream_window_mb: float,
+    limits: EdgeLimits | None,
+) -> int:
+    api = handle.api = CoordinatorAPI(engine, max_workers)
     limiter = CallLimiter(guard, engine, limits or EdgeLimits(), refuse)
-    server = grpc.server(
-        ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+    server = grpc.aio.server(
         interceptors=[limiter],
         options=server_options(engine.settings.chunk_bytes, stream_window_mb),
     )
@@ -169,7 +236,7 @@ def create_server(
     wire.add_service(
         server,
         site_pb2_grpc.add_SiteServiceServicer_to_server,
-        SiteService(engine, guard, limiter),
+        SiteService(api, guard, limiter),
         wire.SITE_SERVICE,
         {
             "DownloadModel": {"response": wire.serialize},
@@ -179,13 +246,13 @@ def create_server(
     wire.add_service(
         server,
         admin_pb2_grpc.add_AdminServiceServicer_to_server,
-        AdminService(engine, guard),
+        AdminService(api, guard),
         wire.ADMIN_SERVICE,
         {"ExportModel": {"response": wire.serialize}},
     )
-    health_servicer = health.HealthServicer()
+    health_servicer = health.aio.HealthServicer()
     for name in ("", *SERVICE_NAMES):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if tls is None:
         port = server.add_insecure_port(address)
@@ -193,7 +260,8 @@ def create_server(
         port = server.add_secure_port(address, pki.server_credentials(tls))
     if port == 0:
         raise OSError(f"could not bind {address}")
-    return server, port
+    handle._server = server
+    return port
 
 
 def _write_ready_file(path: Path, payload: dict[str, object]) -> None:
@@ -255,7 +323,7 @@ def _serve(config: CoordinatorConfig, tls: pki.TlsFiles | None) -> None:
         engine = build_engine(config, claim=True)
     except InUseError as exc:
         raise ConfigError(f"--db {_redact(config.database_url)}: {exc}") from None
-    server: grpc.Server | None = None
+    server: Server | None = None
     try:
         address = f"{config.host}:{config.port}"
         # Bound before the engine starts: a port in use fails the start before any run moves.
@@ -313,11 +381,11 @@ def _serve(config: CoordinatorConfig, tls: pki.TlsFiles | None) -> None:
         )
 
 
-def shutdown(server: grpc.Server, engine: Engine, grace_s: float) -> None:
+def shutdown(server: Server, engine: Engine, grace_s: float) -> None:
     """Stop in the order that loses nothing: long polls first, then calls, then drivers."""
     with engine.lock:
         engine.stopping = True
-        engine.notify()  # long polls return at once
+        engine.notify()  # waiting calls return at once
     server.stop(grace_s).wait()
     engine.stop()
     engine.store.close()

@@ -1,19 +1,22 @@
-"""gRPC servicers: validate, call the engine, map domain errors to status codes."""
+"""gRPC servicers (grpc.aio): validate, call the front door (``api``), map domain errors
+to status codes. Protobuf messages live here and in ``status``; the inside takes and
+returns plain values and dataclasses."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
 from fedra import logsafe, pki
-from fedra.coordinator import secure, uploads
+from fedra.coordinator import uploads
+from fedra.coordinator.api import CoordinatorAPI
 from fedra.coordinator.auth import Guard
-from fedra.coordinator.engine import HANG_UP_CHECK_S, Engine, TaskView
+from fedra.coordinator.engine import SITES_PAGE, TaskView
 from fedra.coordinator.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -26,9 +29,8 @@ from fedra.coordinator.errors import (
     Unavailable,
 )
 from fedra.coordinator.status import RunWatch, run_header, run_page, run_status
-from fedra.faults import crash_point
 from fedra.protos import wire
-from fedra.protos.codec import transfer_chunk_bytes
+from fedra.protos.codec import Buffer
 from fedra.protos.serde import (
     codec_to_proto,
     runspec_from_proto,
@@ -61,70 +63,81 @@ _STATUS = {
 _LOUD = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
 
 
-def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
+def _status(exc: BaseException, peer: str) -> tuple[grpc.StatusCode, str]:
+    """The status a call that raised ``exc`` ends with, logged as an operator needs."""
     if isinstance(exc, grpc.RpcError):  # the call ended under us: the site's to retry
         log.info(
             "a call from %s ended before its request stream did (cancelled by the caller, "
             "past its deadline, or this daemon stopping)",
-            context.peer(),
+            peer,
         )
-        context.abort(grpc.StatusCode.CANCELLED, "the call ended before its request stream")
+        return grpc.StatusCode.CANCELLED, "the call ended before its request stream"
     if isinstance(exc, ClaimLostError):  # stopping: the database is another coordinator's
-        log.info("refused a call from %s: %s", context.peer(), logsafe.safe(exc))
-        context.abort(
-            grpc.StatusCode.UNAVAILABLE,
+        log.info("refused a call from %s: %s", peer, logsafe.safe(exc))
+        return grpc.StatusCode.UNAVAILABLE, (
             "this coordinator no longer holds its database (another coordinator took it) "
-            "and is stopping: try again",
+            "and is stopping: try again"
         )
     if isinstance(exc, FedraError):
         code = _STATUS.get(type(exc), grpc.StatusCode.INVALID_ARGUMENT)
         level = logging.WARNING if code in _LOUD else logging.INFO
         # The message often quotes what the caller sent (an id, a name): escaped and cut.
         text = logsafe.safe(exc, logsafe.MESSAGE_CHARS)
-        log.log(level, "refused a call from %s: %s: %s", context.peer(), code.name, text)
-        context.abort(code, logsafe.safe(exc, logsafe.STATUS_CHARS))
+        log.log(level, "refused a call from %s: %s: %s", peer, code.name, text)
+        return code, logsafe.safe(exc, logsafe.STATUS_CHARS)
     storage = transient_fault(exc)
     if storage:  # the site's to retry, as after a restart; the driver rides it out
-        log.warning("a call from %s met a storage fault: %s", context.peer(), storage)
-        context.abort(grpc.StatusCode.UNAVAILABLE, f"the coordinator's storage: {storage}")
+        log.warning("a call from %s met a storage fault: %s", peer, storage)
+        return grpc.StatusCode.UNAVAILABLE, f"the coordinator's storage: {storage}"
     if isinstance(exc, BlobCorruptError):  # the driver ends the run with the reason
-        log.error("a call from %s read damaged stored data: %s", context.peer(), exc)
-        context.abort(grpc.StatusCode.DATA_LOSS, "the coordinator's stored data is damaged")
+        log.error("a call from %s read damaged stored data: %s", peer, exc)
+        return grpc.StatusCode.DATA_LOSS, "the coordinator's stored data is damaged"
     # Internals stay in the coordinator's log, never in the caller's status.
     log.error("unexpected error in %s: %s", type(exc).__name__, logsafe.exception_text(exc))
-    context.abort(grpc.StatusCode.INTERNAL, "internal coordinator error (see the coordinator log)")
+    return grpc.StatusCode.INTERNAL, "internal coordinator error (see the coordinator log)"
 
 
-def refuse(context: grpc.ServicerContext, exc: Exception) -> None:
-    """End the call with the status ``exc`` maps to, as handlers do (for checks made
-    before a handler runs: fedra.coordinator.limits)."""
-    _abort(context, exc)
+async def refuse(context: grpc.aio.ServicerContext[Any, Any], exc: Exception) -> None:
+    """End the call with the status ``exc`` maps to (it raises, as context.abort does);
+    also for checks made before a handler runs (fedra.coordinator.limits)."""
+    code, message = _status(exc, context.peer())
+    await context.abort(code, message)
 
 
 def mapped(method: F) -> F:
     """Turn domain errors raised by a unary handler into gRPC statuses."""
 
     @functools.wraps(method)
-    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+    async def wrapper(self: Any, request: Any, context: Any) -> Any:
         try:
-            return method(self, request, context)
+            return await method(self, request, context)
         except Exception as exc:
-            _abort(context, exc)
+            if _aborted(exc):
+                raise
+            await refuse(context, exc)
 
     return wrapper  # type: ignore[return-value]
 
 
 def mapped_stream(method: F) -> F:
-    """The same for handlers that return a response stream (generators)."""
+    """The same for handlers that return a response stream (async generators)."""
 
     @functools.wraps(method)
-    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+    async def wrapper(self: Any, request: Any, context: Any) -> AsyncIterator[Any]:
         try:
-            yield from method(self, request, context)
+            async for item in method(self, request, context):
+                yield item
         except Exception as exc:
-            _abort(context, exc)
+            if _aborted(exc):
+                raise
+            await refuse(context, exc)
 
     return wrapper  # type: ignore[return-value]
+
+
+def _aborted(exc: BaseException) -> bool:
+    """Whether ``exc`` is gRPC's own: the call was already ended with its status."""
+    return isinstance(exc, grpc.aio.AbortError | grpc.aio.UsageError)
 
 
 def _task_to_proto(t: TaskView) -> site_pb2.Task:
@@ -172,25 +185,20 @@ def _header_from_proto(m: site_pb2.UpdateHeader) -> uploads.UpdateHeader:
     )
 
 
-def _model_chunks(engine: Engine, digest: str, size: int) -> Iterator[bytes]:
-    """A stored model as framed ModelChunks (by hand, fedra.protos.wire), in chunks sized
-    to the model (codec.transfer_chunk_bytes) so that a stream holds a fraction of it."""
-    chunk = transfer_chunk_bytes(size, engine.settings.chunk_bytes)
-    return engine.models.read_chunks(digest, chunk, frame=wire.model_chunk_frame)
-
-
 class SiteService(site_pb2_grpc.SiteServiceServicer):
-    def __init__(self, engine: Engine, guard: Guard, limiter: CallLimiter | None = None) -> None:
-        self.engine, self.guard = engine, guard
+    def __init__(
+        self, api: CoordinatorAPI, guard: Guard, limiter: CallLimiter | None = None
+    ) -> None:
+        self.api, self.guard = api, guard
         self.limiter = limiter  # set: it ends an upload whose site goes silent
 
     @mapped
-    def Register(
+    async def Register(
         self, request: site_pb2.RegisterRequest, context: Any
     ) -> site_pb2.RegisterResponse:
         self.guard.site(context, request.site_id)
-        self.engine.register(request.site_id, list(request.tasks), request.version)
-        s = self.engine.settings
+        await self.api.register(request.site_id, list(request.tasks), request.version)
+        s = self.api.settings
         return site_pb2.RegisterResponse(
             heartbeat_interval_s=s.heartbeat_interval_s,
             poll_timeout_s=s.poll_timeout_s,
@@ -198,58 +206,45 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
         )
 
     @mapped
-    def Heartbeat(
+    async def Heartbeat(
         self, request: site_pb2.HeartbeatRequest, context: Any
     ) -> site_pb2.HeartbeatResponse:
         self.guard.site(context, request.site_id)
-        current = self.engine.heartbeat(request.site_id, request.task_id)
+        current = await self.api.heartbeat(request.site_id, request.task_id)
         return site_pb2.HeartbeatResponse(task_current=current)
 
     @mapped
-    def PollTask(
+    async def PollTask(
         self, request: site_pb2.PollTaskRequest, context: Any
     ) -> site_pb2.PollTaskResponse:
         self.guard.site(context, request.site_id)
         # Leave a margin inside the caller's own deadline so the reply gets back in time.
-        remaining = context.time_remaining()
-        timeout = self.engine.settings.poll_timeout_s
-        if remaining is not None:
-            timeout = min(timeout, max(0.0, remaining - 1.0))
-        task = self.engine.poll(request.site_id, timeout, active=context.is_active)
+        timeout = _long_poll_s(self.api.settings.poll_timeout_s, context)
+        task = await self.api.poll(request.site_id, timeout)
         if task is None:
             return site_pb2.PollTaskResponse()
         return site_pb2.PollTaskResponse(task=_task_to_proto(task))
 
     @mapped_stream
-    def DownloadModel(  # type: ignore[override]  # framed ModelChunks: see server.py
+    async def DownloadModel(  # type: ignore[override]  # framed ModelChunks: see server.py
         self, request: site_pb2.DownloadModelRequest, context: Any
-    ) -> Iterator[bytes]:
+    ) -> AsyncIterator[bytes]:
         self.guard.site(context, request.site_id)
-        digest, size, base = self.engine.open_download(
-            request.site_id, request.task_id, request.delta
+        chunks = self.api.download(
+            request.site_id, request.task_id, request.delta, wire.model_chunk_frame
         )
-        started = time.monotonic()
-        sent = 0  # handed to gRPC, frames included
-        try:
-            for chunk in _model_chunks(self.engine, digest, size):
-                if sent:  # the first chunk has gone out
-                    crash_point("mid_download", base)
-                sent += len(chunk)
-                yield chunk
-                del chunk  # not held while the next one is read
-        except BaseException:  # cancelled, failed, or closed by gRPC: what went out is cut
-            self.engine.downloads.abandoned(request.task_id, min(sent, size))
-            raise
-        self.engine.record_download(request.task_id, size, time.monotonic() - started, base)
+        async for chunk in chunks:
+            yield chunk
+            del chunk
 
     @mapped
-    def UploadUpdate(
-        self, request_iterator: Iterator[site_pb2.UpdateChunk | memoryview], context: Any
+    async def UploadUpdate(
+        self, request_iterator: AsyncIterator[site_pb2.UpdateChunk | memoryview], context: Any
     ) -> site_pb2.UploadUpdateResponse:
-        # Who is calling, before a byte is read: a revoked caller holds no thread waiting.
+        # Who is calling, before a byte is read: a revoked caller is refused at once.
         self.guard.any_site(context)
         # Data messages arrive as views of their payload (wire.parse_update_chunk).
-        first = next(request_iterator, None)
+        first = await anext(aiter(request_iterator), None)
         if not isinstance(first, site_pb2.UpdateChunk) or first.WhichOneof("part") != "header":
             raise InvalidArgument("an upload must start with exactly one header message")
         h = first.header
@@ -258,51 +253,40 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
             h.run_id, h.round, h.site_id, h.task_id, h.nonce, h.sha256,
             num_samples=h.num_samples, codec=h.codec, payload_bytes=h.payload_bytes,
         )  # fmt: skip
-        self.guard.upload(context, message, h.signature)
+        await self.api.call(self.guard.upload, context, message, h.signature)
+        limiter = self.limiter
+
+        def started() -> None:  # it holds the round now: not past the site's silence
+            if limiter is not None:
+                limiter.upload_started(context, h.site_id)
+
         try:
-            ticket = uploads.begin_upload(self.engine, _header_from_proto(h))
-        except uploads.AlreadyAccepted as done:
-            return site_pb2.UploadUpdateResponse(bytes_received=done.nbytes)
-        task_id, size = ticket.header.task_id, ticket.header.payload_bytes
-        if self.limiter is not None:  # it holds the round now: not past the site's silence
-            self.limiter.upload_started(context, h.site_id)
-        ledger = self.engine.downloads  # the upload is pending there until it ends
-        received = _Received(request_iterator)
-        try:
-            digest = uploads.receive(self.engine, ticket, received)
-        except BaseException:  # cut off or refused: what arrived crossed the wire for nothing
-            ledger.ended(task_id, received.nbytes)
-            uploads.abort_upload(self.engine, ticket)
+            size = await self.api.upload(_header_from_proto(h), _payload(request_iterator), started)
+        except asyncio.CancelledError:  # an ordinary event: one line, the task given back
+            _status(grpc.RpcError(), context.peer())
             raise
-        try:
-            uploads.accept(self.engine, ticket, digest, size)
-        except BaseException:  # refused whole (too late, say): all of it for nothing
-            ledger.ended(task_id, size)
-            raise
-        ledger.ended(task_id)
         return site_pb2.UploadUpdateResponse(bytes_received=size)
 
     @mapped
-    def ReportFailure(
+    async def ReportFailure(
         self, request: site_pb2.ReportFailureRequest, context: Any
     ) -> site_pb2.ReportFailureResponse:
         self.guard.site(context, request.site_id)
-        self.engine.report_failure(request.site_id, request.task_id, request.reason)
+        await self.api.report_failure(request.site_id, request.task_id, request.reason)
         return site_pb2.ReportFailureResponse()
 
     @mapped
-    def SecAggKeys(
+    async def SecAggKeys(
         self, request: site_pb2.SecAggKeysRequest, context: Any
     ) -> site_pb2.SecAggKeysResponse:
         self.guard.site(context, request.site_id)
-        ready, peers = secure.keys(
-            self.engine,
+        ready, peers = await self.api.secagg_keys(
             request.site_id,
             request.task_id,
             request.public_keys,
             request.signature,
-            _long_poll_s(request.wait_s, context),
             lambda message, signature: self.guard.signed(context, message, signature, "key"),
+            _long_poll_s(request.wait_s, context),
         )
         return site_pb2.SecAggKeysResponse(
             ready=ready,
@@ -312,12 +296,11 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
         )
 
     @mapped
-    def SecAggShares(
+    async def SecAggShares(
         self, request: site_pb2.SecAggSharesRequest, context: Any
     ) -> site_pb2.SecAggSharesResponse:
         self.guard.site(context, request.site_id)
-        ready, inbox = secure.shares(
-            self.engine,
+        ready, inbox = await self.api.secagg_shares(
             request.site_id,
             request.task_id,
             dict(request.ciphertexts),
@@ -326,38 +309,34 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
         return site_pb2.SecAggSharesResponse(ready=ready, inbox=inbox)
 
     @mapped
-    def SecAggUnmask(
+    async def SecAggUnmask(
         self, request: site_pb2.SecAggUnmaskRequest, context: Any
     ) -> site_pb2.SecAggUnmaskResponse:
         self.guard.site(context, request.site_id)
-        ready, survivors, dropped = secure.unmask(
-            self.engine, request.site_id, request.task_id, _long_poll_s(request.wait_s, context)
+        ready, (survivors, dropped) = await self.api.secagg_unmask(
+            request.site_id, request.task_id, _long_poll_s(request.wait_s, context)
         )
         return site_pb2.SecAggUnmaskResponse(ready=ready, survivors=survivors, dropped=dropped)
 
     @mapped
-    def SecAggReveal(
+    async def SecAggReveal(
         self, request: site_pb2.SecAggRevealRequest, context: Any
     ) -> site_pb2.SecAggRevealResponse:
         self.guard.site(context, request.site_id)
-        secure.reveal(self.engine, request.site_id, request.task_id, dict(request.shares))
+        await self.api.secagg_reveal(request.site_id, request.task_id, dict(request.shares))
         return site_pb2.SecAggRevealResponse()
 
 
-class _Received:
-    """An upload's payload chunks, counting the bytes that arrived."""
-
-    def __init__(self, messages: Iterator[site_pb2.UpdateChunk | memoryview]) -> None:
-        self.messages, self.nbytes = messages, 0
-
-    def __iter__(self) -> Iterator[memoryview]:
-        for message in self.messages:
-            data = wire.update_chunk_data(message)
-            if data is None:
-                raise InvalidArgument("only the first message of an upload may be a header")
-            self.nbytes += len(data)
-            yield data
-            del message, data  # not held while the next message is received
+async def _payload(
+    messages: AsyncIterator[site_pb2.UpdateChunk | memoryview],
+) -> AsyncIterator[Buffer]:
+    """An upload's payload chunks, after its header."""
+    async for message in messages:
+        data = wire.update_chunk_data(message)
+        if data is None:
+            raise InvalidArgument("only the first message of an upload may be a header")
+        yield data
+        del message, data  # not held while the next message is received
 
 
 # The least time between two looks of one watch (each reads the database).
@@ -367,17 +346,17 @@ WATCH_GAP_S = 0.2
 class AdminService(admin_pb2_grpc.AdminServiceServicer):
     def __init__(
         self,
-        engine: Engine,
+        api: CoordinatorAPI,
         guard: Guard,
         watch_interval_s: float = 10.0,
         watch_gap_s: float = WATCH_GAP_S,
     ) -> None:
-        self.engine, self.guard = engine, guard
+        self.api, self.engine, self.guard = api, api.engine, guard
         self.watch_interval_s = watch_interval_s  # a watch looks at least this often
         self.watch_gap_s = watch_gap_s  # and at most this often
 
     @mapped
-    def SubmitRun(
+    async def SubmitRun(
         self, request: admin_pb2.SubmitRunRequest, context: Any
     ) -> admin_pb2.SubmitRunResponse:
         self.guard.admin(context)
@@ -387,83 +366,86 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
             spec = runspec_from_proto(request.spec)
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from exc
-        run_id, warnings = self.engine.submit(spec)
+        run_id, warnings = await self.api.submit(spec)
         return admin_pb2.SubmitRunResponse(run_id=run_id, warnings=warnings)
 
     @mapped
-    def GetRun(self, request: admin_pb2.GetRunRequest, context: Any) -> admin_pb2.RunStatus:
+    async def GetRun(self, request: admin_pb2.GetRunRequest, context: Any) -> admin_pb2.RunStatus:
         self.guard.admin(context)
-        if request.page:
-            return run_page(self.engine, request.run_id, self.guard.insecure, request.first_round)
-        return run_status(self.engine, request.run_id, self.guard.insecure, request.first_round)
+        read = run_page if request.page else run_status
+        insecure = self.guard.insecure
+        return await self.api.call(read, self.engine, request.run_id, insecure, request.first_round)
 
     @mapped
-    def ListRuns(
+    async def ListRuns(
         self, request: admin_pb2.ListRunsRequest, context: Any
     ) -> admin_pb2.ListRunsResponse:
         self.guard.admin(context)
-        records = self.engine.store.list_runs()
-        return admin_pb2.ListRunsResponse(
-            runs=[run_header(self.engine, r, self.guard.insecure) for r in records]
-        )
+
+        def read() -> list[admin_pb2.RunStatus]:
+            records = self.engine.store.list_runs()
+            return [run_header(self.engine, r, self.guard.insecure) for r in records]
+
+        return admin_pb2.ListRunsResponse(runs=await self.api.call(read))
 
     @mapped_stream
-    def WatchRun(
+    async def WatchRun(
         self, request: admin_pb2.WatchRunRequest, context: Any
-    ) -> Iterator[admin_pb2.RunStatus]:
+    ) -> AsyncIterator[admin_pb2.RunStatus]:
         self.guard.admin(context)
-        engine = self.engine
-        version = engine.version
-        watch = RunWatch(engine, request.run_id, self.guard.insecure, request.changed_rounds_only)
-        with engine.waiting():  # it holds a worker thread for as long as it lasts
-            while context.is_active():
-                looked = time.monotonic()
-                yield from watch.look()
-                if watch.finished or engine.stopping:
-                    return
-                # Woken by a change, or after watch_interval_s; a client that hung up is
-                # noticed within HANG_UP_CHECK_S, so its thread is not held for nothing.
-                until = time.monotonic() + self.watch_interval_s
-                while context.is_active() and not engine.stopping:
-                    remaining = until - time.monotonic()
-                    new = engine.wait_for_change(version, min(remaining, HANG_UP_CHECK_S))
-                    if new != version or remaining <= HANG_UP_CHECK_S:
-                        version = new
-                        break
-                # A round brings dozens of changes in bursts (every upload, fold, download):
-                # one look after each burst, not one per change.
-                engine.wait_for_stop(self.watch_gap_s - (time.monotonic() - looked))
+        insecure, only_changed = self.guard.insecure, request.changed_rounds_only
+        watch = RunWatch(self.engine, request.run_id, insecure, only_changed)
+        # Woken by a change of the run (a burst of them is one look), or every interval;
+        # it waits holding no thread, and a client that hangs up ends it at once.
+        async for _ in self.api.changes(request.run_id, self.watch_interval_s, self.watch_gap_s):
+            for message in await self.api.call(watch.look):
+                yield message
+            if watch.finished:
+                return
 
     @mapped
-    def CancelRun(
+    async def CancelRun(
         self, request: admin_pb2.CancelRunRequest, context: Any
     ) -> admin_pb2.CancelRunResponse:
         self.guard.admin(context)
-        return admin_pb2.CancelRunResponse(state=self.engine.cancel(request.run_id))
+        return admin_pb2.CancelRunResponse(state=await self.api.cancel(request.run_id))
 
     @mapped
-    def ListSites(
+    async def ListSites(
         self, request: admin_pb2.ListSitesRequest, context: Any
     ) -> admin_pb2.ListSitesResponse:
         self.guard.admin(context)
+        if len(request.page_token) > uploads.MAX_ID_CHARS:
+            raise InvalidArgument(f"page_token: at most {uploads.MAX_ID_CHARS} characters")
+        total, online = self.engine.site_counts()
+        if request.summary_only:
+            return admin_pb2.ListSitesResponse(total=total, online=online)
+        page, next_token = await self.api.call(
+            self.engine.list_sites, request.page_token, request.page_size or SITES_PAGE
+        )
         sites = [
             admin_pb2.Site(
                 site_id=s.id,
                 tasks=list(s.tasks),
-                online=online,
+                online=is_online,
                 registered_unix_s=s.registered_at,
                 last_seen_unix_s=last_seen,
                 version=s.version,
             )
-            for s, online, last_seen in self.engine.list_sites()
+            for s, is_online, last_seen in page
         ]
-        return admin_pb2.ListSitesResponse(sites=sites)
+        return admin_pb2.ListSitesResponse(
+            sites=sites, next_page_token=next_token, total=total, online=online
+        )
 
     @mapped_stream
-    def ExportModel(  # type: ignore[override]  # framed ModelChunks: see server.py
+    async def ExportModel(  # type: ignore[override]  # framed ModelChunks: see server.py
         self, request: admin_pb2.ExportModelRequest, context: Any
-    ) -> Iterator[bytes]:
+    ) -> AsyncIterator[bytes]:
         self.guard.admin(context)
         round_number = None if request.latest else request.round
-        ckpt = self.engine.export_checkpoint(request.run_id, round_number)
-        yield from _model_chunks(self.engine, ckpt.model_sha256, ckpt.model_bytes)
+        ckpt = await self.api.call(self.engine.export_checkpoint, request.run_id, round_number)
+        chunks = self.api.read_model(ckpt.model_sha256, ckpt.model_bytes, wire.model_chunk_frame)
+        async for chunk in chunks:
+            yield chunk
+            del chunk

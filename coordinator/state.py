@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import TYPE_CHECKING
 
 import torch
 
 from fedra.coordinator.aggregation import ServerOptimizer, WeightedSum
-from fedra.coordinator.robust import UpdateStore
+from fedra.coordinator.aggregators import Aggregator, StreamingMean, make_aggregator
 from fedra.privacy import RdpAccountant
 from fedra.protos.codec import TensorSpec
 from fedra.runspec import CodecSpec, RunSpec
@@ -23,28 +24,72 @@ INIT_ROUND = 0
 ATTEMPT_FAILED = "attempt_failed"
 
 
+class TaskState(str, Enum):
+    """Where a site's task stands. Equal to its name as stored (``"accepted"``)."""
+
+    ASSIGNED = "assigned"  # handed to the site (or about to be, at its next poll)
+    DOWNLOADED = "downloaded"  # the site has the model
+    UPLOADING = "uploading"  # its update is arriving
+    ACCEPTED = "accepted"  # its update is durable and counts
+    FAILED = "failed"  # it will not count: reported, silent, late, stale, or left out
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# Every move a task may make, in one place; anything else is a bug, refused loudly.
+_MOVES: dict[TaskState, frozenset[TaskState]] = {
+    TaskState.ASSIGNED: frozenset({TaskState.DOWNLOADED, TaskState.UPLOADING, TaskState.FAILED}),
+    TaskState.DOWNLOADED: frozenset({TaskState.UPLOADING, TaskState.FAILED}),
+    # An upload that ends early gives the task back as it was (before_upload).
+    TaskState.UPLOADING: frozenset(
+        {TaskState.ASSIGNED, TaskState.DOWNLOADED, TaskState.ACCEPTED, TaskState.FAILED}
+    ),
+    TaskState.ACCEPTED: frozenset(),
+    TaskState.FAILED: frozenset(),
+}
+
+
+class IllegalMove(RuntimeError):
+    """A task asked to move where its state machine does not go."""
+
+
 @dataclass
 class Assignment:
     """One site's task in the open attempt of a round."""
 
     task_id: str
     site_id: str
-    state: str  # assigned | downloaded | uploading | accepted | failed
+    state: TaskState = TaskState.ASSIGNED  # changed only by ``move`` (and ``restore``)
     update_sha256: str | None = None
     num_samples: int = 0
-    before_upload: str = "assigned"  # the state an aborted upload returns to
+    before_upload: TaskState = TaskState.ASSIGNED  # the state an aborted upload returns to
     nonce: bytes = b""  # of the accepted update: a retry with the same nonce is answered as done
     issued_round: int = 0  # the round named in the site's task (async: may be an earlier one)
     base_round: int | None = None  # the round whose global model the site downloaded
 
+    def move(self, to: TaskState) -> None:
+        """Move the task to ``to`` (engine lock held); IllegalMove if it may not."""
+        if to not in _MOVES[self.state]:
+            raise IllegalMove(f"task {self.task_id} of {self.site_id}: {self.state} -> {to}")
+        if to is TaskState.UPLOADING:
+            self.before_upload = self.state
+        self.state = to
+
+    def restore(self, state: str) -> None:
+        """Set a task rebuilt from the database to its stored state (recovery only)."""
+        if self.state is not TaskState.ASSIGNED:
+            raise IllegalMove(f"task {self.task_id}: restored twice")
+        self.state = TaskState(state)
+
     @property
     def final(self) -> bool:
-        return self.state in ("accepted", "failed")
+        return self.state in (TaskState.ACCEPTED, TaskState.FAILED)
 
     @property
     def pending(self) -> bool:
         """Waiting for the site to pick up or finish the task."""
-        return self.state in ("assigned", "downloaded")
+        return self.state in (TaskState.ASSIGNED, TaskState.DOWNLOADED)
 
 
 @dataclass
@@ -75,10 +120,6 @@ class ActiveRun:
     # Async runs: tasks still being trained when their round closed, by site id; they
     # join the next attempt or round (and stay valid in between).
     carried: dict[str, Assignment] = field(default_factory=dict)
-    # How this attempt's updates are combined: exactly one of these is set (round > 0).
-    accumulator: WeightedSum | None = None  # rule "mean": the streaming (clipped) sum
-    robust: UpdateStore | None = None  # robust rules: every update, spilled past a limit
-    secure: SecureRound | None = None  # [secagg]: the masked sum and its key exchange
     accountant: RdpAccountant | None = None  # [privacy]: the budget spent by committed rounds
     init_sha256: str | None = None  # round 0: the accepted initial model
     cancelled: bool = False
@@ -89,28 +130,71 @@ class ActiveRun:
     # driver closes a round only once no fold is in flight.
     folding: int = 0
     fold_lock: threading.Lock = field(default_factory=threading.Lock)
+    # fold_order's sites, the (assignments, folded) pair they are of, and how many of them
+    # at the front are folded or failed: done with for this attempt.
+    _fold_order: list[str] = field(default_factory=list, repr=False)
+    _fold_order_of: tuple[dict[str, Assignment], set[str]] | None = field(default=None, repr=False)
+    fold_from: int = 0
+    # by_task's index, and the (assignments, carried) pair it was built from.
+    _task_index: dict[str, Assignment] = field(default_factory=dict, repr=False)
+    _task_index_of: tuple[dict[str, Assignment], dict[str, Assignment]] | None = field(
+        default=None, repr=False
+    )
     folded: set[str] = field(default_factory=set)  # sites whose update is in the aggregate
     # perf_counter of the attempt's last acceptance and of the end of its last fold: what
     # folding in site order costs a round is the folding left after the last update is in.
     last_accept_at: float = 0.0
     folded_at: float = 0.0
+    # How the run combines each attempt's updates: chosen once, from the spec.
+    aggregator: Aggregator = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.aggregator = make_aggregator(self.spec)
+
+    @property
+    def secure(self) -> SecureRound | None:
+        """The open attempt's secure-aggregation key exchange, if the run has one."""
+        return self.aggregator.secure
+
+    @property
+    def accumulator(self) -> WeightedSum | None:
+        """The running sum of a streaming-mean attempt, else None (tests look into it)."""
+        agg = self.aggregator
+        return agg.running_sum if isinstance(agg, StreamingMean) else None
 
     @property
     def upload_codec(self) -> CodecSpec:
         """How this round's updates travel: the run's codec, or masked integers."""
         if self.open_round == INIT_ROUND:
             return CodecSpec()
-        return CodecSpec("secagg") if self.spec.secagg is not None else self.spec.codec
+        return self.aggregator.upload_codec
 
     @property
     def required_updates(self) -> int:
         return 1 if self.open_round == INIT_ROUND else self.spec.quorum
 
+    def fold_order(self) -> tuple[list[str], int]:
+        """The attempt's sites in fold order (by id), and how many at its front are done
+        with (``fold_from``): a fold looks from there, not through thousands each time."""
+        held = self._fold_order_of
+        if held is None or held[0] is not self.assignments or held[1] is not self.folded:
+            self._fold_order = sorted(self.assignments)
+            self._fold_order_of = (self.assignments, self.folded)
+            self.fold_from = 0
+        return self._fold_order, self.fold_from
+
     def by_task(self, task_id: str) -> Assignment | None:
-        for a in (*self.assignments.values(), *self.carried.values()):
-            if a.task_id == task_id:
-                return a
-        return None
+        """The open attempt's (or a carried) assignment of ``task_id``: a lookup, not a
+        scan, as every heartbeat and transfer of thousands of sites asks it."""
+        # The two dicts are only ever replaced whole (set_open, set_closed): an index of
+        # the pair held now stays right until one of them is replaced.
+        held = self._task_index_of
+        if held is None or held[0] is not self.assignments or held[1] is not self.carried:
+            self._task_index = {
+                a.task_id: a for a in (*self.assignments.values(), *self.carried.values())
+            }
+            self._task_index_of = (self.assignments, self.carried)
+        return self._task_index.get(task_id)
 
     def staleness(self, a: Assignment) -> int:
         """How many global models behind the open round the assignment's model is."""
@@ -129,7 +213,7 @@ class ActiveRun:
         self.aggregate_s, self.folded = 0.0, set()
         self.last_accept_at = self.folded_at = 0.0
         self.assignments = {
-            s: Assignment(t, s, "assigned", issued_round=number) for s, t in assignments.items()
+            s: Assignment(t, s, issued_round=number) for s, t in assignments.items()
         }
         self.assignments.update(self.carried)
         self.carried = {}
@@ -140,12 +224,10 @@ class ActiveRun:
             self.carried = {s: a for s, a in self.assignments.items() if not a.final}
         self.open_round, self.closing, self.broken = None, False, ""
         self.next_round, self.next_attempt = next_round, next_attempt
-        self.assignments, self.accumulator, self.init_sha256 = {}, None, None
+        self.assignments, self.init_sha256 = {}, None
         self.drop_aggregate()
 
     def drop_aggregate(self) -> None:
         """Forget this attempt's partial aggregate (spill files included)."""
-        if self.robust is not None:
-            self.robust.close()
-        self.accumulator, self.robust, self.secure = None, None, None
+        self.aggregator.drop()
         self.folded = set()

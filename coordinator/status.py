@@ -177,10 +177,9 @@ def run_header(
     """The run's status without its rounds (the spec taken from ``previous`` if given:
     it never changes): what ListRuns sends."""
     reason = record.reason
-    with engine.lock:
-        live = engine.runs.get(record.id)
-        if live is not None and live.open_round is None and live.waiting_reason:
-            reason = live.waiting_reason
+    live = engine.runs.get(record.id)  # read without the lock: a status never waits on a round
+    if live is not None and live.open_round is None and live.waiting_reason:
+        reason = live.waiting_reason
     if previous is not None:
         spec = previous.spec
     else:

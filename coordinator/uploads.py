@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -24,7 +25,7 @@ from fedra.coordinator.errors import (
     Unavailable,
 )
 from fedra.coordinator.folding import fold_ready
-from fedra.coordinator.state import ATTEMPT_FAILED, INIT_ROUND, ActiveRun, Assignment
+from fedra.coordinator.state import ATTEMPT_FAILED, INIT_ROUND, ActiveRun, Assignment, TaskState
 from fedra.faults import crash_point
 from fedra.protos.codec import (
     Buffer,
@@ -139,7 +140,7 @@ def begin_upload(engine: Engine, h: UpdateHeader) -> UploadTicket:
             raise ResourceExhausted(
                 f"payload_bytes {h.payload_bytes} exceeds the {limit} bytes this update can take"
             )
-        a.before_upload, a.state = a.state, "uploading"
+        a.move(TaskState.UPLOADING)
         # Pending from here until its call ends (``DownloadLedger.ended``), in the same
         # hold of the lock: a round the upload is in is never taken as final before its
         # bytes, cut or not, are counted.
@@ -194,7 +195,8 @@ def _check_staleness(engine: Engine, run: ActiveRun, a: Assignment) -> None:
         f"ago; async.max_staleness is {limit}"
     )
     engine.store.fail_participation(a.task_id, reason, engine.clock())
-    a.state, a.update_sha256 = "failed", None
+    a.move(TaskState.FAILED)
+    a.update_sha256 = None
     engine.notify()
     raise FailedPrecondition(f"{reason}; poll for a task on the newest model")
 
@@ -235,42 +237,82 @@ def _size_limit(engine: Engine, expected: dict[str, TensorSpec] | None) -> int:
     return 8 + header_limit(expected) + sum(s.nbytes for s in expected.values())
 
 
-def receive(engine: Engine, ticket: UploadTicket, chunks: Iterable[Buffer]) -> str:
-    """Spool and check the payload; returns its digest, the payload durable in the spool."""
-    h = ticket.header
-    decoder = StreamDecoder(ticket.expected, copy=False)  # pieces only checked: views suffice
-    # Decompressed as it arrives, so a crafted scale or index is caught before acceptance.
-    dense = None  # masked integers (secagg) have nothing to decompress or check for finiteness
-    if ticket.model is not None and ticket.codec.name != "secagg":
-        dense = StreamingDecompressor(ticket.model, ticket.codec)
-    with engine.updates.writer() as writer:
+class Receiver:
+    """Spools and checks one upload's payload as its chunks arrive (``feed``), then makes
+    it durable in the spool (``finish``, which returns its digest). Each step is short and
+    blocking: an event-driven server runs them in its executor, one chunk at a time, and
+    waits for the next chunk without holding a thread. ``discard`` drops what arrived."""
+
+    def __init__(self, engine: Engine, ticket: UploadTicket) -> None:
+        self.ticket = ticket
+        self.decoder = StreamDecoder(ticket.expected, copy=False)  # pieces only checked
+        # Decompressed as it arrives, so a crafted scale or index is caught before acceptance;
+        # masked integers (secagg) have nothing to decompress or check for finiteness.
+        self.dense = None
+        if ticket.model is not None and ticket.codec.name != "secagg":
+            self.dense = StreamingDecompressor(ticket.model, ticket.codec)
         try:
-            for chunk in chunks:
-                if writer.bytes_written + len(chunk) > h.payload_bytes:
-                    raise InvalidArgument(
-                        f"payload is longer than the declared {h.payload_bytes} bytes"
-                    )
-                writer.write(chunk)
-                if writer.bytes_written == len(chunk):
-                    crash_point("mid_upload", ticket.round)
-                _check_chunk(decoder, dense, chunk)
-                del chunk  # let it go before gRPC builds the next one
-            if writer.bytes_written != h.payload_bytes:
-                raise InvalidArgument(
-                    f"payload ended after {writer.bytes_written} of the declared "
-                    f"{h.payload_bytes} bytes"
-                )
-            decoder.finish()
-            if dense is not None:
-                dense.finish()
-            _check_init_model(ticket, decoder)
-            return writer.commit(expected_digest=h.sha256)
-        except CodecError as exc:
-            raise InvalidArgument(f"payload: {exc}") from exc
-        except BlobDigestError as exc:
-            raise InvalidArgument(f"checksum mismatch: {exc}") from exc
+            self.writer = engine.updates.writer()
         except StorageFullError as exc:  # nothing was spooled: the site retries later
             raise Unavailable("disk full: the coordinator cannot spool updates now") from exc
+
+    def feed(self, chunk: Buffer) -> None:
+        declared = self.ticket.header.payload_bytes
+        with self._checked():
+            if self.writer.bytes_written + len(chunk) > declared:
+                raise InvalidArgument(f"payload is longer than the declared {declared} bytes")
+            self.writer.write(chunk)
+            if self.writer.bytes_written == len(chunk):
+                crash_point("mid_upload", self.ticket.round)
+            _check_chunk(self.decoder, self.dense, chunk)
+
+    def finish(self) -> str:
+        """The payload is whole: check it and make it durable; returns its digest."""
+        h = self.ticket.header
+        with self._checked():
+            if self.writer.bytes_written != h.payload_bytes:
+                raise InvalidArgument(
+                    f"payload ended after {self.writer.bytes_written} of the declared "
+                    f"{h.payload_bytes} bytes"
+                )
+            self.decoder.finish()
+            if self.dense is not None:
+                self.dense.finish()
+            _check_init_model(self.ticket, self.decoder)
+            return self.writer.commit(expected_digest=h.sha256)
+
+    def discard(self) -> None:
+        self.writer.discard()
+
+    @contextmanager
+    def _checked(self) -> Iterator[None]:
+        """Domain errors for what the payload got wrong; the spool file goes on any error."""
+        try:
+            yield
+        except CodecError as exc:
+            self.discard()
+            raise InvalidArgument(f"payload: {exc}") from exc
+        except BlobDigestError as exc:
+            self.discard()
+            raise InvalidArgument(f"checksum mismatch: {exc}") from exc
+        except StorageFullError as exc:  # nothing was spooled: the site retries later
+            self.discard()
+            raise Unavailable("disk full: the coordinator cannot spool updates now") from exc
+        except BaseException:
+            self.discard()
+            raise
+
+
+def receive(engine: Engine, ticket: UploadTicket, chunks: Iterable[Buffer]) -> str:
+    """Spool and check the payload; returns its digest, the payload durable in the spool."""
+    receiver = Receiver(engine, ticket)
+    try:
+        for chunk in chunks:
+            receiver.feed(chunk)
+            del chunk  # let it go before the next one is built
+        return receiver.finish()
+    finally:
+        receiver.discard()  # nothing once committed
 
 
 def _check_chunk(
@@ -296,12 +338,16 @@ def abort_upload(engine: Engine, ticket: UploadTicket) -> None:
     with engine.lock:
         a = ticket.assignment
         if a.state == "uploading":
-            a.state = a.before_upload
+            a.move(a.before_upload)
             engine.notify()
 
 
 def accept(engine: Engine, ticket: UploadTicket, digest: str, nbytes: int) -> None:
-    """Record the update as accepted (durably), then fold it into the round's sum."""
+    """Record the update as accepted (durably), then fold it into the round's sum.
+
+    The durable write goes in the next group commit (``commits``) with the engine's lock
+    let go meanwhile: the round cannot close under it (``run.folding`` holds it open, as
+    a fold does), and the task is the site's no more (it stays 'uploading')."""
     h, run, a = ticket.header, ticket.run, ticket.assignment
     upload_s = time.monotonic() - ticket.started
     with engine.lock:
@@ -316,7 +362,8 @@ def accept(engine: Engine, ticket: UploadTicket, digest: str, nbytes: int) -> No
                     raise
         if not run.accepting(ticket.round, ticket.attempt):
             _drop_spooled(engine, run, digest)
-            a.state, a.update_sha256 = "failed", None
+            a.move(TaskState.FAILED)
+            a.update_sha256 = None
             late = f"round {ticket.round} closed before the update arrived"
             engine.store.fail_participation(a.task_id, late, engine.clock())
             raise FailedPrecondition(
@@ -326,30 +373,28 @@ def accept(engine: Engine, ticket: UploadTicket, digest: str, nbytes: int) -> No
         metrics = dict(h.metrics)
         if run.spec.asynchronous is not None:
             metrics["staleness"] = float(run.staleness(a))
-        try:
-            engine.store.accept_update(
-                h.task_id,
-                nonce=h.nonce,
-                sha256=digest,
-                num_samples=h.num_samples,
-                metrics=metrics,
-                bytes_up=nbytes,
-                upload_s=upload_s,
-                now=engine.clock(),
-            )
-        except DuplicateError as exc:
+        run.folding += 1  # the driver will not close the round under this write and fold
+        write = engine.store.accept_op(
+            h.task_id, nonce=h.nonce, sha256=digest, num_samples=h.num_samples,
+            metrics=metrics, bytes_up=nbytes, upload_s=upload_s, now=engine.clock(),
+        )  # fmt: skip
+    try:
+        engine.commits.write(write)
+    except BaseException as exc:
+        with engine.lock:
+            run.folding -= 1
             _drop_spooled(engine, run, digest)
             abort_upload(engine, ticket)
+            engine.notify(run.run_id)
+        if isinstance(exc, DuplicateError):
             raise AlreadyExists(str(exc)) from exc
-        except Exception:
-            _drop_spooled(engine, run, digest)
-            abort_upload(engine, ticket)
-            raise
+        raise
+    with engine.lock:
         crash_point("after_accept", ticket.round)  # durable, not folded, no reply
-        a.state, a.update_sha256, a.num_samples = "accepted", digest, h.num_samples
+        a.move(TaskState.ACCEPTED)
+        a.update_sha256, a.num_samples = digest, h.num_samples
         a.nonce = h.nonce
         run.last_accept_at = time.perf_counter()
-        run.folding += 1  # the driver will not close the round under this fold
     # Summing a large update takes a while: polls, heartbeats and other uploads go on.
     broken = ""
     try:
@@ -363,7 +408,7 @@ def accept(engine: Engine, ticket: UploadTicket, digest: str, nbytes: int) -> No
     with engine.lock:
         run.folding -= 1
         run.broken = run.broken or broken
-        engine.notify()
+        engine.notify(run.run_id)
     log.info(
         "run %s round %d: accepted update from %s (%d bytes, %.2fs)",
         run.run_id, ticket.round, h.site_id, nbytes, upload_s,

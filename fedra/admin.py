@@ -102,8 +102,26 @@ class AdminClient:
         request = admin_pb2.CancelRunRequest(run_id=run_id)
         return self.stub.CancelRun(request, timeout=self.timeout_s).state
 
-    def sites(self) -> list[admin_pb2.Site]:
-        return list(self.stub.ListSites(admin_pb2.ListSitesRequest(), timeout=self.timeout_s).sites)
+    def sites(self, page_size: int = 1000) -> list[admin_pb2.Site]:
+        """Every site the coordinator knows, a page at a time."""
+        return [s for page in self.site_pages(page_size) for s in page.sites]
+
+    def site_pages(self, page_size: int = 1000) -> Iterator[admin_pb2.ListSitesResponse]:
+        """The coordinator's site list, page by page (each with the counts)."""
+        token = ""
+        while True:
+            request = admin_pb2.ListSitesRequest(page_size=page_size, page_token=token)
+            page = self.stub.ListSites(request, timeout=self.timeout_s)
+            yield page
+            token = page.next_page_token
+            if not token:
+                return
+
+    def site_counts(self) -> tuple[int, int]:
+        """(sites registered, of them online now), without listing them."""
+        request = admin_pb2.ListSitesRequest(summary_only=True)
+        reply = self.stub.ListSites(request, timeout=self.timeout_s)
+        return reply.total, reply.online
 
     def export_chunks(self, run_id: str, round_number: int | None = None) -> Iterator[memoryview]:
         """The model's safetensors bytes, chunk by chunk (views into the received messages)."""

@@ -456,22 +456,37 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _page_size(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 5000:
+        raise argparse.ArgumentTypeError(f"must be from 1 to 5000, got {value}")
+    return value
+
+
 def _cmd_sites(args: argparse.Namespace) -> int:
     with _admin(args) as admin:
-        sites = admin.sites()
-    if args.json:
-        print(
-            json.dumps(
-                [MessageToDict(s, preserving_proto_field_name=True) for s in sites], indent=2
-            )
-        )
-        return 0
-    print(format_sites(sites, time.time()))
+        if args.summary:
+            total, online = admin.site_counts()
+            if args.json:
+                print(json.dumps({"total": total, "online": online}))
+            else:
+                print(f"{total} sites registered, {online} online")
+            return 0
+        if args.json:
+            sites = admin.sites(args.page_size)
+            dicts = [MessageToDict(s, preserving_proto_field_name=True) for s in sites]
+            print(json.dumps(dicts, indent=2))
+            return 0
+        # Page by page, each printed as it arrives: thousands of sites never wait for all.
+        for number, page in enumerate(admin.site_pages(args.page_size)):
+            print(format_sites(list(page.sites), time.time(), header=number == 0), flush=True)
+            if not page.next_page_token:
+                print(f"{page.total} sites registered, {page.online} online")
     return 0
 
 
-def format_sites(sites: list[admin_pb2.Site], now: float) -> str:
-    lines = [f"{'site':<20} {'state':<8} {'last seen':>12}  tasks"]
+def format_sites(sites: list[admin_pb2.Site], now: float, header: bool = True) -> str:
+    lines = [f"{'site':<20} {'state':<8} {'last seen':>12}  tasks"] if header else []
     for s in sites:
         state = "online" if s.online else "offline"
         seen = f"{now - s.last_seen_unix_s:.1f} s ago"
@@ -644,9 +659,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--workers",
         type=int,
-        default=128,
-        help="server threads; each connected site holds one while it waits for work: "
-        "give at least the number of sites plus a third",
+        default=32,  # coordinator.server.DEFAULT_WORKERS
+        help="threads for the blocking steps of calls (database, hashing, folding); "
+        "waiting calls hold none, so it does not grow with the sites",
     )
     c.add_argument(
         "--stream-window-mb",
@@ -727,6 +742,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     q = sub.add_parser("sites", help="sites the coordinator knows")
     q.add_argument("--json", action="store_true")
+    q.add_argument("--summary", action="store_true", help="only how many, and how many online")
+    q.add_argument("--page-size", type=_page_size, default=1000, help="sites per call (1 to 5000)")
     admin_args(q)
     q.set_defaults(func=_cmd_sites)
 

@@ -15,9 +15,11 @@ its handler runs; left to gRPC, it would be INTERNAL with a traceback in the log
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import grpc
@@ -206,6 +208,72 @@ def _stream_both(behavior: Callable[[Any, Any], Any]) -> Callable[[Any, Any], An
     return checked
 
 
+async def _refuse_async(context: Any, what: str, reason: str) -> None:
+    message = f"{what} is not a valid message of this RPC ({reason})"
+    log.info("refused a call from %s: INVALID_ARGUMENT: %s", context.peer(), message)
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+async def _check_stream_closed_async(context: Any) -> None:
+    """``_check_stream_closed`` for an event-driven server (grpc.aio)."""
+    await asyncio.sleep(STREAM_END_CHECK_S)
+    if context.cancelled() or context.done():
+        raise grpc.RpcError("the call ended before its request stream was closed")
+
+
+async def _messages_async(requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
+    number = 0
+    async for request in requests:
+        number += 1
+        if isinstance(request, Malformed):
+            raise MalformedMessage(f"message {number} of the request stream", request.reason)
+        yield request
+        del request
+    await _check_stream_closed_async(context)
+
+
+def _unary_request_async(behavior: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    async def checked(request: Any, context: Any) -> Any:
+        if isinstance(request, Malformed):
+            await _refuse_async(context, "the request", request.reason)  # before other work
+        return await behavior(request, context)
+
+    return checked
+
+
+def _unary_request_stream_async(
+    behavior: Callable[[Any, Any], Any],
+) -> Callable[[Any, Any], Any]:
+    async def checked(request: Any, context: Any) -> AsyncIterator[Any]:
+        if isinstance(request, Malformed):
+            await _refuse_async(context, "the request", request.reason)  # before other work
+        async for item in behavior(request, context):
+            yield item
+
+    return checked
+
+
+def _stream_request_async(behavior: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    async def checked(requests: AsyncIterator[Any], context: Any) -> Any:
+        try:
+            return await behavior(_messages_async(requests, context), context)
+        except MalformedMessage as exc:
+            await _refuse_async(context, exc.what, exc.reason)
+
+    return checked
+
+
+def _stream_both_async(behavior: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    async def checked(requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
+        try:
+            async for item in behavior(_messages_async(requests, context), context):
+                yield item
+        except MalformedMessage as exc:
+            await _refuse_async(context, exc.what, exc.reason)
+
+    return checked
+
+
 def _with_wire(handler: Any, request: Any = None, response: Any = None) -> Any:
     """``handler`` (an RpcMethodHandler namedtuple) with its (de)serializers replaced."""
     changes = {}
@@ -225,10 +293,19 @@ def _tolerant_handler(handler: Any) -> Any:
         "stream_unary": _stream_request,
         "stream_stream": _stream_both,
     }
+    async_wrappers = {
+        "unary_unary": _unary_request_async,
+        "unary_stream": _unary_request_stream_async,
+        "stream_unary": _stream_request_async,
+        "stream_stream": _stream_both_async,
+    }
     for kind, wrap in wrappers.items():
         behavior = getattr(handler, kind)
         if behavior is not None:
-            changes[kind] = wrap(behavior)
+            event_driven = inspect.iscoroutinefunction(behavior) or inspect.isasyncgenfunction(
+                behavior
+            )  # a grpc.aio server's handler
+            changes[kind] = (async_wrappers[kind] if event_driven else wrap)(behavior)
     return handler._replace(**changes)
 
 
@@ -246,7 +323,7 @@ class _Capture:
 
 
 def add_service(
-    server: grpc.Server,
+    server: grpc.Server | grpc.aio.Server,
     add_generated: Any,
     servicer: Any,
     service: str,

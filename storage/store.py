@@ -50,6 +50,9 @@ from fedra.storage.records import (
     SiteRecord,
 )
 
+# One write of a group commit (Store.write_batch): it runs in the batch's transaction.
+WriteOp = Callable[[Session], None]
+
 
 class DuplicateError(Exception):
     """A write collided with a uniqueness rule (a reused nonce, a second round row)."""
@@ -232,6 +235,9 @@ _ADD_CUT = (
     .values(bytes_cut=_p.bytes_cut + bindparam("nbytes", type_=BigInteger))
 )
 _KNOWN_TASKS = select(_p.task_id).where(_p.task_id.in_(bindparam("tids", expanding=True)))
+_TOUCH_SITE = (
+    update(m.Site).where(m.Site.id == bindparam("sid")).values(last_seen_at=bindparam("ts"))
+)
 _ACCEPT = (
     update(_p)
     .where(_p.task_id == bindparam("tid"), _p.state.not_in(FINAL_PARTICIPATION_STATES))
@@ -490,7 +496,16 @@ class Store:
     # -- sites ---------------------------------------------------------------
 
     def upsert_site(self, site_id: str, tasks: Sequence[str], version: str, now: float) -> None:
-        with self._tx() as s:
+        [error] = self.write_batch([self.upsert_site_op(site_id, tasks, version, now)])
+        if error is not None:
+            raise error
+
+    def upsert_site_op(
+        self, site_id: str, tasks: Sequence[str], version: str, now: float
+    ) -> WriteOp:
+        """The write of ``upsert_site``, for ``write_batch``."""
+
+        def upsert(s: Session) -> None:
             row = s.get(m.Site, site_id)
             if row is None:
                 s.add(
@@ -506,16 +521,34 @@ class Store:
                 row.tasks_json = json.dumps(list(tasks))
                 row.version = version
                 row.last_seen_at = now
+            s.flush()
+
+        return upsert
 
     def touch_sites(self, last_seen: dict[str, float]) -> None:
-        with self._tx() as s:
-            for site_id, ts in last_seen.items():
-                s.execute(update(m.Site).where(m.Site.id == site_id).values(last_seen_at=ts))
+        [error] = self.write_batch([self.touch_sites_op(last_seen)])
+        if error is not None:
+            raise error
 
-    def list_sites(self) -> list[SiteRecord]:
+    def touch_sites_op(self, last_seen: dict[str, float]) -> WriteOp:
+        """The write of ``touch_sites`` (one statement for every site), for ``write_batch``."""
+        rows = [{"sid": site_id, "ts": ts} for site_id, ts in last_seen.items()]
+
+        def touch(s: Session) -> None:
+            if rows:
+                s.connection().execute(_TOUCH_SITE, rows)
+
+        return touch
+
+    def list_sites(self, after: str = "", limit: int | None = None) -> list[SiteRecord]:
+        """Sites in id order: those after ``after``, at most ``limit`` of them."""
+        query = select(m.Site).order_by(m.Site.id)
+        if after:
+            query = query.where(m.Site.id > after)
+        if limit is not None:
+            query = query.limit(limit)
         with self._read() as s:
-            found = s.scalars(select(m.Site).order_by(m.Site.id)).all()
-            return [rows.site_record(r) for r in found]
+            return [rows.site_record(r) for r in s.scalars(query).all()]
 
     # -- runs ----------------------------------------------------------------
 
@@ -756,6 +789,27 @@ class Store:
         now: float,
     ) -> None:
         """Record an accepted update; DuplicateError on a reused nonce or a final task."""
+        op = self.accept_op(
+            task_id, nonce=nonce, sha256=sha256, num_samples=num_samples, metrics=metrics,
+            bytes_up=bytes_up, upload_s=upload_s, now=now,
+        )  # fmt: skip
+        [error] = self.write_batch([op])
+        if error is not None:
+            raise error
+
+    def accept_op(
+        self,
+        task_id: str,
+        *,
+        nonce: bytes,
+        sha256: str,
+        num_samples: int,
+        metrics: dict[str, float],
+        bytes_up: int,
+        upload_s: float,
+        now: float,
+    ) -> WriteOp:
+        """The write of ``accept_update``, for ``write_batch``."""
         values = {
             "tid": task_id,
             "new_nonce": nonce,
@@ -766,16 +820,34 @@ class Store:
             "new_upload_s": upload_s,
             "new_now": now,
         }
-        try:
-            with self._tx() as s:
-                # One prebuilt statement, no ORM unit of work: this runs once per update,
-                # on the path every site waits on.
+
+        def accept(s: Session) -> None:
+            # One prebuilt statement, no ORM unit of work: this runs once per update, on
+            # the path every site waits on.
+            try:
                 result = s.connection().execute(_ACCEPT, values)
-                if result.rowcount == 0:
-                    row = self._participation_row(s, task_id)  # NotFoundError if none
-                    raise DuplicateError(f"task {task_id} is already {row.state}")
-        except IntegrityError as exc:
-            raise DuplicateError(f"nonce {nonce.hex()} was already used") from exc
+            except IntegrityError as exc:
+                raise DuplicateError(f"nonce {nonce.hex()} was already used") from exc
+            if result.rowcount == 0:
+                row = self._participation_row(s, task_id)  # NotFoundError if none
+                raise DuplicateError(f"task {task_id} is already {row.state}")
+
+        return accept
+
+    def write_batch(self, ops: Sequence[WriteOp]) -> list[Exception | None]:
+        """Run ``ops`` in one writing transaction, one synced commit for all of them (group
+        commit). Each runs in a savepoint of its own: one refused (DuplicateError,
+        NotFoundError) is undone alone, and its error is returned in its place. Any other
+        error undoes the whole batch and is raised: none of it was written."""
+        errors: list[Exception | None] = [None] * len(ops)
+        with self._tx() as s:
+            for i, op in enumerate(ops):
+                try:
+                    with s.begin_nested():
+                        op(s)
+                except (DuplicateError, NotFoundError) as exc:
+                    errors[i] = exc
+        return errors
 
     def fail_participation(
         self, task_id: str, error: str, now: float, *, accepted_too: bool = False

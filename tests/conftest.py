@@ -35,9 +35,9 @@ torch.set_num_threads(1)
 class InProcessCoordinator:
     """The real engine and gRPC server in this process, bound to port 0."""
 
-    def __init__(self, state_dir: Path, settings: EngineSettings) -> None:
+    def __init__(self, state_dir: Path, settings: EngineSettings, workers: int = 32) -> None:
         config = CoordinatorConfig(
-            state_dir=state_dir, engine=settings, insecure=True, max_workers=32
+            state_dir=state_dir, engine=settings, insecure=True, max_workers=workers
         )
         self.engine: Engine = build_engine(config)
         self.engine.start()

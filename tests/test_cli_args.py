@@ -39,7 +39,7 @@ def closed_port() -> Iterator[int]:
         (["--port", "-1"], "--port: must be from 0 to 65535"),
         (["--heartbeat-s", "nan"], "--heartbeat-s: must be a finite number > 0, got nan"),
         (["--site-timeout-s", "0"], "--site-timeout-s: must be a finite number > 0"),
-        (["--workers", "5"], "--workers: must be from 16 to 4096, got 5"),
+        (["--workers", "2"], "--workers: must be from 4 to 1024, got 2"),
         (["--db", "notaurl"], "--db: Could not parse SQLAlchemy URL"),
         (["--db", "nosuchdialect://x"], "--db: Can't load plugin"),
     ],

@@ -183,9 +183,23 @@ def test_full_run_through_the_cli(cluster: LocalCluster, tmp_path: Path) -> None
     )
     assert sorted(s["site_id"] for s in sites) == ids and all(s["online"] for s in sites)
     table = fedra_cli("sites", "--coordinator", address, "--state-dir", str(cluster.state_dir))
-    header, *rows = table.stdout.splitlines()
+    header, *rows, summary = table.stdout.splitlines()
     assert header.split() == ["site", "state", "last", "seen", "tasks"]
     assert [row.split()[:2] for row in rows] == [[i, "online"] for i in ids]
+    assert summary == f"{len(ids)} sites registered, {len(ids)} online"
+    paged = fedra_cli(  # a page at a time: the same table
+        "sites", "--page-size", "2", "--coordinator", address,
+        "--state-dir", str(cluster.state_dir),
+    )  # fmt: skip
+    assert paged.returncode == 0, paged.stderr
+    assert [line.split()[:2] for line in paged.stdout.splitlines()] == [
+        line.split()[:2] for line in [header, *rows, summary]
+    ]
+    counted = fedra_cli(
+        "sites", "--summary", "--json", "--coordinator", address,
+        "--state-dir", str(cluster.state_dir),
+    )  # fmt: skip
+    assert json.loads(counted.stdout) == {"total": len(ids), "online": len(ids)}
     assert all(row.split()[-1] == DIGITS for row in rows)
     site = cluster.sites[ids[0]]
     assert site.stop() == 0  # SIGTERM: the site stops at once, and says so

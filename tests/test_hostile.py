@@ -313,7 +313,9 @@ def test_a_malformed_request_is_invalid_argument_without_a_traceback(coordinator
     for rpc in RPCS:
         first = rpc.request.DESCRIPTOR.fields[:1]
         bad_utf8 = (
-            [b"\x0a\x03\x0a\x01\xff"] if first and first[0].type != first[0].TYPE_BYTES else []
+            [b"\x0a\x03\x0a\x01\xff"]
+            if first and first[0].type in (first[0].TYPE_STRING, first[0].TYPE_MESSAGE)
+            else []
         )
         for raw in [b"\xff\xff\xff", b"\x12\x05ab", *bad_utf8]:
             with pytest.raises(grpc.RpcError) as info:

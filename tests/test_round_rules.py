@@ -286,42 +286,54 @@ def test_a_round_whose_sites_all_fail_ends_at_once_saying_why(
     assert round_status(coordinator, run_id, 0).status == "committed"
 
 
-def test_past_its_waiting_polls_a_poll_returns_within_a_second(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    """Each waiting long poll holds a server thread: past ``waiting_polls`` of them a poll
-    returns within CROWDED_POLL_S, so calls queued behind the polls get a thread soon, and
-    the operator is told to give the daemon more --workers."""
+def test_waiting_calls_hold_no_thread_and_others_are_served_meanwhile(tmp_path: Path) -> None:
+    """Two dozen long polls and a watch wait on a daemon with 4 worker threads: they hold none,
+    the daemon's threads do not grow with them, and a register, a status and a site list
+    are answered at once meanwhile."""
     import threading
     import time
 
-    from fedra.coordinator.engine import CROWDED_POLL_S
+    from fedra.runspec import RunSpec
 
-    settings = EngineSettings(poll_timeout_s=30.0, site_timeout_s=60.0, waiting_polls=2)
-    c = InProcessCoordinator(tmp_path / "state", settings)
+    settings = EngineSettings(poll_timeout_s=30.0, site_timeout_s=60.0)
+    c = InProcessCoordinator(tmp_path / "state", settings, workers=4)
+    sites = [f"site-{i:02d}" for i in range(24)]  # insecure: one connection, 32 calls at most
     waiting: list[threading.Thread] = []
     try:
-        register(c, *SITES)
+        register(c, *sites)
+        spec = RunSpec(name="watched", task=TASK, rounds=1).validate()
+        c.engine.store.create_run("watched", "watched", TASK, spec.to_json(), 1.0)
+        watch = c.admin.WatchRun(admin_pb2.WatchRunRequest(run_id="watched"), timeout=60)
+        assert next(watch).state == "pending"
+        threads_before = threading.active_count()
 
         def _wait(site: str) -> None:
             with contextlib.suppress(grpc.RpcError):  # the daemon stopping under it, at the end
                 c.site.PollTask(site_pb2.PollTaskRequest(site_id=site), timeout=60)
 
-        for site in SITES[:2]:  # two polls wait their full 30 s: nothing to do
+        for site in sites:
             t = threading.Thread(target=_wait, args=(site,))
             t.start()
             waiting.append(t)
-        deadline = time.monotonic() + 10
-        while sum(c.engine._polling.values()) < 2:  # both are waiting in the engine
-            assert time.monotonic() < deadline
-            threading.Event().wait(0.01)
+        deadline = time.monotonic() + 15
+        while c.engine.waiting_calls() < len(sites) + 1:  # every poll and the watch wait
+            assert time.monotonic() < deadline, c.engine.waiting_calls()
+            time.sleep(0.01)
         started = time.monotonic()
-        reply = c.site.PollTask(site_pb2.PollTaskRequest(site_id=SITES[2]), timeout=60)
-        took = time.monotonic() - started
-        assert not reply.HasField("task")
-        assert CROWDED_POLL_S * 0.5 <= took < 10, took  # not the 30 s a poll may wait
-        assert "calls are waiting" in caplog.text and "--workers" in caplog.text
-        assert all(t.is_alive() for t in waiting)  # the first two still wait
+        register(c, "late-site")
+        c.admin.GetRun(admin_pb2.GetRunRequest(run_id="watched"), timeout=10)
+        listed = c.admin.ListSites(admin_pb2.ListSitesRequest(), timeout=10)
+        assert len(listed.sites) == len(sites) + 1
+        assert time.monotonic() - started < 5  # not behind the polls' 30 s
+        # The daemon's own threads: its executor (4) at most, beside the test's callers.
+        daemon_threads = threading.active_count() - threads_before - len(waiting)
+        assert daemon_threads <= 4, daemon_threads
+        assert all(t.is_alive() for t in waiting)  # every poll still waits
+        watch.cancel()
+        hung_up = time.monotonic()
+        while c.engine.waiting_calls() > len(sites):  # the watch's waiter went with it
+            assert time.monotonic() < hung_up + 5
+            time.sleep(0.01)
     finally:
         c.close()  # the daemon stopping ends the waiting polls
         for t in waiting:
@@ -329,57 +341,50 @@ def test_past_its_waiting_polls_a_poll_returns_within_a_second(
     assert not any(t.is_alive() for t in waiting)
 
 
-def test_a_run_watch_counts_among_the_waiting_calls(tmp_path: Path) -> None:
-    """A watch holds a worker thread for as long as it lasts: with one open and room for
-    one waiting call, a poll returns within CROWDED_POLL_S, not its 30 s. A watch whose
-    client hung up lets its thread go within HANG_UP_CHECK_S, and polls may wait again."""
+def test_a_round_wakes_only_the_polls_of_the_sites_it_samples(tmp_path: Path) -> None:
+    """A poll returns the moment a round opens with its site in it, not at a periodic
+    wake-up or its timeout; the poll of a site the round did not sample sleeps on."""
     import time
+    from concurrent.futures import ThreadPoolExecutor, as_completed
 
-    from fedra.coordinator.engine import CROWDED_POLL_S, HANG_UP_CHECK_S
     from fedra.runspec import RunSpec
 
-    settings = EngineSettings(poll_timeout_s=30.0, site_timeout_s=60.0, waiting_polls=1)
+    settings = EngineSettings(poll_timeout_s=8.0, site_timeout_s=60.0)
     c = InProcessCoordinator(tmp_path / "state", settings)
     try:
-        register(c, SITES[0])
-        spec = RunSpec(name="watched", task=TASK, rounds=1).validate()
-        c.engine.store.create_run("watched", "watched", TASK, spec.to_json(), 1.0)
-        watch = c.admin.WatchRun(admin_pb2.WatchRunRequest(run_id="watched"), timeout=60)
-        assert next(watch).state == "pending"  # the run has not ended: the watch stays
-        deadline = time.monotonic() + 10
-        while c.engine.waiting_calls() < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        started = time.monotonic()
-        reply = c.site.PollTask(site_pb2.PollTaskRequest(site_id=SITES[0]), timeout=60)
-        assert not reply.HasField("task")
-        assert CROWDED_POLL_S * 0.5 <= time.monotonic() - started < 10
-        watch.cancel()  # nothing changes meanwhile: the handler notices the hang-up itself
-        hung_up = time.monotonic()
-        while c.engine.waiting_calls() > 0:
-            assert time.monotonic() < hung_up + 15
-            time.sleep(0.01)
-        assert time.monotonic() - hung_up < 8 * HANG_UP_CHECK_S  # not the 10 s watch interval
-        assert c.engine.crowded_wait(30.0) == 30.0
+        register(c, *SITES[:2])
+        with ThreadPoolExecutor(2) as pool:
+            polls = {
+                site: pool.submit(
+                    c.site.PollTask, site_pb2.PollTaskRequest(site_id=site), timeout=30
+                )
+                for site in SITES[:2]
+            }
+            deadline = time.monotonic() + 10
+            while c.engine.waiting_calls() < 2:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            submitted = time.monotonic()
+            spec = RunSpec(name="one", task=TASK, rounds=1, sites_per_round=1, min_sites=1)
+            c.engine.submit(spec.validate())
+            done = next(as_completed(polls.values()))
+            took = time.monotonic() - submitted
+            assert done.result().HasField("task") and took < 2, took
+            [other] = [f for f in polls.values() if f is not done]
+            assert not other.done()  # not woken: its site is not in the round
+            assert not other.result(timeout=20).HasField("task")  # its own timeout ended it
+            assert time.monotonic() - submitted > 4
     finally:
         c.close()
 
 
-def test_the_daemon_lets_a_quarter_of_its_workers_serve_data_while_sites_poll(
-    tmp_path: Path,
-) -> None:
+def test_the_daemon_s_workers_are_bounded_and_not_sized_to_its_sites(tmp_path: Path) -> None:
     from fedra.config import ConfigError
-    from fedra.coordinator.server import CoordinatorConfig, build_engine, poll_slots
+    from fedra.coordinator.server import DEFAULT_WORKERS, CoordinatorConfig
 
-    assert (poll_slots(16), poll_slots(128), poll_slots(400)) == (8, 96, 300)
-    config = CoordinatorConfig(state_dir=tmp_path / "s", insecure=True, max_workers=64)
-    engine = build_engine(config)
-    try:
-        assert engine.settings.waiting_polls == 48
-    finally:
-        engine.store.close()
-    with pytest.raises(ConfigError, match="--workers: must be from 16 to 4096, got 4"):
-        CoordinatorConfig(state_dir=tmp_path / "s", insecure=True, max_workers=4)
+    assert CoordinatorConfig(state_dir=tmp_path / "s", insecure=True).max_workers == DEFAULT_WORKERS
+    with pytest.raises(ConfigError, match="--workers: must be from 4 to 1024, got 2"):
+        CoordinatorConfig(state_dir=tmp_path / "s", insecure=True, max_workers=2)
 
 
 def test_a_site_that_hangs_up_on_its_poll_is_offline_at_once(tmp_path: Path) -> None:

@@ -176,34 +176,35 @@ def test_a_secure_task_is_refused_by_a_plain_run(coordinator: InProcessCoordinat
     assert round_status(coordinator, run_id, 1).status == "open"
 
 
-def test_a_stage_call_counts_among_the_waiting_calls(tmp_path: Path) -> None:
-    """Each site waiting for a stage to close holds a worker thread, as a poll does: past
-    ``waiting_polls`` of them a stage call answers not ready within CROWDED_POLL_S and
-    the site asks again, so uploads and downloads are not left without a thread."""
-    from fedra.coordinator.engine import CROWDED_POLL_S, EngineSettings
+def test_a_stage_call_waits_without_a_thread_and_wakes_when_its_stage_closes(
+    tmp_path: Path,
+) -> None:
+    """Sites waiting for a stage to close hold no worker thread (the daemon here has 4,
+    fewer than the calls waiting) and are answered the moment the stage closes."""
+    from fedra.coordinator.engine import EngineSettings
 
-    settings = EngineSettings(poll_timeout_s=30.0, site_timeout_s=60.0, waiting_polls=1)
-    c = InProcessCoordinator(tmp_path / "state", settings)
+    settings = EngineSettings(poll_timeout_s=30.0, site_timeout_s=60.0)
+    c = InProcessCoordinator(tmp_path / "state", settings, workers=4)
     try:
         _, tasks = start_round_one(c, sites_per_round=3, min_sites=2, secagg=SECAGG)
         a, b, s3 = sorted(tasks)
         maskers = {s: SiteSecAgg(s, t.secagg.threshold, t.secagg.context) for s, t in tasks.items()}
-        assert not c.site.SecAggKeys(keys_request(a, tasks[a], maskers[a].public_keys())).ready
+        for s in (a, b):  # their keys are in; s3's are missing, so the stage stays open
+            assert not c.site.SecAggKeys(keys_request(s, tasks[s], maskers[s].public_keys())).ready
         deadline = time.monotonic() + 10
-        while c.engine.waiting_calls():  # the helpers' watches have seen their callers leave
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        with ThreadPoolExecutor(1) as pool:
-            waiting = pool.submit(c.site.SecAggKeys, keys_request(a, tasks[a], b"", wait_s=20))
-            while c.engine.waiting_calls() < 1:  # a waits for the stage to close
-                assert time.monotonic() < deadline
+        with ThreadPoolExecutor(6) as pool:
+            waiting = [
+                pool.submit(c.site.SecAggKeys, keys_request(s, tasks[s], b"", wait_s=20))
+                for s in (a, a, a, b, b, b)
+            ]
+            while c.engine.waiting_calls() < 6:  # more than the daemon's 4 threads
+                assert time.monotonic() < deadline, c.engine.waiting_calls()
                 time.sleep(0.01)
+            assert not any(w.done() for w in waiting)
             started = time.monotonic()
-            second = c.site.SecAggKeys(keys_request(b, tasks[b], maskers[b].public_keys(), 20))
-            assert not second.ready  # s3's keys are still missing
-            assert CROWDED_POLL_S * 0.5 <= time.monotonic() - started < 10
-            assert not waiting.done()  # a, the first to wait, still may
             last = c.site.SecAggKeys(keys_request(s3, tasks[s3], maskers[s3].public_keys(), 20))
-            assert last.ready and waiting.result(timeout=15).ready  # the stage closed
+            assert last.ready
+            assert all(w.result(timeout=15).ready for w in waiting)  # the stage closed
+            assert time.monotonic() - started < 5
     finally:
         c.close()

@@ -570,12 +570,25 @@ Global___RunStatus: _TypeAlias = RunStatus  # noqa: Y015
 class ListSitesRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    SUMMARY_ONLY_FIELD_NUMBER: _builtins.int
+    page_size: _builtins.int
+    """At most this many sites, in site-id order (0: the coordinator's default page, 1000)."""
+    page_token: _builtins.str
+    """Continue after this site id: the previous page's next_page_token ("": from the start)."""
+    summary_only: _builtins.bool
+    """Only the counts (total, online), no sites."""
     def __init__(
         self,
+        *,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+        summary_only: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token", "summary_only", b"summary_only"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -621,16 +634,28 @@ class ListSitesResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SITES_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    TOTAL_FIELD_NUMBER: _builtins.int
+    ONLINE_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """"": this was the last page"""
+    total: _builtins.int
+    """sites registered, on every page"""
+    online: _builtins.int
+    """of them, online now"""
     @_builtins.property
     def sites(self) -> _containers.RepeatedCompositeFieldContainer[Global___Site]: ...
     def __init__(
         self,
         *,
         sites: _abc.Iterable[Global___Site] | None = ...,
+        next_page_token: _builtins.str = ...,
+        total: _builtins.int = ...,
+        online: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["sites", b"sites"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_page_token", b"next_page_token", "online", b"online", "sites", b"sites", "total", b"total"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

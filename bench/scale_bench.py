@@ -1,0 +1,847 @@
+"""Coordinator scale benchmark: one daemon, N real site agents, every site in every round.
+
+For each N it starts a coordinator as a real process (``LocalCluster``, plaintext on port 0,
+otherwise its default flags) and N site agents: the real ``SiteAgent`` loop over the real
+``Connection``, many agents per process as threads, in ``--procs`` worker processes (this
+script again, with ``--worker``). Each site registers, polls, downloads, trains the
+synthetic task (9 parameters) and uploads, in a run of ``--rounds`` rounds of FedAvg with
+``sites_per_round = min_sites = N``. It prints, against each aim:
+
+- the time until ListSites shows all N online, from the moment the agents start;
+- rounds committed, and committed on their first attempt (each round's attempt number);
+- round time, median and max (RoundStatus.duration_s of the committed rounds);
+- coordinator CPU per site per round (/proc utime + stime from just before the run is
+  submitted to when it is seen finished, round 0 included, over N x rounds);
+- coordinator RSS and threads idle, with all sites connected, and at peak; RSS growth from
+  idle to connected per connected site;
+- latency p50/p99 of ListSites and GetRun, called ``--admin-hz`` times a second each by a
+  thread of this process on its own channel while the rounds run;
+- errors by gRPC status code: what each agent's ``Connection`` calls raised (counted by
+  wrapping the methods of each agent's own Connection object), the agents' own warnings
+  by message, and the admin caller's failed calls.
+
+Each agent's channel has a TCP connection of its own, as a site in a process of its own
+has (``separate_connections``). Training takes milliseconds, so a site heartbeats only
+when its task outlasts the heartbeat interval; ``--fit-delay-s 6`` makes every one do so.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/scale_bench.py --sites 100,1000 --rounds 3 \\
+        --procs 4 --out scale.json
+
+Everything it starts is stopped, and its temporary directories removed, on any exit
+(Ctrl-C and SIGTERM included); each N is bounded by ``--timeout-s``. One file of about
+850 lines on purpose: the same script is the driver and each site-hosting worker, so the
+two never disagree on what a worker is told or writes back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import itertools
+import json
+import logging
+import math
+import os
+import selectors
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any, NoReturn
+
+import grpc
+import torch
+
+from fedra.admin import AdminClient
+from fedra.client.agent import SiteAgent
+from fedra.client.config import SiteConfig
+from fedra.client.connection import Connection
+from fedra.client.task import Task, load_task
+from fedra.local import ClusterError, LocalCluster, ManagedProcess
+from fedra.protos.v1 import admin_pb2, admin_pb2_grpc
+from fedra.runspec import RunSpec, TrainSpec
+
+TASK = "fedra.examples.synthetic:task"  # nn.Linear(8, 1): 9 parameters
+DONE = ("completed", "failed", "cancelled")
+COUNTED_CALLS = ("register", "heartbeat", "poll", "download", "upload", "report_failure")
+ADMIN_CALL_TIMEOUT_S = 10.0
+SAMPLE_S = 0.25  # how often the coordinator's /proc figures are read
+STOP_GRACE_S = 15.0  # for a worker to stop its agents and write its figures
+# The aims: (key, text, the N it is stated for, or None for every N).
+AIMS = (
+    ("first_attempt", "every round commits on its first attempt", 5000),
+    ("cpu", "coordinator CPU <= 2 ms per site per round", None),
+    ("admin_p99", "admin p99 (ListSites, GetRun) <= 200 ms", 1000),
+    ("rss", "coordinator RSS growth < 50 kB per connected site", None),
+)
+AIM_CPU_MS, AIM_ADMIN_P99_MS, AIM_RSS_KB = 2.0, 200.0, 50.0
+AdminCall = Callable[[admin_pb2_grpc.AdminServiceStub, float], Any]  # (stub, timeout_s)
+
+
+# -- the worker: many agents in one process ----------------------------------------------
+
+
+class SiteTally:
+    """What one worker's agents saw: each Connection call's outcome ("poll OK", "upload
+    UNAVAILABLE"), their warnings by message template, agents that gave up."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.calls: Counter[str] = Counter()
+        self.warnings: Counter[str] = Counter()
+        self.crashes: Counter[str] = Counter()
+        self.frozen = False  # set when the bench stops the agents: what follows is ours
+
+    def add(self, counter: Counter[str], key: str) -> None:
+        with self._lock:
+            if not self.frozen:
+                counter[key] += 1
+
+    def hook(self, conn: Connection) -> None:
+        """Count every call an agent makes through ``conn`` (its instance's methods only)."""
+        for name in COUNTED_CALLS:
+            setattr(conn, name, self._counted(name, getattr(conn, name)))
+
+    def _counted(self, name: str, call: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(call)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            try:
+                result = call(*args, **kwargs)
+            except grpc.RpcError as exc:
+                self.add(self.calls, f"{name} {exc.code().name}")
+                raise
+            except Exception as exc:  # e.g. a model whose SHA-256 does not match
+                self.add(self.calls, f"{name} {type(exc).__name__}")
+                raise
+            self.add(self.calls, f"{name} OK")
+            return result
+
+        return counted
+
+
+class WarningCounter(logging.Handler):
+    """Counts the agents' warnings and errors by message template (not by site)."""
+
+    def __init__(self, tally: SiteTally) -> None:
+        super().__init__(logging.WARNING)
+        self.tally = tally
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.tally.add(self.tally.warnings, f"{record.levelname} {record.msg}"[:120])
+
+
+def separate_connections() -> None:
+    """Give each channel of this process its own TCP connection, as a site in a process of
+    its own has: gRPC otherwise shares one among channels with the same target and options,
+    and an --insecure coordinator bounds calls per connection (--max-calls-per-admin)."""
+    plain = grpc.insecure_channel
+
+    def insecure_channel(target: str, options: Any = None, compression: Any = None) -> grpc.Channel:
+        own = [*(options or ()), ("grpc.use_local_subchannel_pool", 1)]
+        return plain(target, own, compression)
+
+    grpc.insecure_channel = insecure_channel
+
+
+def site_id(index: int) -> str:
+    return f"scale-{index:05d}"
+
+
+def make_agent(
+    address: str, index: int, tasks: dict[str, Task], tally: SiteTally, fit_delay_s: float
+) -> SiteAgent:
+    """A site as a site.toml with defaults would make it: plaintext, no state directory."""
+    data = {"samples": 32, "seed": index, "shift": 0.5 * (index % 100) / 100}
+    config = SiteConfig(
+        site_id=site_id(index),
+        coordinator=address,
+        allowed_tasks=(TASK,),
+        data={**data, "fit_delay_s": fit_delay_s},
+        threads=1,
+        insecure=True,
+    )
+    agent = SiteAgent(config, tasks=tasks)
+    tally.hook(agent.conn)
+    return agent
+
+
+def serve(agent: SiteAgent, tally: SiteTally) -> None:
+    try:
+        agent.run()
+    except Exception as exc:  # a site process would exit here; counted, the others go on
+        code = f" {exc.code().name}" if isinstance(exc, grpc.RpcError) else ""
+        tally.add(tally.crashes, f"{type(exc).__name__}{code}")
+
+
+def worker_main(args: argparse.Namespace) -> None:
+    """Build the agents, say "ready", start them on "go", stop them on "stop" (or when
+    stdin closes, or at the deadline), then write the tally to ``--stats``."""
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
+    separate_connections()
+    tally = SiteTally()
+    logging.getLogger("fedra.site").addHandler(WarningCounter(tally))
+    tasks = {TASK: load_task(TASK)}
+    indices = range(args.first, args.first + args.count)
+    agents = [make_agent(args.address, i, tasks, tally, args.fit_delay_s) for i in indices]
+    print("ready", flush=True)
+    if sys.stdin.readline().strip() != "go":
+        return
+    threads = [
+        threading.Thread(target=serve, args=(a, tally), name=a.config.site_id, daemon=True)
+        for a in agents
+    ]
+    for thread in threads:
+        thread.start()
+    stop = threading.Event()
+
+    def wait_for_stop() -> None:  # "stop", or stdin closed: the bench is gone
+        sys.stdin.readline()
+        stop.set()
+
+    threading.Thread(target=wait_for_stop, daemon=True).start()
+    stop.wait(args.timeout_s)
+    finish(agents, threads, tally, args.stats)
+
+
+def finish(
+    agents: list[SiteAgent], threads: list[threading.Thread], tally: SiteTally, path: Path
+) -> NoReturn:
+    """Stop the agents (what they see from here on is not counted), write the tally."""
+    tally.frozen = True
+    for agent in agents:
+        agent.shutdown()
+    end = time.monotonic() + STOP_GRACE_S / 2
+    for thread in threads:
+        thread.join(max(0.0, end - time.monotonic()))
+    stats = {
+        "calls": dict(tally.calls),
+        "warnings": dict(tally.warnings),
+        "crashes": dict(tally.crashes),
+        "rounds_done": sum(a.rounds_done for a in agents),
+        "registered": sum(a.registered for a in agents),
+        "agents_not_stopped": sum(t.is_alive() for t in threads),
+    }
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(stats))
+    tmp.replace(path)
+    # Agent threads still in a call could hold interpreter exit: the figures are written.
+    os._exit(0)
+
+
+# -- the driver ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ProcSample:
+    """A process's CPU seconds so far, resident memory and thread count."""
+
+    cpu_s: float
+    rss_kb: int
+    threads: int
+
+
+def proc_sample(pid: int) -> ProcSample:
+    stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    cpu_s = (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+    fields = dict(
+        line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+    )
+    return ProcSample(cpu_s, int(fields["VmRSS"].split()[0]), int(fields["Threads"]))
+
+
+@dataclass
+class Worker:
+    popen: subprocess.Popen[bytes]
+    stats_path: Path  # where it writes its SiteTally when it stops
+
+
+def start_workers(
+    address: str, n: int, args: argparse.Namespace, root: Path, timeout_s: float
+) -> list[Worker]:
+    """``procs`` worker processes sharing the N sites; each told its share."""
+    workers, first, procs = [], 0, max(1, min(args.procs, n))
+    for i in range(procs):
+        count = n // procs + (i < n % procs)
+        stats = root / f"worker-{i}.json"
+        command = [sys.executable, __file__, "--worker", "--address", address]
+        command += ["--first", str(first), "--count", str(count), "--stats", str(stats)]
+        command += ["--timeout-s", f"{timeout_s:.0f}", "--fit-delay-s", str(args.fit_delay_s)]
+        with (root / f"worker-{i}.log").open("ab") as log:
+            popen = subprocess.Popen(
+                command,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
+                start_new_session=True,  # a Ctrl-C reaches this process, which stops them
+            )
+        workers.append(Worker(popen, stats))
+        first += count
+    return workers
+
+
+def wait_ready(workers: list[Worker], deadline: float) -> None:
+    """Wait for every worker's "ready" line (its agents built, nothing dialled yet)."""
+    with selectors.DefaultSelector() as selector:
+        for w in workers:
+            assert w.popen.stdout is not None
+            selector.register(w.popen.stdout, selectors.EVENT_READ, w)
+        waiting = len(workers)
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{waiting} worker processes not ready in time")
+            for key, _ in selector.select(left):
+                line = key.fileobj.readline()  # type: ignore[union-attr]
+                if line.strip() != b"ready":
+                    raise ClusterError(f"a worker process exited (rc {key.data.popen.poll()})")
+                selector.unregister(key.fileobj)
+                waiting -= 1
+
+
+def tell(workers: list[Worker], word: str) -> None:
+    for w in workers:
+        if w.popen.stdin is not None and w.popen.poll() is None:
+            try:
+                w.popen.stdin.write(word.encode() + b"\n")
+                w.popen.stdin.flush()
+            except BrokenPipeError:
+                pass
+
+
+def stop_workers(workers: list[Worker]) -> list[dict[str, Any]]:
+    """Tell every worker to stop, give them STOP_GRACE_S, kill the rest; their tallies."""
+    tell(workers, "stop")
+    end = time.monotonic() + STOP_GRACE_S
+    for w in workers:
+        try:
+            w.popen.wait(max(0.1, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            w.popen.kill()
+            w.popen.wait()
+        for stream in (w.popen.stdin, w.popen.stdout):
+            if stream is not None:
+                stream.close()
+    found = []
+    for w in workers:
+        try:
+            found.append(json.loads(w.stats_path.read_text()))
+        except (OSError, ValueError):
+            found.append({"missing": True})
+    return found
+
+
+class Sampler(threading.Thread):
+    """The coordinator's CPU, RSS and threads every SAMPLE_S, each with its wall-clock time
+    (the coordinator's round ledger is in the same clock)."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(name="proc-sampler", daemon=True)
+        self.pid = pid
+        self.samples: list[tuple[float, ProcSample]] = []
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        while not self._halt.wait(SAMPLE_S):
+            try:
+                self.samples.append((time.time(), proc_sample(self.pid)))
+            except (OSError, KeyError):  # the coordinator is gone: the run's wait says so
+                return
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join()
+
+    def at(self, unix_s: float) -> ProcSample | None:
+        """The first sample taken at or after ``unix_s``; else the last one."""
+        after = [sample for t, sample in self.samples if t >= unix_s]
+        return after[0] if after else (self.samples[-1][1] if self.samples else None)
+
+    def peak(self) -> ProcSample:
+        """The most RSS and threads seen (and the CPU seconds of the last sample)."""
+        taken = [sample for _, sample in self.samples] or [ProcSample(0.0, 0, 0)]
+        rss, threads = max(x.rss_kb for x in taken), max(x.threads for x in taken)
+        return ProcSample(taken[-1].cpu_s, rss, threads)
+
+
+class AdminProbe(threading.Thread):
+    """One admin call ``hz`` times a second on a channel of its own, timed and its
+    failures counted by status code; the last answer kept."""
+
+    def __init__(self, address: str, name: str, call: AdminCall, hz: float) -> None:
+        super().__init__(name=f"probe-{name}", daemon=True)
+        self.address, self.call_name, self.call, self.period_s = address, name, call, 1.0 / hz
+        self.latency_ms: list[float] = []
+        self.errors: Counter[str] = Counter()
+        self.last: Any = None
+        self._halt = threading.Event()
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(ADMIN_CALL_TIMEOUT_S * 2)
+
+    def run(self) -> None:
+        with AdminClient(self.address) as admin:
+            next_at = time.monotonic()
+            while not self._halt.is_set():
+                started = time.perf_counter()
+                try:
+                    self.last = self.call(admin.stub, ADMIN_CALL_TIMEOUT_S)
+                    self.latency_ms.append((time.perf_counter() - started) * 1000)
+                except grpc.RpcError as exc:
+                    self.errors[f"{self.call_name} {exc.code().name}"] += 1
+                next_at = max(next_at + self.period_s, time.monotonic() - self.period_s)
+                self._halt.wait(max(0.0, next_at - time.monotonic()))
+
+    def figures(self) -> dict[str, Any]:
+        values = self.latency_ms
+        return {
+            "calls": len(values),
+            "p50_ms": percentile(values, 0.5),
+            "p99_ms": percentile(values, 0.99),
+        }
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The nearest-rank ``q`` quantile (0 < q <= 1), None without values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def make_spec(n: int, rounds: int, deadline_s: float) -> RunSpec:
+    return RunSpec(
+        task=TASK,
+        rounds=rounds,
+        name=f"scale-n{n}",
+        sites_per_round=n,
+        min_sites=n,
+        round_deadline_s=deadline_s,
+        join_timeout_s=deadline_s,
+        seed=0,
+        train=TrainSpec(local_steps=1, batch_size=16, learning_rate=0.05),
+    ).validate()
+
+
+def wait_online(cluster: LocalCluster, n: int, deadline: float) -> tuple[float | None, int]:
+    """Seconds until ListSites shows ``n`` sites online (None: not by the deadline), and
+    how many it showed last."""
+    started, online = time.monotonic(), 0
+    assert cluster.coordinator is not None
+    with cluster.admin() as admin:
+        while time.monotonic() < deadline:
+            if not cluster.coordinator.alive():
+                raise ClusterError(f"the coordinator exited:\n{cluster.coordinator.log_tail()}")
+            # A slow ListSites is tried again: the admin probe's figures are the ones that count.
+            with contextlib.suppress(grpc.RpcError):
+                online = sum(s.online for s in admin.sites())
+            if online >= n:
+                return time.monotonic() - started, online
+            time.sleep(0.2)  # polling a readiness condition, with a deadline
+    return None, online
+
+
+def round_figures(status: admin_pb2.RunStatus) -> dict[str, Any]:
+    """Rounds 1.. as committed (or not), each with its attempt number and duration."""
+    rounds: list[dict[str, Any]] = [
+        {
+            "number": r.number,
+            "attempt": r.attempt,
+            "status": r.status,
+            "updates": r.updates,
+            "duration_s": r.duration_s,
+            "opened_unix_s": r.opened_unix_s,
+            "closed_unix_s": r.closed_unix_s,
+            "stages": dict(r.stages),
+        }
+        for r in status.rounds
+    ]
+    training = [r for r in rounds if r["number"] >= 1]
+    committed = [r for r in training if r["status"] == "committed"]
+    durations = [float(r["duration_s"]) for r in committed]
+    problems: Counter[str] = Counter(
+        f"{p.status}: {p.error}"[:120]
+        for r in status.rounds
+        for p in r.participations
+        if p.status != "accepted"
+    )
+    ordered = sorted(rounds, key=lambda r: r["number"])
+    gaps = [b["opened_unix_s"] - a["closed_unix_s"] for a, b in itertools.pairwise(ordered)]
+    closes = [r["closed_unix_s"] for r in rounds if r["closed_unix_s"]]
+    return {
+        "state": status.state,
+        "reason": status.reason,
+        "run_s": max(closes) - ordered[0]["opened_unix_s"] if closes else None,
+        "between_rounds_s": gaps,
+        "committed": len(committed),
+        "first_attempt": sum(r["attempt"] == 1 for r in committed),
+        "round_s_median": statistics.median(durations) if durations else None,
+        "round_s_max": max(durations) if durations else None,
+        "participation_problems": dict(problems),
+        "rounds": rounds,
+    }
+
+
+def wait_finished(probe: AdminProbe, coordinator: ManagedProcess, deadline: float) -> bool:
+    """Whether the GetRun probe saw the run end before the deadline (or the coordinator
+    exit)."""
+    while time.monotonic() < deadline and coordinator.alive():
+        if probe.last is not None and probe.last.state in DONE:
+            return True
+        time.sleep(SAMPLE_S)  # polling what the probe last saw, with a deadline
+    return False
+
+
+def probe_admin(
+    cluster: LocalCluster, run_id: str, hz: float, deadline: float
+) -> tuple[bool, dict[str, Any]]:
+    """ListSites and GetRun, each on a thread of its own, until the run ends: whether it
+    ended in time, and the calls' figures."""
+    assert cluster.coordinator is not None
+    get_run = admin_pb2.GetRunRequest(run_id=run_id, page=True)
+    calls: dict[str, AdminCall] = {
+        "ListSites": lambda stub, t: stub.ListSites(admin_pb2.ListSitesRequest(), timeout=t),
+        "GetRun": lambda stub, t: stub.GetRun(get_run, timeout=t),
+    }
+    probes = {name: AdminProbe(cluster.address, name, call, hz) for name, call in calls.items()}
+    for probe in probes.values():
+        probe.start()
+    try:
+        finished = wait_finished(probes["GetRun"], cluster.coordinator, deadline)
+    finally:
+        for probe in probes.values():
+            probe.stop()
+    errors: Counter[str] = Counter()
+    for probe in probes.values():
+        errors.update(probe.errors)
+    figures = {"admin": {name: p.figures() for name, p in probes.items()}}
+    return finished, {**figures, "admin_errors": dict(errors)}
+
+
+def read_rounds(cluster: LocalCluster, run_id: str) -> dict[str, Any]:
+    """The run's rounds as the coordinator recorded them (read once its sites stopped)."""
+    try:
+        with cluster.admin() as admin:
+            return round_figures(admin.status(run_id))
+    except grpc.RpcError as exc:
+        figures: dict[str, Any] = {"state": f"unknown (GetRun {exc.code().name})"}
+        figures.update(committed=0, first_attempt=0, participation_problems={}, rounds=[])
+        return figures
+
+
+def merge_tallies(stats: list[dict[str, Any]]) -> dict[str, Any]:
+    calls: Counter[str] = Counter()
+    warnings: Counter[str] = Counter()
+    crashes: Counter[str] = Counter()
+    for s in stats:
+        calls.update(s.get("calls", {}))
+        warnings.update(s.get("warnings", {}))
+        crashes.update(s.get("crashes", {}))
+    errors: Counter[str] = Counter()
+    for key, count in calls.items():
+        code = key.split()[1]
+        if code != "OK":
+            errors[code] += count
+    return {
+        "errors_by_code": dict(errors),
+        "calls": dict(sorted(calls.items())),
+        "warnings": dict(warnings),
+        "agents_crashed": dict(crashes),
+        "rounds_done": sum(s.get("rounds_done", 0) for s in stats),
+        "registered": sum(s.get("registered", 0) for s in stats),
+        "agents_not_stopped": sum(s.get("agents_not_stopped", 0) for s in stats),
+        "workers_missing_figures": sum(bool(s.get("missing")) for s in stats),
+    }
+
+
+@contextmanager
+def database(db: str) -> Iterator[str | None]:
+    """None (SQLite in the state directory), or a fresh PostgreSQL database under ``db``."""
+    if db == "sqlite":
+        yield None
+        return
+    from sqlalchemy import create_engine, text  # noqa: PLC0415 - PostgreSQL runs only
+    from sqlalchemy.engine import make_url  # noqa: PLC0415
+    from sqlalchemy.pool import NullPool  # noqa: PLC0415
+
+    url = make_url(db)
+    name = f"scale_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(url, isolation_level="AUTOCOMMIT", poolclass=NullPool)
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield url.set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+class Measurement:
+    """One N's figures as they come in, and when each stage of it ended."""
+
+    def __init__(self, n: int, args: argparse.Namespace) -> None:
+        self.n, self.args = n, args
+        self.started = time.monotonic()
+        self.deadline = self.started + args.timeout_s
+        procs = max(1, min(args.procs, n))
+        self.result: dict[str, Any] = {"sites": n, "procs": procs, "rounds_requested": args.rounds}
+        self.result["timeline_s"] = {}  # seconds from the start of this N
+
+    def reached(self, stage: str) -> None:
+        self.result["timeline_s"][stage] = round(time.monotonic() - self.started, 2)
+
+    def connect(self, cluster: LocalCluster, root: Path, workers: list[Worker]) -> None:
+        """Start the worker processes (into ``workers``), and their agents once all are
+        built; wait until every site is online."""
+        assert cluster.coordinator is not None
+        r, n, pid = self.result, self.n, cluster.coordinator.pid
+        r["idle"] = asdict(idle := proc_sample(pid))
+        left = self.deadline - time.monotonic()
+        workers += start_workers(cluster.address, n, self.args, root, left + 60.0)
+        r["pids"] = [pid, *(w.popen.pid for w in workers)]
+        wait_ready(workers, self.deadline)
+        self.reached("agents_built")
+        tell(workers, "go")
+        r["register_s"], r["online_seen"] = wait_online(cluster, n, self.deadline)
+        self.reached("all_online")
+        r["connected"] = asdict(connected := proc_sample(pid))
+        r["rss_growth_kb_per_site"] = (connected.rss_kb - idle.rss_kb) / n
+        r["register_cpu_ms_per_site"] = 1000 * (connected.cpu_s - idle.cpu_s) / n
+        if r["register_s"] is None:
+            raise TimeoutError(f"only {r['online_seen']} of {n} sites online in time")
+
+    def run(self, cluster: LocalCluster, workers: list[Worker]) -> None:
+        """The run over all sites, probed until it ends; then the sites stop (emptying
+        ``workers``), their figures are in, and the rounds are read, faster without them."""
+        assert cluster.coordinator is not None
+        sampler = Sampler(cluster.coordinator.pid)
+        sampler.start()
+        try:
+            before = proc_sample(cluster.coordinator.pid)
+            with cluster.admin() as admin:
+                spec = make_spec(self.n, self.args.rounds, self.args.round_deadline_s)
+                submitted = time.time()
+                run_id = admin.submit(spec)
+                submit_s = time.time() - submitted
+            finished, self.result["run"] = probe_admin(
+                cluster, run_id, self.args.admin_hz, self.deadline
+            )
+            self.reached("run_ended")
+            self.result["site_calls"] = merge_tallies(stop_workers(workers))
+            workers.clear()
+            self.reached("sites_stopped")
+        finally:
+            sampler.stop()
+        run = self.result["run"]
+        run.update(read_rounds(cluster, run_id), finished_in_time=finished, submit_s=submit_s)
+        opened = [r["opened_unix_s"] for r in run["rounds"]]
+        run["submit_to_round_0_s"] = min(opened) - submitted if opened else None
+        self.reached("rounds_read")
+        self._cpu(before, sampler)
+        if not finished:
+            late = f"the run did not end within --timeout-s {self.args.timeout_s:g}"
+            gone = "the coordinator exited during the run"
+            self.result["failure"] = late if cluster.coordinator.alive() else gone
+
+    def _cpu(self, before: ProcSample, sampler: Sampler) -> None:
+        """CPU from just before the run was submitted to its last commit."""
+        run = self.result["run"]
+        closed = [r["closed_unix_s"] for r in run["rounds"] if r["status"] == "committed"]
+        after = sampler.at(max(closed)) if closed else None
+        cpu_s = None if after is None else after.cpu_s - before.cpu_s
+        run["coordinator_cpu_s"] = cpu_s
+        per = None if cpu_s is None else 1000 * cpu_s / (self.n * self.args.rounds)
+        run["cpu_ms_per_site_round"] = per
+        run["peak"] = asdict(sampler.peak())
+
+
+def measure(n: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One coordinator and ``n`` sites, everything stopped and removed before it returns."""
+    m = Measurement(n, args)
+    with ExitStack() as stack:
+        root = args.work_dir / f"n{n}" if args.work_dir else None
+        if root is None:
+            root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fedra-scale-")))
+        root.mkdir(parents=True, exist_ok=True)
+        db_url = stack.enter_context(database(args.db))
+        cluster = stack.enter_context(LocalCluster(root / "coordinator", secure=False))
+        workers: list[Worker] = []
+        try:
+            cluster.start_coordinator(db_url=db_url, timeout_s=120.0)
+            m.reached("coordinator_ready")
+            m.connect(cluster, root, workers)
+            m.run(cluster, workers)
+        except (ClusterError, TimeoutError, OSError, grpc.RpcError) as exc:
+            m.result["failure"] = f"{type(exc).__name__}: {exc}"
+            if cluster.coordinator is not None:
+                m.result["coordinator_log_tail"] = cluster.coordinator.log_tail(15)
+        finally:
+            if workers or "site_calls" not in m.result:
+                m.result["site_calls"] = merge_tallies(stop_workers(workers))
+    m.result["aims"] = judge(m.result)
+    return m.result
+
+
+def judge(r: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each aim with the figure it is judged on and whether it is met at this N."""
+    run = r.get("run", {})
+    admin = run.get("admin", {})
+    p99s = [a["p99_ms"] for a in admin.values() if a["p99_ms"] is not None]
+    values: dict[str, Any] = {
+        "first_attempt": run.get("first_attempt"),
+        "cpu": run.get("cpu_ms_per_site_round") if run.get("finished_in_time") else None,
+        "admin_p99": max(p99s) if p99s else None,
+        "rss": r.get("rss_growth_kb_per_site") if r.get("register_s") is not None else None,
+    }
+    met = {
+        "first_attempt": values["first_attempt"] == r["rounds_requested"],
+        "cpu": values["cpu"] is not None and values["cpu"] <= AIM_CPU_MS,
+        "admin_p99": values["admin_p99"] is not None and values["admin_p99"] <= AIM_ADMIN_P99_MS,
+        "rss": values["rss"] is not None and values["rss"] < AIM_RSS_KB,
+    }
+    return [
+        {"aim": key, "text": text, "stated_for_sites": at, "value": values[key], "met": met[key]}
+        for key, text, at in AIMS
+    ]
+
+
+def _ms(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f} ms"
+
+
+def _kb(sample: dict[str, Any] | None) -> str:
+    return "-" if sample is None else f"{sample['rss_kb'] / 1024:.0f} MB, {sample['threads']} thr"
+
+
+def print_result(r: dict[str, Any]) -> None:
+    n, run, sites = r["sites"], r.get("run", {}), r["site_calls"]
+    print(f"\nN={n} ({r['procs']} worker processes, {r['rounds_requested']} rounds):")
+    reg = r.get("register_s")
+    shown = f"{reg:.1f} s" if reg is not None else f"NOT all: {r.get('online_seen')} online"
+    print(f"  register: all {n} online in {shown}", end="")
+    print(f" (coordinator {r.get('register_cpu_ms_per_site', 0):.2f} ms CPU per site)")
+    if run:
+        print(
+            f"  run {run['state']}: {run['committed']}/{r['rounds_requested']} rounds committed, "
+            f"{run.get('first_attempt', 0)} on their first attempt; round time median "
+            f"{run.get('round_s_median') or 0:.2f} s, max {run.get('round_s_max') or 0:.2f} s"
+        )
+        print(f"  coordinator CPU {_ms(run['cpu_ms_per_site_round'], 2)} per site per round")
+        gaps = ", ".join(f"{g:.1f}" for g in run.get("between_rounds_s", []))
+        print(f"  run {run.get('run_s') or 0:.1f} s from round 0 opening to the last commit "
+              f"(SubmitRun took {run['submit_s']:.2f} s, round 0 opened "
+              f"{run.get('submit_to_round_0_s') or 0:.2f} s after it was sent); s from a commit "
+              f"to the next round opening: {gaps or '-'}")  # fmt: skip
+        for name, a in run["admin"].items():
+            print(f"  admin {name}: p50 {_ms(a['p50_ms'])}, p99 {_ms(a['p99_ms'])}, "
+                  f"{a['calls']} calls")  # fmt: skip
+        for problem, count in sorted(run["participation_problems"].items())[:5]:
+            print(f"  participations {problem}: {count}")
+    print(f"  coordinator RSS, threads: idle {_kb(r.get('idle'))}; connected "
+          f"{_kb(r.get('connected'))}; peak in the run {_kb(run.get('peak'))}; growth "
+          f"{r.get('rss_growth_kb_per_site', 0):.1f} kB per connected site")  # fmt: skip
+    failed = {k: v for k, v in sites["calls"].items() if not k.endswith(" OK")}
+    print(f"  site errors by code: {sites['errors_by_code'] or 'none'} (by call: "
+          f"{failed or 'none'}); admin errors: {run.get('admin_errors') or 'none'}; "
+          f"agents crashed: {sites['agents_crashed'] or 'none'}")  # fmt: skip
+    stages = ", ".join(f"{k} {v:g}" for k, v in r["timeline_s"].items())
+    print(f"  timeline (s from start): {stages}")
+    for text, count in sorted(sites["warnings"].items(), key=lambda kv: -kv[1])[:5]:
+        print(f"  site log x{count}: {text}")
+    if "failure" in r:
+        print(f"  FAILED: {r['failure']}")
+        for line in r.get("coordinator_log_tail", "").splitlines()[-5:]:
+            print(f"    coordinator: {line}")
+    for aim in r["aims"]:
+        verdict = "met" if aim["met"] else "NOT MET"
+        at = aim["stated_for_sites"]
+        where = "" if at is None or at == n else f" (stated for N={at}; here for reference)"
+        print(f"  aim: {aim['text']}: {verdict} ({_aim_value(aim, r)}){where}")
+
+
+def _aim_value(aim: dict[str, Any], r: dict[str, Any]) -> str:
+    value = aim["value"]
+    if value is None:
+        return "not measured"
+    if aim["aim"] == "first_attempt":
+        return f"{value}/{r['rounds_requested']} rounds"
+    return f"{value:.1f} {'kB' if aim['aim'] == 'rss' else 'ms'}"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sites", default="100,1000", help="comma-separated N, e.g. 100,1000")
+    parser.add_argument("--rounds", type=int, default=3, help="training rounds after round 0")
+    parser.add_argument("--procs", type=int, default=4, help="worker processes hosting sites")
+    parser.add_argument("--db", default="sqlite", help="sqlite, or a PostgreSQL URL under "
+                        "which a fresh database is made for each N")  # fmt: skip
+    parser.add_argument("--out", type=Path, help="write the figures here as JSON")
+    parser.add_argument("--timeout-s", type=float, default=900.0, help="per N, all included")
+    parser.add_argument("--round-deadline-s", type=float, default=300.0)
+    parser.add_argument("--admin-hz", type=float, default=4.0, help="ListSites and GetRun")
+    parser.add_argument("--work-dir", type=Path, help="keep state and logs here (default: temp)")
+    parser.add_argument(
+        "--fit-delay-s",
+        type=float,
+        default=0.0,
+        help="each site's training sleeps this long first (the synthetic task's fit_delay_s); "
+        "past the heartbeat interval (5 s) every site heartbeats during its task",
+    )
+    # The worker's own flags: not for people.
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--address", help=argparse.SUPPRESS)
+    parser.add_argument("--first", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--count", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--stats", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if not args.worker:
+        args.sizes = [int(s) for s in args.sites.split(",") if s.strip()]
+        if not args.sizes or min(args.sizes) < 1 or args.rounds < 1 or args.procs < 1:
+            parser.error("--sites, --rounds and --procs must be positive")
+        if args.db != "sqlite" and not args.db.startswith("postgresql"):
+            parser.error("--db: sqlite or a postgresql URL")
+    return args
+
+
+def _interrupted(signum: int, frame: FrameType | None) -> NoReturn:
+    raise KeyboardInterrupt  # SIGTERM cleans up as Ctrl-C does
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        worker_main(args)
+        return 0
+    signal.signal(signal.SIGTERM, _interrupted)
+    results: list[dict[str, Any]] = []
+    interrupted = False
+    try:
+        for n in args.sizes:
+            results.append(measure(n, args))
+            print_result(results[-1])
+    except KeyboardInterrupt:
+        interrupted = True
+        print("\ninterrupted: everything started was stopped", file=sys.stderr)
+    if args.out:
+        doc = {"results": results, "interrupted": interrupted, "db": args.db.split("://")[0]}
+        doc["cpus"], doc["load_average"] = os.cpu_count(), os.getloadavg()[0]
+        args.out.write_text(json.dumps(doc, indent=2) + "\n")
+    return 130 if interrupted else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

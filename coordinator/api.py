@@ -1,0 +1,298 @@
+"""The coordinator's front door: what the servicers call, as coroutines.
+
+The domain (``Engine``, the round drivers, uploads, folding, storage) is plain blocking
+code under the engine's lock. This module is the one place where the event-driven
+server meets it:
+
+* every step that takes the lock, touches the database or the disk, hashes or folds
+  runs in one bounded executor (``workers`` threads), one short step at a time;
+* a call that waits (a long poll, a secure-aggregation stage, a watch) parks a
+  ``Ticket`` (``wakeups``) and holds no thread while it waits: the engine wakes the
+  ticket of exactly who must look again;
+* a transfer waits for its peer's next chunk without a thread, and only the chunk's
+  hashing and spooling (or reading) runs in the executor.
+
+Nothing here knows gRPC: servicers turn messages into these calls and results back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Generator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
+from typing import Any, TypeVar
+
+from fedra.coordinator import secure, uploads
+from fedra.coordinator.engine import Engine, EngineSettings, TaskView
+from fedra.coordinator.wakeups import Ticket, run_key, site_key, stage_key
+from fedra.faults import crash_point
+from fedra.protos.codec import Buffer, transfer_chunk_bytes
+from fedra.runspec import RunSpec
+
+log = logging.getLogger("fedra.coordinator")
+T = TypeVar("T")
+DEFAULT_WORKERS = 32  # threads for blocking steps; waiting calls hold none
+
+
+class CoordinatorAPI:
+    """Async access to one engine; every method is a coroutine run on the server's loop."""
+
+    def __init__(self, engine: Engine, workers: int = DEFAULT_WORKERS) -> None:
+        self.engine = engine
+        self.executor = ThreadPoolExecutor(workers, thread_name_prefix="fedra-work")
+
+    @property
+    def settings(self) -> EngineSettings:
+        return self.engine.settings
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in the executor. It runs to its end even if the caller is
+        cancelled meanwhile (the cancellation is raised once it has), so that what it
+        did is known to the caller's clean-up."""
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(self.executor, functools.partial(fn, *args))
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            with suppress(BaseException):
+                await asyncio.shield(future)
+            raise
+
+    def later(self, fn: Callable[..., object], *args: Any) -> None:
+        """``fn(*args)`` in the executor, not waited for (clean-up of a cancelled call)."""
+        with suppress(RuntimeError):  # shut down: the engine is stopping anyway
+            self.executor.submit(fn, *args)
+
+    # -- sites -----------------------------------------------------------------
+
+    async def register(self, site_id: str, tasks: list[str], version: str) -> None:
+        await self.call(self.engine.register, site_id, tasks, version)
+
+    async def heartbeat(self, site_id: str, task_id: str) -> bool:
+        return await self.call(self.engine.heartbeat, site_id, task_id)
+
+    async def poll(self, site_id: str, timeout_s: float) -> TaskView | None:
+        """The site's task, waiting up to ``timeout_s`` for one. A caller that hangs up
+        (the call is cancelled) is offline at once, not when its poll would have ended."""
+        engine = self.engine
+        deadline = time.monotonic() + max(0.0, min(timeout_s, engine.settings.poll_timeout_s))
+        began = await self.call(engine.poll_begin, site_id)
+        gone = True
+        try:
+            while True:
+                ticket = engine.wakeups.ticket(site_key(site_id))
+                view = await self._look(ticket, engine.task_for, site_id)
+                remaining = deadline - time.monotonic()
+                if view is not None or remaining <= 0 or engine.stopping:
+                    ticket.discard()
+                    gone = False
+                    return view
+                await ticket.wait(remaining)
+        finally:
+            if gone:  # cancelled: the caller hung up (or the daemon is stopping)
+                self.later(engine.poll_end, site_id, began, True)
+            else:
+                await self.call(engine.poll_end, site_id, began, False)
+
+    async def _look(self, ticket: Ticket, fn: Callable[..., T], *args: Any) -> T:
+        try:
+            return await self.call(fn, *args)
+        except BaseException:
+            ticket.discard()
+            raise
+
+    async def download(
+        self, site_id: str, task_id: str, delta: bool, frame: Callable[[int], bytes]
+    ) -> AsyncIterator[bytes]:
+        """The task's model (or compressed step), each chunk led by ``frame(len)``."""
+        engine = self.engine
+        digest, size, base = await self.call(engine.open_download, site_id, task_id, delta)
+        started, sent = time.monotonic(), 0  # sent: handed to gRPC, frames included
+        try:
+            async for data in self.read_model(digest, size, frame):
+                if sent:  # the first chunk has gone out
+                    crash_point("mid_download", base)
+                sent += len(data)
+                yield data
+                del data  # not held while the next one is read
+        except BaseException:  # cancelled, failed, or closed by gRPC: what went out is cut
+            engine.downloads.abandoned(task_id, min(sent, size))
+            raise
+        await self.call(engine.record_download, task_id, size, time.monotonic() - started, base)
+
+    async def read_model(
+        self, digest: str, size: int, frame: Callable[[int], bytes]
+    ) -> AsyncIterator[bytes]:
+        """A stored model in chunks sized to it (codec.transfer_chunk_bytes), so that a
+        stream holds a fraction of it, each read in the executor."""
+        chunk = transfer_chunk_bytes(size, self.engine.settings.chunk_bytes)
+        chunks = self.engine.models.read_chunks(digest, chunk, frame=frame)
+        assert isinstance(chunks, Generator)
+        try:
+            while (data := await self.call(next, chunks, None)) is not None:
+                yield data
+                del data
+        finally:
+            self.later(chunks.close)
+
+    async def upload(
+        self,
+        header: uploads.UpdateHeader,
+        chunks: AsyncIterator[Buffer],
+        started: Callable[[], None] = lambda: None,
+    ) -> int:
+        """Receive an update: checked, spooled, durably accepted and folded before this
+        returns the bytes it counted. ``started`` is called once the round holds it."""
+        engine, held = self.engine, _Held()
+        try:
+            await self.call(held.begin, engine, header)
+        except uploads.AlreadyAccepted as done:
+            return done.nbytes
+        except BaseException:
+            if held.ticket is not None:  # begun, then cancelled
+                engine.downloads.ended(header.task_id)
+                self.later(_give_back, engine, held)
+            raise
+        ticket, ledger = held.ticket, engine.downloads  # pending there until it ends
+        assert ticket is not None
+        task_id, size = header.task_id, header.payload_bytes
+        started()
+        received = 0
+        try:
+            await self.call(held.open, engine)
+            async for data in chunks:
+                received += len(data)
+                await self.call(held.feed, data)
+                del data  # not held while the next message is received
+            digest = await self.call(held.finish)
+        except BaseException:  # cut off or refused: what arrived crossed the wire for nothing
+            ledger.ended(task_id, received)
+            self.later(_give_back, engine, held)
+            raise
+        try:
+            await self.call(uploads.accept, engine, ticket, digest, size)
+        except asyncio.CancelledError:
+            raise  # accept ran to its end: the site's retry is answered from what it did
+        except BaseException:  # refused whole (too late, say): all of it for nothing
+            ledger.ended(task_id, size)
+            raise
+        ledger.ended(task_id)
+        return size
+
+    async def report_failure(self, site_id: str, task_id: str, reason: str) -> None:
+        await self.call(self.engine.report_failure, site_id, task_id, reason)
+
+    # -- secure aggregation: each stage call posts, then waits for the stage to close -----
+
+    async def secagg_keys(
+        self,
+        site_id: str,
+        task_id: str,
+        public_keys: bytes,
+        signature: bytes,
+        verify: Callable[[bytes, bytes], bytes],
+        wait_s: float,
+    ) -> tuple[bool, dict[str, tuple[bytes, bytes, bytes]]]:
+        post = functools.partial(secure.post_keys, self.engine, site_id, task_id)
+        await self.call(post, public_keys, signature, verify)
+        return await self._stage(site_id, task_id, secure.keys_answer, wait_s)
+
+    async def secagg_shares(
+        self, site_id: str, task_id: str, ciphertexts: dict[str, bytes], wait_s: float
+    ) -> tuple[bool, dict[str, bytes]]:
+        await self.call(secure.post_shares, self.engine, site_id, task_id, ciphertexts)
+        return await self._stage(site_id, task_id, secure.shares_answer, wait_s)
+
+    async def secagg_unmask(
+        self, site_id: str, task_id: str, wait_s: float
+    ) -> tuple[bool, tuple[list[str], list[str]]]:
+        await self.call(secure.check_unmask, self.engine, site_id, task_id)
+        return await self._stage(site_id, task_id, secure.unmask_answer, wait_s)
+
+    async def secagg_reveal(self, site_id: str, task_id: str, shares: dict[str, bytes]) -> None:
+        await self.call(secure.reveal, self.engine, site_id, task_id, shares)
+
+    async def _stage(
+        self,
+        site_id: str,
+        task_id: str,
+        answer: Callable[[Engine, str, str], tuple[bool, T]],
+        wait_s: float,
+    ) -> tuple[bool, T]:
+        """``answer`` once it is ready, or not ready after ``wait_s`` (at most
+        STAGE_WAIT_CAP_S); woken when the run's attempt or stage moves."""
+        engine = self.engine
+        deadline = time.monotonic() + max(0.0, min(wait_s, secure.STAGE_WAIT_CAP_S))
+        run_id = await self.call(secure.stage_id, engine, site_id, task_id)
+        while True:
+            ticket = engine.wakeups.ticket(stage_key(run_id))
+            ready, found = await self._look(ticket, answer, engine, site_id, task_id)
+            remaining = deadline - time.monotonic()
+            if ready or remaining <= 0 or engine.stopping:
+                ticket.discard()
+                return ready, found
+            await ticket.wait(remaining)
+
+    # -- admin -----------------------------------------------------------------
+
+    async def submit(self, spec: RunSpec) -> tuple[str, list[str]]:
+        return await self.call(self.engine.submit, spec)
+
+    async def cancel(self, run_id: str) -> str:
+        return await self.call(self.engine.cancel, run_id)
+
+    async def changes(self, run_id: str, interval_s: float, gap_s: float) -> AsyncIterator[None]:
+        """Yields when the run may have changed: at once, then after each change (at most
+        once per ``gap_s``, so a burst of changes is one look) or every ``interval_s``."""
+        engine = self.engine
+        while not engine.stopping:
+            ticket = engine.wakeups.ticket(run_key(run_id))
+            looked = time.monotonic()
+            try:
+                yield
+            except BaseException:
+                ticket.discard()
+                raise
+            await ticket.wait(interval_s)
+            rest = gap_s - (time.monotonic() - looked)
+            if rest > 0 and not engine.stopping:
+                await asyncio.sleep(rest)
+
+
+class _Held:
+    """An upload's state across its executor steps, so that a cancelled call's clean-up
+    knows what each step did even when the step finished after the cancellation."""
+
+    def __init__(self) -> None:
+        self.ticket: uploads.UploadTicket | None = None
+        self.receiver: uploads.Receiver | None = None
+
+    def begin(self, engine: Engine, header: uploads.UpdateHeader) -> None:
+        self.ticket = uploads.begin_upload(engine, header)
+
+    def open(self, engine: Engine) -> None:
+        assert self.ticket is not None
+        self.receiver = uploads.Receiver(engine, self.ticket)
+
+    def feed(self, data: Buffer) -> None:
+        assert self.receiver is not None
+        self.receiver.feed(data)
+
+    def finish(self) -> str:
+        assert self.receiver is not None
+        return self.receiver.finish()
+
+
+def _give_back(engine: Engine, held: _Held) -> None:
+    """An upload that did not complete: its spool file goes, its task is the site's again."""
+    if held.receiver is not None:
+        held.receiver.discard()
+    if held.ticket is not None:
+        uploads.abort_upload(engine, held.ticket)

@@ -1,0 +1,98 @@
+"""Group commit: the writes calls wait on, batched into one synced transaction each.
+
+An accepted update (and a site's registration) must be durable before its call is
+answered, and on SQLite with ``synchronous=FULL`` every commit is an fsync: one per
+update made a round of a thousand sites a thousand fsyncs in a row. Here each waiting
+write is queued; one thread takes everything queued, writes it in one transaction
+(``Store.write_batch``, a savepoint per write so that one refused write is undone
+alone), commits once, and only then lets each caller go on. The promise is unchanged
+(a write is acknowledged only once it is durable); a batch is as large as what arrived
+while the previous one was being committed, so an idle coordinator waits for nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future
+
+from fedra.storage import Store
+from fedra.storage.store import WriteOp
+
+log = logging.getLogger("fedra.coordinator")
+MAX_BATCH = 1024  # writes in one transaction, at most
+
+
+class GroupCommit:
+    """A writer thread for ``store``; ``write`` blocks until its write is durable."""
+
+    def __init__(self, store: Store, max_batch: int = MAX_BATCH) -> None:
+        self.store, self.max_batch = store, max_batch
+        self._cond = threading.Condition()
+        self._queue: list[tuple[WriteOp, Future[None]]] = []
+        self._closing = False
+        self.batches = 0  # transactions committed
+        self.writes = 0  # writes in them
+        self._thread = threading.Thread(target=self._run, name="group-commit", daemon=True)
+        self._thread.start()
+
+    def write(self, op: WriteOp) -> None:
+        """Run ``op`` in the next batch and return once that batch is committed; raises
+        the op's own refusal (DuplicateError, ...) or the batch's failure."""
+        done: Future[None] = Future()
+        with self._cond:
+            closing = self._closing
+            if not closing:
+                self._queue.append((op, done))
+                self._cond.notify()
+        if closing:  # stopping: written here, alone
+            [error] = self.store.write_batch([op])
+            if error is not None:
+                raise error
+            return
+        done.result()
+
+    def write_later(self, op: WriteOp) -> None:
+        """Run ``op`` in the next batch without waiting for it (a failure is logged)."""
+        done: Future[None] = Future()
+        done.add_done_callback(_log_failure)
+        with self._cond:
+            if self._closing:
+                return  # stopping: whoever closes writes what must survive
+            self._queue.append((op, done))
+            self._cond.notify()
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Commit what is queued and stop the thread."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: bool(self._queue) or self._closing)
+                batch = self._queue[: self.max_batch]
+                del self._queue[: len(batch)]
+                if not batch:
+                    return  # closing, and nothing left
+            try:
+                errors = self.store.write_batch([op for op, _ in batch])
+            except BaseException as exc:  # nothing of the batch was written
+                for _, done in batch:
+                    done.set_exception(exc)
+                continue
+            self.batches += 1
+            self.writes += len(batch)
+            for (_, done), error in zip(batch, errors, strict=True):
+                if error is None:
+                    done.set_result(None)
+                else:
+                    done.set_exception(error)
+
+
+def _log_failure(done: Future[None]) -> None:
+    error = done.exception()
+    if error is not None:
+        log.warning("a batched write nobody waits on failed: %s", error)

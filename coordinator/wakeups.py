@@ -1,0 +1,120 @@
+"""Waiting without a thread: calls that wait park an asyncio future under a key.
+
+A long poll waits under its site's key, a secure-aggregation stage call or a run watch
+under its run's key. The engine (any thread) wakes a key when what its waiters wait
+for may have changed: a round opened with the site in it, a stage closed, the run
+changed. Nobody else is woken, and nothing wakes periodically: a waiting call costs a
+future and the coroutine that awaits it, not a thread.
+
+A waiter takes its ``Ticket`` *before* it looks at the state it waits on, so a wake
+between the look and the wait is never lost: the ticket is already set when awaited.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Hashable, Iterable
+from contextlib import suppress
+
+
+def site_key(site_id: str) -> tuple[str, str]:
+    return ("site", site_id)
+
+
+def run_key(run_id: str) -> tuple[str, str]:
+    """Any change of the run (a watch waits on it)."""
+    return ("run", run_id)
+
+
+def stage_key(run_id: str) -> tuple[str, str]:
+    """A change of the run's open attempt or its secure-aggregation stage."""
+    return ("stage", run_id)
+
+
+class Ticket:
+    """One waiter's claim on a key: set by a wake from any thread, awaited on its loop."""
+
+    __slots__ = ("_board", "_future", "_keys")
+
+    def __init__(self, board: Wakeups, keys: tuple[Hashable, ...]) -> None:
+        self._future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._keys, self._board = keys, board
+
+    async def wait(self, timeout_s: float) -> bool:
+        """Wait until woken (True) or ``timeout_s`` passes (False); the ticket is spent."""
+        try:
+            if timeout_s <= 0:
+                return self._future.done()
+            with suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._future), timeout_s)
+            return self._future.done()
+        finally:
+            self._board.discard(self)
+
+    def discard(self) -> None:
+        """Not waited for after all."""
+        self._board.discard(self)
+
+    def _set(self) -> None:  # on the ticket's loop
+        if not self._future.done():
+            self._future.set_result(None)
+
+    def wake(self) -> None:  # from any thread
+        loop = self._future.get_loop()
+        if loop.is_closed():
+            return
+        with suppress(RuntimeError):  # the loop closed meanwhile: nobody waits any more
+            loop.call_soon_threadsafe(self._set)
+
+
+class Wakeups:
+    """The waiting calls, by key. Safe to wake from any thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiting: dict[Hashable, set[Ticket]] = {}
+        self._closed = False
+
+    def ticket(self, *keys: Hashable) -> Ticket:
+        """A ticket woken by a wake of any of ``keys`` (call on the waiter's loop)."""
+        ticket = Ticket(self, keys)
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                for key in keys:
+                    self._waiting.setdefault(key, set()).add(ticket)
+        if closed:  # stopping: nothing waits
+            ticket._set()
+        return ticket
+
+    def discard(self, ticket: Ticket) -> None:
+        with self._lock:
+            for key in ticket._keys:
+                waiters = self._waiting.get(key)
+                if waiters is not None:
+                    waiters.discard(ticket)
+                    if not waiters:
+                        del self._waiting[key]
+
+    def wake(self, keys: Iterable[Hashable]) -> int:
+        """Wake every ticket of ``keys``; returns how many were woken."""
+        with self._lock:
+            woken = {t for key in keys for t in self._waiting.pop(key, ())}
+        for ticket in woken:
+            ticket.wake()
+        return len(woken)
+
+    def close(self) -> None:
+        """Wake everyone, now and from now on (the daemon is stopping)."""
+        with self._lock:
+            self._closed = True
+            woken = {t for waiters in self._waiting.values() for t in waiters}
+            self._waiting.clear()
+        for ticket in woken:
+            ticket.wake()
+
+    def waiting(self) -> int:
+        """Tickets parked now (a ticket under several keys counts once)."""
+        with self._lock:
+            return len({t for waiters in self._waiting.values() for t in waiters})

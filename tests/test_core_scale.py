@@ -1,0 +1,279 @@
+"""The event-driven core's parts: waiting without threads, group commit, paged reads
+that never wait for the engine's lock."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+
+from fedra.coordinator.commits import GroupCommit
+from fedra.coordinator.engine import EngineSettings
+from fedra.coordinator.wakeups import Wakeups, site_key
+from fedra.protos.v1 import admin_pb2, site_pb2
+from fedra.runspec import RunSpec
+from fedra.storage import Store
+from fedra.storage.store import DuplicateError
+from tests.conftest import InProcessCoordinator
+
+TASK = "fedra.examples.synthetic:task"
+
+
+# -- wakeups -----------------------------------------------------------------------
+
+
+def test_a_wake_between_the_look_and_the_wait_is_not_lost() -> None:
+    board = Wakeups()
+
+    async def main() -> tuple[bool, bool, float]:
+        ticket = board.ticket(site_key("a"))  # taken before looking
+        board.wake([site_key("a")])  # what it waits for happens before it waits
+        started = time.monotonic()
+        woken = await ticket.wait(5.0)
+        other = await board.ticket(site_key("b")).wait(0.05)  # nobody wakes b
+        return woken, other, time.monotonic() - started
+
+    woken, other, took = asyncio.run(main())
+    assert woken and not other and took < 1.0
+    assert board.waiting() == 0  # spent tickets are gone
+
+
+def test_a_wake_from_another_thread_wakes_only_its_key() -> None:
+    board = Wakeups()
+
+    async def main() -> list[bool]:
+        tickets = [board.ticket(site_key(s)) for s in ("a", "b", "c")]
+        assert board.waiting() == 3
+        threading.Timer(0.05, lambda: board.wake([site_key("b")])).start()
+        return list(await asyncio.gather(*(t.wait(0.5) for t in tickets)))
+
+    assert asyncio.run(main()) == [False, True, False]
+
+
+def test_closing_wakes_everyone_now_and_later() -> None:
+    board = Wakeups()
+
+    async def main() -> tuple[bool, bool]:
+        ticket = board.ticket(site_key("a"))
+        board.close()
+        return await ticket.wait(5.0), await board.ticket(site_key("z")).wait(5.0)
+
+    assert asyncio.run(main()) == (True, True)
+
+
+# -- group commit --------------------------------------------------------------------
+
+
+def _store(tmp_path: Path) -> Store:
+    return Store(f"sqlite:///{tmp_path / 'fedra.db'}")
+
+
+def test_concurrent_writes_share_commits_and_each_is_durable_when_it_returns(
+    tmp_path: Path,
+) -> None:
+    store = _store(tmp_path)
+    commits = GroupCommit(store)
+    try:
+        sites = [f"site-{i:03d}" for i in range(200)]
+
+        def register(site: str) -> bool:
+            commits.write(store.upsert_site_op(site, ["t"], "1", 1.0))
+            return any(s.id == site for s in store.list_sites(after=site[:-1], limit=20))
+
+        with ThreadPoolExecutor(32) as pool:
+            durable = list(pool.map(register, sites))
+        assert all(durable)  # each was in the database when its write returned
+        assert commits.writes == 200
+        assert commits.batches < 200  # writes waiting together went in one transaction
+    finally:
+        commits.close()
+        store.close()
+
+
+def test_a_refused_write_is_undone_alone_and_its_batch_commits(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    try:
+        fine = store.upsert_site_op("site-a", ["t"], "1", 1.0)
+
+        def refused(_: object) -> None:
+            raise DuplicateError("no")
+
+        errors = store.write_batch([refused, fine])
+        assert isinstance(errors[0], DuplicateError) and errors[1] is None
+        assert [s.id for s in store.list_sites()] == ["site-a"]
+    finally:
+        store.close()
+
+
+def test_a_failed_batch_fails_every_write_in_it_and_writes_none(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    commits = GroupCommit(store)
+    try:
+        gate = threading.Event()
+
+        def slow(_: object) -> None:  # holds the writer while the next two queue up
+            gate.wait(5)
+
+        def broken(_: object) -> None:
+            raise RuntimeError("disk on fire")
+
+        with ThreadPoolExecutor(3) as pool:
+            first = pool.submit(commits.write, slow)
+            time.sleep(0.1)
+            second = pool.submit(commits.write, store.upsert_site_op("site-b", ["t"], "1", 1.0))
+            third = pool.submit(commits.write, broken)
+            time.sleep(0.1)
+            gate.set()
+            first.result(5)
+            with pytest.raises(RuntimeError, match="disk on fire"):
+                third.result(5)
+            with pytest.raises(RuntimeError, match="disk on fire"):
+                second.result(5)  # in the same batch: not written either
+        assert store.list_sites() == []
+    finally:
+        commits.close()
+        store.close()
+
+
+# -- reads -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def coordinator(tmp_path: Path) -> InProcessCoordinator:
+    c = InProcessCoordinator(tmp_path / "state", EngineSettings(site_timeout_s=60.0))
+    yield c  # type: ignore[misc]
+    c.close()
+
+
+def _register(c: InProcessCoordinator, *sites: str) -> None:
+    for site in sites:
+        c.site.Register(site_pb2.RegisterRequest(site_id=site, tasks=[TASK], version="1"))
+
+
+def test_the_site_list_pages_and_counts(coordinator: InProcessCoordinator) -> None:
+    from fedra.admin import AdminClient
+
+    sites = [f"site-{i}" for i in range(7)]
+    _register(coordinator, *sites)
+    pages = []
+    token = ""
+    while True:
+        page = coordinator.admin.ListSites(
+            admin_pb2.ListSitesRequest(page_size=3, page_token=token), timeout=10
+        )
+        pages.append([s.site_id for s in page.sites])
+        assert (page.total, page.online) == (7, 7)
+        token = page.next_page_token
+        if not token:
+            break
+    assert pages == [sites[:3], sites[3:6], sites[6:]]
+    summary = coordinator.admin.ListSites(admin_pb2.ListSitesRequest(summary_only=True))
+    assert (len(summary.sites), summary.total, summary.online) == (0, 7, 7)
+    admin = AdminClient(coordinator.address)
+    try:
+        assert [s.site_id for s in admin.sites(page_size=2)] == sites
+        assert admin.site_counts() == (7, 7)
+    finally:
+        admin.close()
+    with pytest.raises(grpc.RpcError) as info:
+        coordinator.admin.ListSites(admin_pb2.ListSitesRequest(page_token="x" * 500))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "page_token" in (info.value.details() or "")
+
+
+def test_status_and_site_list_answer_while_the_engine_lock_is_held(
+    coordinator: InProcessCoordinator,
+) -> None:
+    """Reads go to the database and to liveness in memory: a round holding the engine's
+    lock (a long commit, say) does not hold up an operator's status or site list."""
+    _register(coordinator, "site-a", "site-b")
+    spec = RunSpec(name="r", task=TASK, rounds=1, sites_per_round=5, min_sites=5).validate()
+    run_id, _ = coordinator.engine.submit(spec)  # waits for sites it will not get
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with coordinator.engine.lock:
+            held.set()
+            release.wait(20)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(5)
+        started = time.monotonic()
+        listed = coordinator.admin.ListSites(admin_pb2.ListSitesRequest(), timeout=5)
+        status = coordinator.admin.GetRun(admin_pb2.GetRunRequest(run_id=run_id), timeout=5)
+        runs = coordinator.admin.ListRuns(admin_pb2.ListRunsRequest(), timeout=5)
+        assert time.monotonic() - started < 3
+        assert [s.site_id for s in listed.sites] == ["site-a", "site-b"]
+        assert status.run_id == run_id and [r.run_id for r in runs.runs] == [run_id]
+    finally:
+        release.set()
+        holder.join(10)
+
+
+# -- task states -----------------------------------------------------------------------
+
+
+def test_a_task_moves_only_where_its_state_machine_goes() -> None:
+    from fedra.coordinator.state import Assignment, IllegalMove, TaskState
+
+    a = Assignment("t", "site-a")
+    assert a.state is TaskState.ASSIGNED and a.state == "assigned" and a.pending
+    a.move(TaskState.DOWNLOADED)
+    a.move(TaskState.UPLOADING)
+    a.move(a.before_upload)  # an upload cut short gives the task back as it was
+    assert a.state is TaskState.DOWNLOADED
+    a.move(TaskState.UPLOADING)
+    a.move(TaskState.ACCEPTED)
+    assert a.final and not a.pending
+    for to in TaskState:
+        with pytest.raises(IllegalMove, match="accepted ->"):
+            a.move(to)  # final: nothing moves it again
+    b = Assignment("u", "site-b")
+    with pytest.raises(IllegalMove):
+        b.move(TaskState.ACCEPTED)  # only an update that arrived is accepted
+    b.restore("accepted")  # as the database has it, after a restart
+    assert b.state is TaskState.ACCEPTED
+    with pytest.raises(IllegalMove, match="restored twice"):
+        b.restore("failed")
+
+
+def test_heartbeats_are_written_in_batches_every_few_seconds(tmp_path: Path) -> None:
+    """Liveness is kept in memory and written (one statement for every site, nobody
+    waiting on it) at most every LIVENESS_WRITE_S: it survives a crash that close misses."""
+    from fedra.coordinator.engine import LIVENESS_WRITE_S, Engine
+    from fedra.storage import BlobStore
+
+    now = [1000.0]
+    store = _store(tmp_path)
+    engine = Engine(
+        store, BlobStore(tmp_path / "m"), BlobStore(tmp_path / "u"), clock=lambda: now[0]
+    )
+    try:
+        engine.register("site-a", [TASK], "1")
+        engine.register("site-b", [TASK], "1")
+        now[0] += 1.0
+        engine.seen("site-a")  # too soon: in memory only
+        assert {s.id: s.last_seen_at for s in store.list_sites()} == {
+            "site-a": 1000.0,
+            "site-b": 1000.0,
+        }
+        now[0] += LIVENESS_WRITE_S
+        engine.seen("site-b")
+        deadline = time.monotonic() + 10
+        while {s.id: s.last_seen_at for s in store.list_sites()} != {
+            "site-a": 1001.0,
+            "site-b": now[0],
+        }:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        engine.commits.close()
+        engine.downloads.close()
+        store.close()

@@ -1,0 +1,74 @@
+"""The scale benchmark's smoke run (``bench/scale_bench.py`` at N = 8): a real coordinator
+and real site agents in two worker processes must report every figure, with every round
+committed on its first attempt. The real runs are ``python bench/scale_bench.py``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.multiprocess
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "scale_bench.py"
+SITES, ROUNDS = 8, 2
+
+
+def _bench(tmp_path: Path) -> tuple[dict[str, Any], str]:
+    out = tmp_path / "scale.json"
+    args = [sys.executable, str(BENCH), "--sites", str(SITES), "--rounds", str(ROUNDS)]
+    args += ["--procs", "2", "--timeout-s", "75", "--out", str(out)]
+    env = {**os.environ, "TMPDIR": str(tmp_path / "tmp")}  # its temporary directories
+    (tmp_path / "tmp").mkdir()
+    done = subprocess.run(
+        args,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        stdin=subprocess.DEVNULL,
+        check=False,
+        env=env,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    (result,) = json.loads(out.read_text())["results"]
+    return result, done.stdout
+
+
+@pytest.mark.timeout(110)
+def test_scale_bench_reports_every_figure(tmp_path: Path) -> None:
+    r, printed = _bench(tmp_path)
+    assert "failure" not in r, r
+    assert r["online_seen"] == SITES and r["register_s"] >= 0, r
+    run = r["run"]
+    assert run["state"] == "completed" and run["finished_in_time"], run
+    assert run["committed"] == run["first_attempt"] == ROUNDS, run
+    training = [x for x in run["rounds"] if x["number"] >= 1]
+    assert [x["status"] for x in training] == ["committed"] * ROUNDS, training
+    assert all(x["updates"] == SITES for x in training), training
+    assert 0 < run["round_s_median"] <= run["round_s_max"], run
+    assert run["cpu_ms_per_site_round"] > 0, run
+    for sample in (r["idle"], r["connected"], run["peak"]):
+        assert sample["rss_kb"] > 0 and sample["threads"] > 0, sample
+    assert isinstance(r["rss_growth_kb_per_site"], float), r
+    for name in ("ListSites", "GetRun"):
+        admin = run["admin"][name]
+        assert admin["calls"] >= 1 and 0 < admin["p50_ms"] <= admin["p99_ms"], admin
+    assert run["admin_errors"] == {}, run
+    sites = r["site_calls"]
+    assert sites["errors_by_code"] == {} and sites["agents_crashed"] == {}, sites
+    assert sites["calls"]["register OK"] == SITES, sites
+    assert sites["calls"]["upload OK"] >= SITES * ROUNDS, sites  # and round 0's model
+    assert sites["rounds_done"] >= SITES * ROUNDS and sites["workers_missing_figures"] == 0
+    assert [a["aim"] for a in r["aims"]] == ["first_attempt", "cpu", "admin_p99", "rss"]
+    assert all(a["value"] is not None for a in r["aims"]), r["aims"]
+    assert printed.count("aim: ") == 4, printed
+    assert list((tmp_path / "tmp").iterdir()) == []  # removed
+    assert len(r["pids"]) == 3  # the coordinator and two workers: all gone
+    for pid in r["pids"]:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
