@@ -36,6 +36,7 @@ from fedra.runspec import RunSpec
 log = logging.getLogger("fedra.coordinator")
 T = TypeVar("T")
 DEFAULT_WORKERS = 32  # threads for blocking steps; waiting calls hold none
+READERS = 2  # threads for operators' reads
 
 
 class CoordinatorAPI:
@@ -44,6 +45,9 @@ class CoordinatorAPI:
     def __init__(self, engine: Engine, workers: int = DEFAULT_WORKERS) -> None:
         self.engine = engine
         self.executor = ThreadPoolExecutor(workers, thread_name_prefix="fedra-work")
+        # Operators' reads (status, watch, site lists) have threads of their own: they
+        # never queue behind a round's thousands of steps, nor hold those up.
+        self.readers = ThreadPoolExecutor(READERS, thread_name_prefix="fedra-read")
 
     @property
     def settings(self) -> EngineSettings:
@@ -51,13 +55,32 @@ class CoordinatorAPI:
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self.readers.shutdown(wait=False, cancel_futures=True)
 
-    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+    async def read(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)``, a read that takes no engine lock, on the readers' threads."""
+        return await self.call(fn, *args, executor=self.readers)
+
+    async def quick(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)``, a short step under the engine's lock that neither waits nor does
+        I/O: run here on the loop if the lock is free this instant (no thread hand-off),
+        else in the executor. The loop never waits for the lock."""
+        lock = self.engine.lock
+        if lock.acquire(blocking=False):
+            try:
+                return fn(*args)
+            finally:
+                lock.release()
+        return await self.call(fn, *args)
+
+    async def call(
+        self, fn: Callable[..., T], *args: Any, executor: ThreadPoolExecutor | None = None
+    ) -> T:
         """``fn(*args)`` in the executor. It runs to its end even if the caller is
         cancelled meanwhile (the cancellation is raised once it has), so that what it
         did is known to the caller's clean-up."""
         loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(self.executor, functools.partial(fn, *args))
+        future = loop.run_in_executor(executor or self.executor, functools.partial(fn, *args))
         try:
             return await asyncio.shield(future)
         except asyncio.CancelledError:
@@ -76,34 +99,33 @@ class CoordinatorAPI:
         await self.call(self.engine.register, site_id, tasks, version)
 
     async def heartbeat(self, site_id: str, task_id: str) -> bool:
-        return await self.call(self.engine.heartbeat, site_id, task_id)
+        return await self.quick(self.engine.heartbeat, site_id, task_id)
 
     async def poll(self, site_id: str, timeout_s: float) -> TaskView | None:
         """The site's task, waiting up to ``timeout_s`` for one. A caller that hangs up
         (the call is cancelled) is offline at once, not when its poll would have ended."""
         engine = self.engine
         deadline = time.monotonic() + max(0.0, min(timeout_s, engine.settings.poll_timeout_s))
-        began = await self.call(engine.poll_begin, site_id)
-        gone = True
+        ticket = engine.wakeups.ticket(site_key(site_id))
+        began, view = await self._look(ticket, engine.poll_begin, site_id)
         try:
-            while True:
+            while view is None and not engine.stopping:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not await ticket.wait(remaining):
+                    break
                 ticket = engine.wakeups.ticket(site_key(site_id))
                 view = await self._look(ticket, engine.task_for, site_id)
-                remaining = deadline - time.monotonic()
-                if view is not None or remaining <= 0 or engine.stopping:
-                    ticket.discard()
-                    gone = False
-                    return view
-                await ticket.wait(remaining)
-        finally:
-            if gone:  # cancelled: the caller hung up (or the daemon is stopping)
-                self.later(engine.poll_end, site_id, began, True)
-            else:
-                await self.call(engine.poll_end, site_id, began, False)
+            ticket.discard()
+        except BaseException:  # cancelled: the caller hung up (or the daemon is stopping)
+            ticket.discard()
+            self.later(engine.poll_end, site_id, began, True)
+            raise
+        await self.quick(engine.poll_end, site_id, began, False)
+        return view
 
     async def _look(self, ticket: Ticket, fn: Callable[..., T], *args: Any) -> T:
         try:
-            return await self.call(fn, *args)
+            return await self.quick(fn, *args)
         except BaseException:
             ticket.discard()
             raise
@@ -125,7 +147,7 @@ class CoordinatorAPI:
         except BaseException:  # cancelled, failed, or closed by gRPC: what went out is cut
             engine.downloads.abandoned(task_id, min(sent, size))
             raise
-        await self.call(engine.record_download, task_id, size, time.monotonic() - started, base)
+        await self.quick(engine.record_download, task_id, size, time.monotonic() - started, base)
 
     async def read_model(
         self, digest: str, size: int, frame: Callable[[int], bytes]
@@ -152,7 +174,7 @@ class CoordinatorAPI:
         returns the bytes it counted. ``started`` is called once the round holds it."""
         engine, held = self.engine, _Held()
         try:
-            await self.call(held.begin, engine, header)
+            await self.call(held.begin, engine, header)  # and opens the spool file
         except uploads.AlreadyAccepted as done:
             return done.nbytes
         except BaseException:
@@ -166,12 +188,17 @@ class CoordinatorAPI:
         started()
         received = 0
         try:
-            await self.call(held.open, engine)
+            # One chunk behind: the last is fed with the finish, one executor step (most
+            # updates of small models are one chunk: one step for all of it).
+            last: Buffer | None = None
             async for data in chunks:
                 received += len(data)
-                await self.call(held.feed, data)
+                if last is not None:
+                    await self.call(held.feed, last)
+                last = data
                 del data  # not held while the next message is received
-            digest = await self.call(held.finish)
+            digest = await self.call(held.finish, last)
+            del last
         except BaseException:  # cut off or refused: what arrived crossed the wire for nothing
             ledger.ended(task_id, received)
             self.later(_give_back, engine, held)
@@ -276,17 +303,16 @@ class _Held:
 
     def begin(self, engine: Engine, header: uploads.UpdateHeader) -> None:
         self.ticket = uploads.begin_upload(engine, header)
-
-    def open(self, engine: Engine) -> None:
-        assert self.ticket is not None
         self.receiver = uploads.Receiver(engine, self.ticket)
 
     def feed(self, data: Buffer) -> None:
         assert self.receiver is not None
         self.receiver.feed(data)
 
-    def finish(self) -> str:
+    def finish(self, last: Buffer | None) -> str:
         assert self.receiver is not None
+        if last is not None:
+            self.receiver.feed(last)
         return self.receiver.finish()
 
 

@@ -269,16 +269,16 @@ class Engine:
             found = self.find_task(task_id)
             return found is not None and found[1].site_id == site_id and not found[1].final
 
-    def poll_begin(self, site_id: str) -> float:
+    def poll_begin(self, site_id: str) -> tuple[float, TaskView | None]:
         """A long poll of ``site_id`` begins: it is online while it lasts. Returns when it
-        began, for ``poll_end``."""
+        began, for ``poll_end``, and the site's task if it has one already."""
         with self.lock:
             was_online = self.is_online(site_id, self.clock())
             self.seen(site_id)
             self._polling[site_id] += 1
             if not was_online:  # a site coming online may complete a round's sample
                 self.notify()
-            return self._last_seen[site_id]
+            return self._last_seen[site_id], self.task_for(site_id)
 
     def task_for(self, site_id: str) -> TaskView | None:
         """The site's task in an open round, if it has one now."""

@@ -374,7 +374,7 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
         self.guard.admin(context)
         read = run_page if request.page else run_status
         insecure = self.guard.insecure
-        return await self.api.call(read, self.engine, request.run_id, insecure, request.first_round)
+        return await self.api.read(read, self.engine, request.run_id, insecure, request.first_round)
 
     @mapped
     async def ListRuns(
@@ -386,7 +386,7 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
             records = self.engine.store.list_runs()
             return [run_header(self.engine, r, self.guard.insecure) for r in records]
 
-        return admin_pb2.ListRunsResponse(runs=await self.api.call(read))
+        return admin_pb2.ListRunsResponse(runs=await self.api.read(read))
 
     @mapped_stream
     async def WatchRun(
@@ -398,7 +398,7 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
         # Woken by a change of the run (a burst of them is one look), or every interval;
         # it waits holding no thread, and a client that hangs up ends it at once.
         async for _ in self.api.changes(request.run_id, self.watch_interval_s, self.watch_gap_s):
-            for message in await self.api.call(watch.look):
+            for message in await self.api.read(watch.look):
                 yield message
             if watch.finished:
                 return
@@ -420,7 +420,7 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
         total, online = self.engine.site_counts()
         if request.summary_only:
             return admin_pb2.ListSitesResponse(total=total, online=online)
-        page, next_token = await self.api.call(
+        page, next_token = await self.api.read(
             self.engine.list_sites, request.page_token, request.page_size or SITES_PAGE
         )
         sites = [

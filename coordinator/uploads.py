@@ -9,13 +9,12 @@ any point either loses nothing or loses an update the site will be asked for aga
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
-
-import torch
 
 from fedra.coordinator.errors import (
     AlreadyExists,
@@ -225,7 +224,7 @@ def _check_header_fields(h: UpdateHeader) -> None:
             raise InvalidArgument(
                 f"metric name {key[:60]!r}: at most {MAX_METRIC_NAME_CHARS} printable characters"
             )
-        if not torch.isfinite(torch.tensor(value)):
+        if not math.isfinite(value):
             raise InvalidArgument(f"metric {key!r} is not finite: {value}")
 
 

@@ -260,6 +260,17 @@ def _rounds_since(run_id: str, since: int) -> Select[m.Round]:
     return select(r).where(r.run_id == run_id, r.number >= since).order_by(r.number)
 
 
+def _participation_rows_between(run_id: str, since: int, until: int | None) -> Select[Any]:
+    """``_participations_between`` as plain rows (no ORM objects built)."""
+    t = m.Participation.__table__.c
+    q = select(*t).where(t.run_id == run_id)
+    if since:
+        q = q.where(t.round_number >= since)
+    if until is not None:
+        q = q.where(t.round_number < until)
+    return q.order_by(t.round_number, t.attempt, t.site_id)
+
+
 def _participations_between(run_id: str, since: int, until: int | None) -> Select[m.Participation]:
     p = m.Participation
     q = select(p).where(p.run_id == run_id)
@@ -542,13 +553,14 @@ class Store:
 
     def list_sites(self, after: str = "", limit: int | None = None) -> list[SiteRecord]:
         """Sites in id order: those after ``after``, at most ``limit`` of them."""
-        query = select(m.Site).order_by(m.Site.id)
+        t = m.Site.__table__.c
+        query = select(*t).order_by(t.id)
         if after:
-            query = query.where(m.Site.id > after)
+            query = query.where(t.id > after)
         if limit is not None:
             query = query.limit(limit)
-        with self._read() as s:
-            return [rows.site_record(r) for r in s.scalars(query).all()]
+        with self._read() as s:  # plain rows, not ORM objects: thousands of sites read fast
+            return [rows.site_record(r) for r in s.execute(query)]  # type: ignore[arg-type]
 
     # -- runs ----------------------------------------------------------------
 
@@ -728,9 +740,9 @@ class Store:
             return RunView(
                 rows.run_record(run),
                 [rows.round_record(r) for r in rounds],
-                [
-                    rows.participation_record(p)
-                    for p in s.scalars(_participations_between(run_id, since, until))
+                [  # Core rows, not ORM objects: a status of thousands of sites reads fast
+                    rows.participation_record(p)  # type: ignore[arg-type]  # same attributes
+                    for p in s.execute(_participation_rows_between(run_id, since, until))
                 ],
                 [
                     rows.checkpoint_record(c)
@@ -840,7 +852,15 @@ class Store:
         NotFoundError) is undone alone, and its error is returned in its place. Any other
         error undoes the whole batch and is raised: none of it was written."""
         errors: list[Exception | None] = [None] * len(ops)
-        with self._tx() as s:
+        try:  # first as one: refusals are rare, and a savepoint per write costs statements
+            with self._tx() as s:
+                for op in ops:
+                    op(s)
+            return errors
+        except (DuplicateError, NotFoundError) as exc:
+            if len(ops) == 1:
+                return [exc]
+        with self._tx() as s:  # one was refused: again, each in a savepoint of its own
             for i, op in enumerate(ops):
                 try:
                     with s.begin_nested():
