@@ -154,6 +154,16 @@ def separate_connections() -> None:
     grpc.insecure_channel = insecure_channel
 
 
+def fewer_wakeups(seconds: float = 2.0) -> None:
+    """gRPC's synchronous client wakes every thread blocked in a call (a long poll, a
+    stream) 10 times a second to check for signals (``grpc._common.MAXIMUM_WAIT_TIMEOUT``).
+    A site process has a few such threads; a worker hosting 1,250 sites has 1,250, and
+    their wake-ups alone kept both cores busy in the kernel at 5,000 sites (75% system
+    time in the workers, the coordinator at a quarter of a core). The workers look every
+    ``seconds`` instead: the coordinator and the agents' code are unchanged."""
+    grpc._common.MAXIMUM_WAIT_TIMEOUT = seconds  # type: ignore[attr-defined]
+
+
 def site_id(index: int) -> str:
     return f"scale-{index:05d}"
 
@@ -190,6 +200,7 @@ def worker_main(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
     separate_connections()
+    fewer_wakeups()
     tally = SiteTally()
     logging.getLogger("fedra.site").addHandler(WarningCounter(tally))
     tasks = {TASK: load_task(TASK)}

@@ -137,6 +137,7 @@ class CoordinatorAPI:
         engine = self.engine
         digest, size, base = await self.call(engine.open_download, site_id, task_id, delta)
         started, sent = time.monotonic(), 0  # sent: handed to gRPC, frames included
+        await self.quick(engine.transfer, site_id, True)
         try:
             async for data in self.read_model(digest, size, frame):
                 if sent:  # the first chunk has gone out
@@ -147,6 +148,8 @@ class CoordinatorAPI:
         except BaseException:  # cancelled, failed, or closed by gRPC: what went out is cut
             engine.downloads.abandoned(task_id, min(sent, size))
             raise
+        finally:
+            self.later(_locked, engine, engine.transfer, site_id, False)
         await self.quick(engine.record_download, task_id, size, time.monotonic() - started, base)
 
     async def read_model(
@@ -182,11 +185,17 @@ class CoordinatorAPI:
                 engine.downloads.ended(header.task_id)
                 self.later(_give_back, engine, held)
             raise
-        ticket, ledger = held.ticket, engine.downloads  # pending there until it ends
-        assert ticket is not None
-        task_id, size = header.task_id, header.payload_bytes
-        started()
-        received = 0
+        started()  # pending in the downloads ledger until it ends (_receive)
+        await self.quick(engine.transfer, header.site_id, True)  # online while it lasts
+        try:
+            return await self._receive(held, chunks, header.payload_bytes)
+        finally:
+            self.later(_locked, engine, engine.transfer, header.site_id, False)
+
+    async def _receive(self, held: _Held, chunks: AsyncIterator[Buffer], size: int) -> int:
+        engine, ledger = self.engine, self.engine.downloads
+        assert held.ticket is not None
+        ticket, task_id, received = held.ticket, held.ticket.header.task_id, 0
         try:
             # One chunk behind: the last is fed with the finish, one executor step (most
             # updates of small models are one chunk: one step for all of it).
@@ -314,6 +323,11 @@ class _Held:
         if last is not None:
             self.receiver.feed(last)
         return self.receiver.finish()
+
+
+def _locked(engine: Engine, fn: Callable[..., object], *args: Any) -> None:
+    with engine.lock:
+        fn(*args)
 
 
 def _give_back(engine: Engine, held: _Held) -> None:

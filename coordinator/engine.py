@@ -96,6 +96,7 @@ class Engine:
         self._site_tasks: dict[str, tuple[str, ...]] = {}
         self._last_seen: dict[str, float] = {}
         self._polling: Counter[str] = Counter()
+        self._moving: Counter[str] = Counter()  # transfers under way, by site
         self._left: set[str] = set()  # sites that hung up on their poll, not heard from since
         # Calls waiting without a thread (long polls, stage calls, watches), by what they
         # wait for; and each run's open (round, attempt) as its sites' polls last saw it.
@@ -237,6 +238,26 @@ class Engine:
     def is_online(self, site_id: str, now: float) -> bool:
         last = self._last_seen.get(site_id)
         recent = last is not None and now - last <= self.settings.site_timeout_s
+        busy = self._polling[site_id] > 0 or self._moving[site_id] > 0
+        return busy or (recent and site_id not in self._left)
+
+    def transfer(self, site_id: str, began: bool) -> None:
+        """A download or upload of the site's began (or ended): while one is under way the
+        site is online, however long a busy coordinator takes to move its bytes. (One
+        that stalls is ended by the edge's watchdog, one whose site died by gRPC.)"""
+        if began:
+            self._moving[site_id] += 1
+            return
+        self._moving[site_id] -= 1
+        if self._moving[site_id] <= 0:
+            del self._moving[site_id]
+        self._last_seen[site_id] = max(self._last_seen.get(site_id, 0.0), self.clock())
+
+    def site_heard(self, site_id: str) -> bool:
+        """Whether the site polled, or was heard from, within its liveness timeout (its
+        transfers under way left out: the edge asks this of a stalled one)."""
+        last = self._last_seen.get(site_id)
+        recent = last is not None and self.clock() - last <= self.settings.site_timeout_s
         return self._polling[site_id] > 0 or (recent and site_id not in self._left)
 
     def site_online(self, site_id: str) -> bool:

@@ -244,7 +244,7 @@ class CallLimiter(grpc.aio.ServerInterceptor):
         if quiet > idle:
             return f"its request stream was idle for {quiet:.1f} s (--stream-idle-s {idle:g})"
         timeout = self.engine.settings.site_timeout_s
-        if call.site_id and quiet > timeout and not self.engine.site_online(call.site_id):
+        if call.site_id and quiet > timeout and not self.engine.site_heard(call.site_id):
             return (
                 f"site {call.site_id!r} went silent mid-upload: no chunk and no heartbeat for "
                 f"more than {timeout:g} s (--site-timeout-s); its task goes back to the round"

@@ -277,3 +277,34 @@ def test_heartbeats_are_written_in_batches_every_few_seconds(tmp_path: Path) -> 
         engine.commits.close()
         engine.downloads.close()
         store.close()
+
+
+def test_a_site_with_a_transfer_under_way_is_online_however_long_it_takes(
+    tmp_path: Path,
+) -> None:
+    """A busy coordinator may take longer than the liveness timeout to move a site's
+    bytes: the site is not failed as silent meanwhile (a stalled transfer is the edge's
+    watchdog's to end, which asks ``site_heard``, leaving transfers out)."""
+    from fedra.coordinator.engine import Engine
+    from fedra.storage import BlobStore
+
+    now = [1000.0]
+    store = _store(tmp_path)
+    settings = EngineSettings(site_timeout_s=20.0)
+    engine = Engine(
+        store, BlobStore(tmp_path / "m"), BlobStore(tmp_path / "u"), settings, lambda: now[0]
+    )
+    try:
+        engine.register("site-a", [TASK], "1")
+        engine.transfer("site-a", True)
+        now[0] += 60.0
+        assert engine.site_online("site-a") and not engine.site_heard("site-a")
+        engine.transfer("site-a", False)  # its end is news from the site
+        now[0] += 10.0
+        assert engine.site_online("site-a")
+        now[0] += 11.0
+        assert not engine.site_online("site-a")
+    finally:
+        engine.commits.close()
+        engine.downloads.close()
+        store.close()
