@@ -126,13 +126,14 @@ def spec_for(strategy: str, codec: str, rounds: int) -> RunSpec:
 
 
 @contextmanager
-def database(db: str | None) -> Iterator[str | None]:
-    """None (SQLite in the state directory), or a fresh PostgreSQL database under ``db``."""
+def database(db: str | None, prefix: str = "chaos") -> Iterator[str | None]:
+    """None (SQLite in the state directory), or a fresh PostgreSQL database under ``db``
+    (named ``prefix`` and a random suffix), dropped at the end."""
     if db is None:
         yield None
         return
     url = make_url(db)
-    name = f"chaos_{uuid.uuid4().hex[:12]}"
+    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
     admin = create_engine(url, isolation_level="AUTOCOMMIT", poolclass=NullPool)
     with admin.connect() as conn:
         conn.execute(text(f'CREATE DATABASE "{name}"'))

@@ -51,10 +51,9 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import FrameType
@@ -578,27 +577,11 @@ def merge_tallies(stats: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-@contextmanager
-def database(db: str) -> Iterator[str | None]:
+def database(db: str) -> AbstractContextManager[str | None]:
     """None (SQLite in the state directory), or a fresh PostgreSQL database under ``db``."""
-    if db == "sqlite":
-        yield None
-        return
-    from sqlalchemy import create_engine, text  # noqa: PLC0415 - PostgreSQL runs only
-    from sqlalchemy.engine import make_url  # noqa: PLC0415
-    from sqlalchemy.pool import NullPool  # noqa: PLC0415
+    from chaos import database as fresh  # noqa: PLC0415 - imports PostgreSQL's driver
 
-    url = make_url(db)
-    name = f"scale_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(url, isolation_level="AUTOCOMMIT", poolclass=NullPool)
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield url.set(database=name).render_as_string(hide_password=False)
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+    return fresh(None if db == "sqlite" else db, prefix="scale")
 
 
 class Measurement:
