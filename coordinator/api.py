@@ -32,6 +32,7 @@ from fedra.coordinator.wakeups import Ticket, run_key, site_key, stage_key
 from fedra.faults import crash_point
 from fedra.protos.codec import Buffer, transfer_chunk_bytes
 from fedra.runspec import RunSpec
+from fedra.storage.blobs import BlobCorruptError
 
 log = logging.getLogger("fedra.coordinator")
 T = TypeVar("T")
@@ -72,6 +73,18 @@ class CoordinatorAPI:
             finally:
                 lock.release()
         return await self.call(fn, *args)
+
+    def soon(self, fn: Callable[..., object], *args: Any) -> None:
+        """``quick`` not waited for: now if the engine's lock is free, else in the
+        executor (a clean-up that must not wait, nor be lost to a cancellation)."""
+        lock = self.engine.lock
+        if lock.acquire(blocking=False):
+            try:
+                fn(*args)
+            finally:
+                lock.release()
+        else:
+            self.later(_locked, self.engine, fn, *args)
 
     async def call(
         self, fn: Callable[..., T], *args: Any, executor: ThreadPoolExecutor | None = None
@@ -149,7 +162,7 @@ class CoordinatorAPI:
             engine.downloads.abandoned(task_id, min(sent, size))
             raise
         finally:
-            self.later(_locked, engine, engine.transfer, site_id, False)
+            self.soon(engine.transfer, site_id, False)
         await self.quick(engine.record_download, task_id, size, time.monotonic() - started, base)
 
     async def read_model(
@@ -160,8 +173,12 @@ class CoordinatorAPI:
         chunk = transfer_chunk_bytes(size, self.engine.settings.chunk_bytes)
         chunks = self.engine.models.read_chunks(digest, chunk, frame=frame)
         assert isinstance(chunks, Generator)
+        count = max(1, -(-size // chunk))  # the last read also checks the digest: one step
         try:
-            while (data := await self.call(next, chunks, None)) is not None:
+            for number in range(1, count + 1):
+                data = await self.call(_read_chunk, chunks, number == count, digest)
+                if data is None:
+                    break
                 yield data
                 del data
         finally:
@@ -172,12 +189,14 @@ class CoordinatorAPI:
         header: uploads.UpdateHeader,
         chunks: AsyncIterator[Buffer],
         started: Callable[[], None] = lambda: None,
+        check: Callable[[], None] = lambda: None,
     ) -> int:
         """Receive an update: checked, spooled, durably accepted and folded before this
-        returns the bytes it counted. ``started`` is called once the round holds it."""
+        returns the bytes it counted. ``check`` (its signature, say) runs first, in the
+        same step as the header's checks; ``started`` once the round holds the update."""
         engine, held = self.engine, _Held()
         try:
-            await self.call(held.begin, engine, header)  # and opens the spool file
+            await self.call(held.begin, engine, header, check)  # and opens the spool file
         except uploads.AlreadyAccepted as done:
             return done.nbytes
         except BaseException:
@@ -190,7 +209,7 @@ class CoordinatorAPI:
         try:
             return await self._receive(held, chunks, header.payload_bytes)
         finally:
-            self.later(_locked, engine, engine.transfer, header.site_id, False)
+            self.soon(engine.transfer, header.site_id, False)
 
     async def _receive(self, held: _Held, chunks: AsyncIterator[Buffer], size: int) -> int:
         engine, ledger = self.engine, self.engine.downloads
@@ -310,7 +329,10 @@ class _Held:
         self.ticket: uploads.UploadTicket | None = None
         self.receiver: uploads.Receiver | None = None
 
-    def begin(self, engine: Engine, header: uploads.UpdateHeader) -> None:
+    def begin(
+        self, engine: Engine, header: uploads.UpdateHeader, check: Callable[[], None]
+    ) -> None:
+        check()
         self.ticket = uploads.begin_upload(engine, header)
         self.receiver = uploads.Receiver(engine, self.ticket)
 
@@ -323,6 +345,15 @@ class _Held:
         if last is not None:
             self.receiver.feed(last)
         return self.receiver.finish()
+
+
+def _read_chunk(chunks: Generator[bytes, None, None], last: bool, digest: str) -> bytes | None:
+    """The next chunk; with ``last``, the generator is run to its end too (where it
+    checks the blob's digest), in the same step."""
+    data = next(chunks, None)
+    if last and data is not None and next(chunks, None) is not None:
+        raise BlobCorruptError(digest, "something else: the file is longer than recorded")
+    return data
 
 
 def _locked(engine: Engine, fn: Callable[..., object], *args: Any) -> None:

@@ -28,7 +28,14 @@ from fedra.coordinator.errors import (
     Unauthenticated,
     Unavailable,
 )
-from fedra.coordinator.status import RunWatch, run_header, run_page, run_status
+from fedra.coordinator.status import (
+    PAGE_BYTES,
+    FinalRounds,
+    RunWatch,
+    run_header,
+    run_page,
+    run_status,
+)
 from fedra.protos import wire
 from fedra.protos.codec import Buffer
 from fedra.protos.serde import (
@@ -253,7 +260,6 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
             h.run_id, h.round, h.site_id, h.task_id, h.nonce, h.sha256,
             num_samples=h.num_samples, codec=h.codec, payload_bytes=h.payload_bytes,
         )  # fmt: skip
-        await self.api.call(self.guard.upload, context, message, h.signature)
         limiter = self.limiter
 
         def started() -> None:  # it holds the round now: not past the site's silence
@@ -261,7 +267,12 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
                 limiter.upload_started(context, h.site_id)
 
         try:
-            size = await self.api.upload(_header_from_proto(h), _payload(request_iterator), started)
+            size = await self.api.upload(
+                _header_from_proto(h),
+                _payload(request_iterator),
+                started,
+                check=lambda: self.guard.upload(context, message, h.signature),
+            )
         except asyncio.CancelledError:  # an ordinary event: one line, the task given back
             _status(grpc.RpcError(), context.peer())
             raise
@@ -354,6 +365,7 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
         self.api, self.engine, self.guard = api, api.engine, guard
         self.watch_interval_s = watch_interval_s  # a watch looks at least this often
         self.watch_gap_s = watch_gap_s  # and at most this often
+        self.kept = FinalRounds()  # GetRun pages build only the rounds still moving
 
     @mapped
     async def SubmitRun(
@@ -372,9 +384,12 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
     @mapped
     async def GetRun(self, request: admin_pb2.GetRunRequest, context: Any) -> admin_pb2.RunStatus:
         self.guard.admin(context)
-        read = run_page if request.page else run_status
-        insecure = self.guard.insecure
-        return await self.api.read(read, self.engine, request.run_id, insecure, request.first_round)
+        insecure, first = self.guard.insecure, request.first_round
+        if request.page:
+            return await self.api.read(
+                run_page, self.engine, request.run_id, insecure, first, PAGE_BYTES, self.kept
+            )
+        return await self.api.read(run_status, self.engine, request.run_id, insecure, first)
 
     @mapped
     async def ListRuns(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Collection
 
 from fedra.coordinator.engine import Engine
@@ -44,27 +46,82 @@ _FIRST_READ_ROUNDS = 8  # a page's first read; later reads are sized by what it 
 _MAX_READ_ROUNDS = 1024
 
 
+class FinalRounds:
+    """The RoundStatus of each run's rounds that can change no more, kept for GetRun.
+
+    A round is final once it has closed with every participation finished and no
+    download of it still to be written (``round_statuses``): from then on its status is
+    the same at every read. A page of a long run with thousands of sites then reads and
+    builds only the rounds still moving. Bounded by ``max_bytes`` (whole runs are let go,
+    the least recently read first); safe from any thread.
+    """
+
+    def __init__(self, max_bytes: int = 64 << 20) -> None:
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._runs: OrderedDict[str, dict[int, admin_pb2.RoundStatus]] = OrderedDict()
+        self._bytes: dict[str, int] = {}
+
+    def from_(self, run_id: str, first: int) -> list[admin_pb2.RoundStatus]:
+        """The kept rounds numbered ``first``, ``first + 1``, ... (up to the first not kept)."""
+        with self._lock:
+            kept = self._runs.get(run_id)
+            if kept is None:
+                return []
+            self._runs.move_to_end(run_id)
+            out: list[admin_pb2.RoundStatus] = []
+            while (r := kept.get(first + len(out))) is not None:
+                out.append(r)
+            return out
+
+    def keep(self, run_id: str, fresh: dict[int, admin_pb2.RoundStatus], final: set[int]) -> None:
+        with self._lock:
+            kept = self._runs.setdefault(run_id, {})
+            self._runs.move_to_end(run_id)
+            for number in final:
+                if number not in kept:
+                    kept[number] = fresh[number]
+                    self._bytes[run_id] = self._bytes.get(run_id, 0) + fresh[number].ByteSize()
+            while len(self._runs) > 1 and sum(self._bytes.values()) > self.max_bytes:
+                gone, _ = self._runs.popitem(last=False)
+                self._bytes.pop(gone, None)
+
+
 def run_page(
     engine: Engine,
     run_id: str,
     insecure: bool,
     first_round: int,
     page_bytes: int = PAGE_BYTES,
+    kept: FinalRounds | None = None,
 ) -> admin_pb2.RunStatus:
     """One page of a run's status: whole rounds from ``first_round`` on, about
     ``page_bytes`` of them (at least one), ``more_rounds_follow`` set if more remain.
 
     Rounds are read in batches sized by the rounds read so far to about fill the page,
     so a page costs about what it holds however long the run and however large its
-    rounds, and a walk through every page reads each round about once.
+    rounds, and a walk through every page reads each round about once. With ``kept``,
+    the rounds it holds (final ones) are not read again, and those found final are kept.
     """
+    cached = kept.from_(run_id, first_round) if kept is not None else []
+    # A download finished but not yet written may change its round: asked before the read.
+    pending = engine.downloads.pending() if kept is not None else set()
     status: admin_pb2.RunStatus | None = None
-    size, since, batch, read = 0, first_round, _FIRST_READ_ROUNDS, 0
+    size, since, batch, read = 0, first_round + len(cached), _FIRST_READ_ROUNDS, 0
     while True:
         view = read_run(engine, run_id, since, batch)
         if status is None:
             status = run_header(engine, view.run, insecure)
-        for r in round_statuses(view)[0].values():
+            for r in cached:
+                if status.rounds and size + r.ByteSize() > page_bytes:
+                    status.more_rounds_follow = True
+                    return status
+                status.rounds.append(r)
+                size += r.ByteSize()
+        fresh, final = round_statuses(view, pending)
+        if kept is not None:
+            kept.keep(run_id, fresh, final)
+        for r in fresh.values():
             if status.rounds and size + r.ByteSize() > page_bytes:
                 status.more_rounds_follow = True
                 return status

@@ -308,3 +308,16 @@ def test_a_site_with_a_transfer_under_way_is_online_however_long_it_takes(
         engine.commits.close()
         engine.downloads.close()
         store.close()
+
+
+def test_the_final_rounds_kept_are_bounded_by_bytes() -> None:
+    from fedra.coordinator.status import FinalRounds
+
+    kept = FinalRounds(max_bytes=100)
+    big = {0: admin_pb2.RoundStatus(number=0, status="x" * 80)}
+    kept.keep("run-a", big, {0})
+    assert len(kept.from_("run-a", 0)) == 1
+    kept.keep("run-b", big, {0})  # over the bound: the least recently read run goes
+    assert kept.from_("run-a", 0) == [] and len(kept.from_("run-b", 0)) == 1
+    kept.keep("run-b", {1: admin_pb2.RoundStatus(number=1)}, set())  # not final: not kept
+    assert [r.number for r in kept.from_("run-b", 0)] == [0]

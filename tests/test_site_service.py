@@ -959,3 +959,56 @@ def test_the_admin_client_reads_a_daemon_that_predates_paging() -> None:
             assert seen == [("running", [0, 1, 2, 3]), ("completed", [0, 1, 2, 3, 4])]
     finally:
         server.stop(grace=None)
+
+
+def test_get_run_keeps_the_status_of_final_rounds_and_reads_only_the_rest(
+    coordinator: InProcessCoordinator,
+) -> None:
+    """Committed rounds whose participations are all finished can change no more: a page
+    holds them from the cache (the same bytes as read fresh) and reads only the rounds
+    after them; a round still open is read every time, and kept once it is final."""
+    from fedra.coordinator.status import FinalRounds, run_page
+    from fedra.runspec import RunSpec
+    from fedra.storage.records import CheckpointRecord
+
+    store, run_id = coordinator.engine.store, "kept-rounds"
+    spec = RunSpec(name="kept", task=TASK, rounds=6, sites_per_round=2, min_sites=1)
+    store.create_run(run_id, "kept", TASK, spec.validate().to_json(), 1.0)
+
+    def commit(number: int) -> None:
+        ckpt = CheckpointRecord(run_id, number, "0" * 64, 1, None, 3.0)
+        store.commit_round(run_id, number, ckpt, {"loss": float(number)}, 3.0)
+
+    for number in range(5):
+        store.open_round(run_id, number, 1, {s: f"{number}-{s}" for s in "ab"}, 1.0, 2.0)
+        store.fail_participation(f"{number}-a", "gone", 2.0)
+        store.fail_participation(f"{number}-b", "gone", 2.0)
+        if number < 4:
+            commit(number)
+    kept = FinalRounds()
+    first = run_page(coordinator.engine, run_id, False, 0, kept=kept)
+    fresh = run_page(coordinator.engine, run_id, False, 0)
+    assert list(first.rounds) == list(fresh.rounds) and len(first.rounds) == 5
+    assert [r.number for r in kept.from_(run_id, 0)] == [0, 1, 2, 3]  # 4 is still open
+    reads: list[int] = []
+    original = store.read_run
+
+    def _counted(run: str, *, since: int = 0, limit: int | None = None):  # type: ignore[no-untyped-def]
+        reads.append(since)
+        return original(run, since=since, limit=limit)
+
+    store.read_run = _counted  # type: ignore[method-assign]
+    try:
+        again = run_page(coordinator.engine, run_id, False, 0, kept=kept)
+        assert list(again.rounds) == list(fresh.rounds)
+        assert reads == [4]  # only the open round was read
+        commit(4)
+        later = run_page(coordinator.engine, run_id, False, 2, kept=kept)
+        assert [r.number for r in later.rounds] == [2, 3, 4] and later.rounds[-1].status == (
+            "committed"
+        )
+        assert [r.number for r in kept.from_(run_id, 0)] == [0, 1, 2, 3, 4]
+        small = run_page(coordinator.engine, run_id, False, 0, page_bytes=1, kept=kept)
+        assert [r.number for r in small.rounds] == [0] and small.more_rounds_follow
+    finally:
+        store.read_run = original  # type: ignore[method-assign]
