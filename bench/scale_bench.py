@@ -654,11 +654,17 @@ class Measurement:
     def _cpu(self, before: ProcSample, sampler: Sampler) -> None:
         """CPU from just before the run was submitted to its last commit."""
         run = self.result["run"]
-        closed = [r["closed_unix_s"] for r in run["rounds"] if r["status"] == "committed"]
+        # Per training round committed (round 0, the initial model, is one site's): with
+        # none committed there is no figure, not a small one.
+        closed = [
+            r["closed_unix_s"]
+            for r in run["rounds"]
+            if r["status"] == "committed" and r["number"] > 0
+        ]
         after = sampler.at(max(closed)) if closed else None
         cpu_s = None if after is None else after.cpu_s - before.cpu_s
         run["coordinator_cpu_s"] = cpu_s
-        per = None if cpu_s is None else 1000 * cpu_s / (self.n * self.args.rounds)
+        per = None if cpu_s is None else 1000 * cpu_s / (self.n * len(closed))
         run["cpu_ms_per_site_round"] = per
         run["peak"] = asdict(sampler.peak())
 

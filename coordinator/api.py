@@ -111,6 +111,10 @@ class CoordinatorAPI:
     async def register(self, site_id: str, tasks: list[str], version: str) -> None:
         await self.call(self.engine.register, site_id, tasks, version)
 
+    def touch(self, site_id: str) -> None:
+        """A call of the site's arrived (liveness, before anything waits: ``Engine.touch``)."""
+        self.engine.touch(site_id)
+
     async def heartbeat(self, site_id: str, task_id: str) -> bool:
         return await self.quick(self.engine.heartbeat, site_id, task_id)
 

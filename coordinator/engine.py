@@ -223,6 +223,13 @@ class Engine:
             self._seen_written_at = now
             self.commits.write_later(self.store.touch_sites_op(dict(self._last_seen)))
 
+    def touch(self, site_id: str) -> None:
+        """A call of the site's arrived: news from it, taken without the lock (a dict
+        write) the moment its handler starts, before any of its steps waits its turn on
+        a busy coordinator. Unknown sites are left to the call's own checks."""
+        if site_id in self._site_tasks:
+            self._last_seen[site_id] = max(self._last_seen.get(site_id, 0.0), self.clock())
+
     def mark_seen_for_recovery(self, site_id: str, now: float, refresh: bool = False) -> None:
         """Give a site sampled before a restart one liveness timeout to come back; with
         ``refresh``, also one that was heard from (its heartbeats waited out a reload)."""

@@ -204,6 +204,7 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
         self, request: site_pb2.RegisterRequest, context: Any
     ) -> site_pb2.RegisterResponse:
         self.guard.site(context, request.site_id)
+        self.api.touch(request.site_id)
         await self.api.register(request.site_id, list(request.tasks), request.version)
         s = self.api.settings
         return site_pb2.RegisterResponse(
@@ -217,6 +218,7 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
         self, request: site_pb2.HeartbeatRequest, context: Any
     ) -> site_pb2.HeartbeatResponse:
         self.guard.site(context, request.site_id)
+        self.api.touch(request.site_id)
         current = await self.api.heartbeat(request.site_id, request.task_id)
         return site_pb2.HeartbeatResponse(task_current=current)
 
@@ -225,6 +227,7 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
         self, request: site_pb2.PollTaskRequest, context: Any
     ) -> site_pb2.PollTaskResponse:
         self.guard.site(context, request.site_id)
+        self.api.touch(request.site_id)
         # Leave a margin inside the caller's own deadline so the reply gets back in time.
         timeout = _long_poll_s(self.api.settings.poll_timeout_s, context)
         task = await self.api.poll(request.site_id, timeout)
@@ -237,6 +240,7 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
         self, request: site_pb2.DownloadModelRequest, context: Any
     ) -> AsyncIterator[bytes]:
         self.guard.site(context, request.site_id)
+        self.api.touch(request.site_id)
         chunks = self.api.download(
             request.site_id, request.task_id, request.delta, wire.model_chunk_frame
         )
@@ -256,6 +260,7 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
             raise InvalidArgument("an upload must start with exactly one header message")
         h = first.header
         self.guard.site(context, h.site_id)
+        self.api.touch(h.site_id)
         message = pki.upload_message(
             h.run_id, h.round, h.site_id, h.task_id, h.nonce, h.sha256,
             num_samples=h.num_samples, codec=h.codec, payload_bytes=h.payload_bytes,
@@ -283,6 +288,7 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
         self, request: site_pb2.ReportFailureRequest, context: Any
     ) -> site_pb2.ReportFailureResponse:
         self.guard.site(context, request.site_id)
+        self.api.touch(request.site_id)
         await self.api.report_failure(request.site_id, request.task_id, request.reason)
         return site_pb2.ReportFailureResponse()
 
@@ -291,6 +297,7 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
         self, request: site_pb2.SecAggKeysRequest, context: Any
     ) -> site_pb2.SecAggKeysResponse:
         self.guard.site(context, request.site_id)
+        self.api.touch(request.site_id)
         ready, peers = await self.api.secagg_keys(
             request.site_id,
             request.task_id,
@@ -311,6 +318,7 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
         self, request: site_pb2.SecAggSharesRequest, context: Any
     ) -> site_pb2.SecAggSharesResponse:
         self.guard.site(context, request.site_id)
+        self.api.touch(request.site_id)
         ready, inbox = await self.api.secagg_shares(
             request.site_id,
             request.task_id,
@@ -324,6 +332,7 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
         self, request: site_pb2.SecAggUnmaskRequest, context: Any
     ) -> site_pb2.SecAggUnmaskResponse:
         self.guard.site(context, request.site_id)
+        self.api.touch(request.site_id)
         ready, (survivors, dropped) = await self.api.secagg_unmask(
             request.site_id, request.task_id, _long_poll_s(request.wait_s, context)
         )
@@ -334,6 +343,7 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
         self, request: site_pb2.SecAggRevealRequest, context: Any
     ) -> site_pb2.SecAggRevealResponse:
         self.guard.site(context, request.site_id)
+        self.api.touch(request.site_id)
         await self.api.secagg_reveal(request.site_id, request.task_id, dict(request.shares))
         return site_pb2.SecAggRevealResponse()
 
