@@ -788,24 +788,11 @@ class Store:
                 conn.execute(_ADD_CUT, known_cuts)
         return [t for t in dict.fromkeys(named) if t not in found]
 
-    def accept_update(
-        self,
-        task_id: str,
-        *,
-        nonce: bytes,
-        sha256: str,
-        num_samples: int,
-        metrics: dict[str, float],
-        bytes_up: int,
-        upload_s: float,
-        now: float,
-    ) -> None:
-        """Record an accepted update; DuplicateError on a reused nonce or a final task."""
-        op = self.accept_op(
-            task_id, nonce=nonce, sha256=sha256, num_samples=num_samples, metrics=metrics,
-            bytes_up=bytes_up, upload_s=upload_s, now=now,
-        )  # fmt: skip
-        [error] = self.write_batch([op])
+    def accept_update(self, task_id: str, **fields: Any) -> None:
+        """Record an accepted update (``accept_op``'s fields) in a transaction of its own;
+        DuplicateError on a reused nonce or a final task. The coordinator batches these
+        writes instead (``coordinator.commits``)."""
+        [error] = self.write_batch([self.accept_op(task_id, **fields)])
         if error is not None:
             raise error
 
