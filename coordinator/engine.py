@@ -232,7 +232,8 @@ class Engine:
 
     def mark_seen_for_recovery(self, site_id: str, now: float, refresh: bool = False) -> None:
         """Give a site sampled before a restart one liveness timeout to come back; with
-        ``refresh``, also one that was heard from (its heartbeats waited out a reload)."""
+        ``refresh``, also one that was heard from (its heartbeats waited out a reload, or
+        a round just sampled it between two of its polls)."""
         if refresh:
             self._last_seen[site_id] = max(now, self._last_seen.get(site_id, now))
         else:

@@ -187,6 +187,8 @@ class RoundDriver:
             if number == INIT_ROUND and attempt == 1:
                 engine.store.set_run_state(run.run_id, "running", "", now)
             run.set_open(number, attempt, assignments, now, deadline)
+            for site in sampled:  # online when sampled: one liveness timeout to pick it up
+                engine.mark_seen_for_recovery(site, now, refresh=True)
             if not init:
                 start_aggregate(engine, run)
             engine.notify()
