@@ -44,6 +44,7 @@ import logging
 import math
 import os
 import selectors
+import shlex
 import signal
 import statistics
 import subprocess
@@ -52,7 +53,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -605,7 +606,8 @@ class Measurement:
         r, n, pid = self.result, self.n, cluster.coordinator.pid
         r["idle"] = asdict(idle := proc_sample(pid))
         left = self.deadline - time.monotonic()
-        workers += start_workers(cluster.address, n, self.args, root, left + 60.0)
+        with pinned(self.args.pin, coordinator=False):
+            workers += start_workers(cluster.address, n, self.args, root, left + 60.0)
         r["pids"] = [pid, *(w.popen.pid for w in workers)]
         wait_ready(workers, self.deadline)
         self.reached("agents_built")
@@ -669,6 +671,23 @@ class Measurement:
         run["peak"] = asdict(sampler.peak())
 
 
+@contextlib.contextmanager
+def pinned(pin: bool, *, coordinator: bool) -> Iterator[None]:
+    """With ``pin``, processes started inside run on CPU 0 (the coordinator) or on the
+    other CPUs (the sites), so that the sites' work does not compete with the
+    coordinator's for the same CPU and its figures repeat from run to run."""
+    if not pin:
+        yield
+        return
+    mine = os.sched_getaffinity(0)
+    first = min(mine)
+    os.sched_setaffinity(0, {first} if coordinator else (mine - {first} or mine))
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, mine)
+
+
 def measure(n: int, args: argparse.Namespace) -> dict[str, Any]:
     """One coordinator and ``n`` sites, everything stopped and removed before it returns."""
     m = Measurement(n, args)
@@ -681,7 +700,10 @@ def measure(n: int, args: argparse.Namespace) -> dict[str, Any]:
         cluster = stack.enter_context(LocalCluster(root / "coordinator", secure=False))
         workers: list[Worker] = []
         try:
-            cluster.start_coordinator(db_url=db_url, timeout_s=120.0)
+            with pinned(args.pin, coordinator=True):  # its threads inherit the CPU set
+                cluster.start_coordinator(
+                    db_url=db_url, timeout_s=120.0, flags=shlex.split(args.coordinator_flags)
+                )
             m.reached("coordinator_ready")
             m.connect(cluster, root, workers)
             m.run(cluster, workers)
@@ -793,6 +815,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout-s", type=float, default=900.0, help="per N, all included")
     parser.add_argument("--round-deadline-s", type=float, default=300.0)
     parser.add_argument("--admin-hz", type=float, default=4.0, help="ListSites and GetRun")
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="the coordinator on one CPU, the sites on the "
+        "others: figures that repeat (the coordinator gets one CPU, no more)",
+    )
+    parser.add_argument(
+        "--coordinator-flags",
+        default="",
+        help="more flags for `fedra coordinator`, e.g. '--workers 8' (default: none, its defaults)",
+    )
     parser.add_argument("--work-dir", type=Path, help="keep state and logs here (default: temp)")
     parser.add_argument(
         "--fit-delay-s",

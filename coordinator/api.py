@@ -22,7 +22,7 @@ import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Generator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
 from typing import Any, TypeVar
 
@@ -38,6 +38,9 @@ log = logging.getLogger("fedra.coordinator")
 T = TypeVar("T")
 DEFAULT_WORKERS = 32  # threads for blocking steps; waiting calls hold none
 READERS = 2  # threads for operators' reads
+# A step on this many bytes or fewer (a model chunk read, an update's accept and fold)
+# runs on the loop when the engine's lock is free: cheaper than handing it to a thread.
+INLINE_BYTES = 64 * 1024
 
 
 class CoordinatorAPI:
@@ -94,12 +97,7 @@ class CoordinatorAPI:
         did is known to the caller's clean-up."""
         loop = asyncio.get_running_loop()
         future = loop.run_in_executor(executor or self.executor, functools.partial(fn, *args))
-        try:
-            return await asyncio.shield(future)
-        except asyncio.CancelledError:
-            with suppress(BaseException):
-                await asyncio.shield(future)
-            raise
+        return await _outcome(future)
 
     def later(self, fn: Callable[..., object], *args: Any) -> None:
         """``fn(*args)`` in the executor, not waited for (clean-up of a cancelled call)."""
@@ -152,7 +150,7 @@ class CoordinatorAPI:
     ) -> AsyncIterator[bytes]:
         """The task's model (or compressed step), each chunk led by ``frame(len)``."""
         engine = self.engine
-        digest, size, base = await self.call(engine.open_download, site_id, task_id, delta)
+        digest, size, base = await self.quick(engine.open_download, site_id, task_id, delta)
         started, sent = time.monotonic(), 0  # sent: handed to gRPC, frames included
         await self.quick(engine.transfer, site_id, True)
         try:
@@ -178,9 +176,13 @@ class CoordinatorAPI:
         chunks = self.engine.models.read_chunks(digest, chunk, frame=frame)
         assert isinstance(chunks, Generator)
         count = max(1, -(-size // chunk))  # the last read also checks the digest: one step
+        here = chunk <= INLINE_BYTES  # a small read costs less than a thread hand-off
         try:
             for number in range(1, count + 1):
-                data = await self.call(_read_chunk, chunks, number == count, digest)
+                if here:
+                    data = _read_chunk(chunks, number == count, digest)
+                else:
+                    data = await self.call(_read_chunk, chunks, number == count, digest)
                 if data is None:
                     break
                 yield data
@@ -236,7 +238,14 @@ class CoordinatorAPI:
             self.later(_give_back, engine, held)
             raise
         try:
-            await self.call(uploads.accept, engine, ticket, digest, size)
+            # Small, its fold quick too, and never waiting (an async run's accept may wait
+            # for the next round): no thread hand-offs.
+            if size <= INLINE_BYTES and ticket.run.spec.asynchronous is None:
+                loop = asyncio.get_running_loop()
+                accepted = await self.quick(self._accept, ticket, digest, size, loop)
+            else:
+                accepted = await self.call(self._accept, ticket, digest, size, None)
+            await _outcome(asyncio.wrap_future(accepted))
         except asyncio.CancelledError:
             raise  # accept ran to its end: the site's retry is answered from what it did
         except BaseException:  # refused whole (too late, say): all of it for nothing
@@ -244,6 +253,61 @@ class CoordinatorAPI:
             raise
         ledger.ended(task_id)
         return size
+
+    def _accept(
+        self,
+        ticket: uploads.UploadTicket,
+        digest: str,
+        size: int,
+        loop: asyncio.AbstractEventLoop | None,
+    ) -> Future[None]:
+        """``uploads.accept`` without a thread waiting for the group commit: the accepting
+        write goes in the next batch and, once that is committed, the rest of the accept
+        runs in the executor (or on ``loop``, if the engine's lock is free there then);
+        the future says when it has. Begun, it goes to its end."""
+        write = uploads.accept_begin(self.engine, ticket, digest, size)
+        durable = self.engine.commits.submit(write)
+        accepted: Future[None] = Future()
+        end = functools.partial(uploads.accept_end, self.engine, ticket, digest, size, durable)
+        durable.add_done_callback(lambda _: self._then(accepted, end, loop))
+        return accepted
+
+    def _then(
+        self, out: Future[T], fn: Callable[[], T], loop: asyncio.AbstractEventLoop | None
+    ) -> None:
+        """``fn()`` (a short step that takes the engine's lock), its outcome into ``out``:
+        on ``loop`` if given and the lock is free there, else in the executor (here if
+        that is shut down: the engine is stopping)."""
+
+        def run() -> None:
+            try:
+                out.set_result(fn())
+            except BaseException as exc:
+                out.set_exception(exc)
+
+        def on_loop() -> None:
+            # Not run holding the lock: ``fn`` takes it (and a run's fold lock, which is
+            # taken before the engine's elsewhere) itself. Free now, it is soon again.
+            lock = self.engine.lock
+            if lock.acquire(blocking=False):
+                lock.release()
+                run()
+            else:
+                in_executor()
+
+        def in_executor() -> None:
+            try:
+                self.executor.submit(run)
+            except RuntimeError:
+                run()
+
+        if loop is None:
+            in_executor()
+            return
+        try:
+            loop.call_soon_threadsafe(on_loop)
+        except RuntimeError:  # the loop is closed: the server has stopped
+            in_executor()
 
     async def report_failure(self, site_id: str, task_id: str, reason: str) -> None:
         await self.call(self.engine.report_failure, site_id, task_id, reason)
@@ -349,6 +413,17 @@ class _Held:
         if last is not None:
             self.receiver.feed(last)
         return self.receiver.finish()
+
+
+async def _outcome(future: asyncio.Future[T]) -> T:
+    """What ``future`` comes to. A cancelled caller waits for it all the same, then is
+    cancelled: what the work did is known to the caller's clean-up."""
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        with suppress(BaseException):
+            await asyncio.shield(future)
+        raise
 
 
 def _read_chunk(chunks: Generator[bytes, None, None], last: bool, digest: str) -> bytes | None:

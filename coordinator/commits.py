@@ -39,6 +39,12 @@ class GroupCommit:
     def write(self, op: WriteOp) -> None:
         """Run ``op`` in the next batch and return once that batch is committed; raises
         the op's own refusal (DuplicateError, ...) or the batch's failure."""
+        self.submit(op).result()
+
+    def submit(self, op: WriteOp) -> Future[None]:
+        """Run ``op`` in the next batch: its future is done once that batch is committed
+        (with the op's own refusal, DuplicateError say, or the batch's failure). Nothing
+        need wait on it with a thread: an event loop awaits it."""
         done: Future[None] = Future()
         with self._cond:
             closing = self._closing
@@ -46,11 +52,16 @@ class GroupCommit:
                 self._queue.append((op, done))
                 self._cond.notify()
         if closing:  # stopping: written here, alone
-            [error] = self.store.write_batch([op])
-            if error is not None:
-                raise error
-            return
-        done.result()
+            try:
+                [error] = self.store.write_batch([op])
+            except BaseException as exc:
+                done.set_exception(exc)
+                return done
+            if error is None:
+                done.set_result(None)
+            else:
+                done.set_exception(error)
+        return done
 
     def write_later(self, op: WriteOp) -> None:
         """Run ``op`` in the next batch without waiting for it (a failure is logged)."""

@@ -7,6 +7,7 @@ runs one ``RoundDriver`` thread per run (see ``rounds``).
 
 from __future__ import annotations
 
+import bisect
 import logging
 import shutil
 import threading
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from fedra import logsafe
 from fedra.config import SITE_ID_RULE, is_valid_site_id
 from fedra.coordinator.aggregation import ServerOptimizer
+from fedra.coordinator.attention import Attention
 from fedra.coordinator.commits import GroupCommit
 from fedra.coordinator.downloads import Download, DownloadLedger
 from fedra.coordinator.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
@@ -95,6 +97,12 @@ class Engine:
         self._drivers: dict[str, threading.Thread] = {}
         self._site_tasks: dict[str, tuple[str, ...]] = {}
         self._last_seen: dict[str, float] = {}
+        # The registered sites as stored (kept with each registration), how many ids were
+        # added, and the ids in order as of that many, for listings.
+        self._sites: dict[str, SiteRecord] = {}
+        self._sites_added = 0
+        self._site_order: tuple[int, list[str]] | None = None
+        self.attention = Attention(clock)  # when this coordinator was not listening
         self._polling: Counter[str] = Counter()
         self._moving: Counter[str] = Counter()  # transfers under way, by site
         self._left: set[str] = set()  # sites that hung up on their poll, not heard from since
@@ -115,6 +123,7 @@ class Engine:
         shutil.rmtree(self.updates.root / "spill", ignore_errors=True)  # robust rules' spill
         for site in self.store.list_sites():
             self._site_tasks[site.id] = site.tasks
+            self._sites[site.id] = site
         for record in self.store.list_runs(states=("pending", "running")):
             run = restore_run(self, record)
             if run is None:
@@ -206,6 +215,11 @@ class Engine:
                 )
         self.commits.write(self.store.upsert_site_op(site_id, tasks, version, now))
         with self.lock:
+            known = self._sites.get(site_id)
+            first = now if known is None else known.registered_at
+            self._sites[site_id] = SiteRecord(site_id, tuple(tasks), version, first, now)
+            if known is None:
+                self._sites_added += 1  # a new id: the sorted listing is built again
             self._site_tasks[site_id] = tuple(tasks)
             self._last_seen[site_id] = now
             self._left.discard(site_id)
@@ -244,10 +258,17 @@ class Engine:
         return site_id in self._left and not self._polling[site_id]
 
     def is_online(self, site_id: str, now: float) -> bool:
-        last = self._last_seen.get(site_id)
-        recent = last is not None and now - last <= self.settings.site_timeout_s
         busy = self._polling[site_id] > 0 or self._moving[site_id] > 0
-        return busy or (recent and site_id not in self._left)
+        return busy or (self._heard_within(site_id, now) and site_id not in self._left)
+
+    def _heard_within(self, site_id: str, now: float) -> bool:
+        """Heard from within the liveness timeout, counting only the time this
+        coordinator was listening (its own stalls are not the site's: ``attention``)."""
+        last = self._last_seen.get(site_id)
+        if last is None:
+            return False
+        quiet, timeout = now - last, self.settings.site_timeout_s
+        return quiet <= timeout or quiet - self.attention.stalled(last, now) <= timeout
 
     def transfer(self, site_id: str, began: bool) -> None:
         """A download or upload of the site's began (or ended): while one is under way the
@@ -264,8 +285,7 @@ class Engine:
     def site_heard(self, site_id: str) -> bool:
         """Whether the site polled, or was heard from, within its liveness timeout (its
         transfers under way left out: the edge asks this of a stalled one)."""
-        last = self._last_seen.get(site_id)
-        recent = last is not None and self.clock() - last <= self.settings.site_timeout_s
+        recent = self._heard_within(site_id, self.clock())
         return self._polling[site_id] > 0 or (recent and site_id not in self._left)
 
     def site_online(self, site_id: str) -> bool:
@@ -528,16 +548,26 @@ class Engine:
         """A page of known sites (id order, after ``after``) with whether each is online
         and when it was last heard from, and the id to continue after ('' at the end).
 
-        Read from the database and from liveness kept in memory, without the engine's
-        lock: a listing never waits for a round's writes, nor holds them up."""
+        Read from memory (the sites as registered, what the database holds, and their
+        liveness) without the engine's lock: a listing never waits for a round's writes,
+        nor holds them up, nor costs a database read per site."""
         limit = max(1, min(limit, MAX_SITES_PAGE))
         now = self.clock()
-        found = self.store.list_sites(after, limit + 1)
-        page = [
-            (s, self.is_online(s.id, now), self._last_seen.get(s.id, s.last_seen_at))
-            for s in found[:limit]
-        ]
-        return page, (found[limit - 1].id if len(found) > limit else "")
+        added, cached = self._sites_added, self._site_order
+        if cached is not None and cached[0] == added:
+            order = cached[1]
+        else:  # one atomic copy of the ids (registrations may go on), kept until the next
+            order = sorted(list(self._sites))
+            self._site_order = (added, order)
+        first = bisect.bisect_right(order, after)
+        ids = order[first : first + limit + 1]
+        page = []
+        for site_id in ids[:limit]:
+            s = self._sites[site_id]
+            page.append(
+                (s, self.is_online(site_id, now), self._last_seen.get(site_id, s.last_seen_at))
+            )
+        return page, (ids[limit - 1] if len(ids) > limit else "")
 
     def site_counts(self) -> tuple[int, int]:
         """(sites registered, of them online now), counted in memory, without the lock."""

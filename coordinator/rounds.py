@@ -46,6 +46,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("fedra.coordinator")
 _RECHECK_S = 1.0  # liveness is re-evaluated at least this often while waiting
 _LOOK_GAP_PER_SITE_S, _MAX_LOOK_GAP_S = 5e-6, 0.025  # between two looks of a waiting round
+# How often a waiting round asks each pending site whether it is still heard from: a
+# timeout of seconds needs no finer look, and at thousands of sites a look costs.
+_LIVENESS_LOOK_S = 0.25
 # The key in the optimiser-state checkpoint blob that holds the privacy accountant.
 ACCOUNTANT_KEY = "privacy.rdp"
 # ... and the prefix of the server's error-feedback residual for compressed downloads.
@@ -66,6 +69,7 @@ class RoundDriver:
     def __init__(self, engine: Engine, run: ActiveRun) -> None:
         self.engine, self.run_state = engine, run
         self.tag = f"run {run.run_id}"
+        self._liveness_looked = -float("inf")
 
     def run(self) -> None:
         """Drive rounds until the run ends or the engine stops. A storage fault (a full
@@ -215,7 +219,9 @@ class RoundDriver:
                         engine.changed.wait(_RECHECK_S)
                     return "cancelled"
                 now = engine.clock()
-                self._fail_silent_sites(now)
+                if not 0.0 <= now - self._liveness_looked < _LIVENESS_LOOK_S:
+                    self._liveness_looked = now
+                    self._fail_silent_sites(now)
                 if not run.broken:
                     self._advance_stages(now)
                 states = [a.state for a in run.assignments.values()]

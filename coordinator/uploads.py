@@ -12,6 +12,7 @@ import logging
 import math
 import time
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -41,7 +42,7 @@ from fedra.protos.compression import (
 )
 from fedra.runspec import WIRE_CODECS, CodecSpec
 from fedra.storage.blobs import BlobDigestError, StorageFullError
-from fedra.storage.store import DuplicateError
+from fedra.storage.store import DuplicateError, WriteOp
 
 if TYPE_CHECKING:
     from fedra.coordinator.engine import Engine
@@ -342,11 +343,23 @@ def abort_upload(engine: Engine, ticket: UploadTicket) -> None:
 
 
 def accept(engine: Engine, ticket: UploadTicket, digest: str, nbytes: int) -> None:
-    """Record the update as accepted (durably), then fold it into the round's sum.
+    """Record the update as accepted (durably), then fold it into the round's sum: the
+    three steps below in a row, this thread waiting for the group commit."""
+    write = accept_begin(engine, ticket, digest, nbytes)
+    durable: Future[None] = Future()
+    try:
+        engine.commits.write(write)
+        durable.set_result(None)
+    except BaseException as exc:
+        durable.set_exception(exc)
+    accept_end(engine, ticket, digest, nbytes, durable)
 
-    The durable write goes in the next group commit (``commits``) with the engine's lock
-    let go meanwhile: the round cannot close under it (``run.folding`` holds it open, as
-    a fold does), and the task is the site's no more (it stays 'uploading')."""
+
+def accept_begin(engine: Engine, ticket: UploadTicket, digest: str, nbytes: int) -> WriteOp:
+    """The update may count: the write that records it as accepted, for the next group
+    commit (``commits``). From here until ``accept_end`` the engine's lock is free but
+    the round cannot close (``run.folding`` holds it open, as a fold does), and the task
+    is the site's no more (it stays 'uploading')."""
     h, run, a = ticket.header, ticket.run, ticket.assignment
     upload_s = time.monotonic() - ticket.started
     with engine.lock:
@@ -373,13 +386,21 @@ def accept(engine: Engine, ticket: UploadTicket, digest: str, nbytes: int) -> No
         if run.spec.asynchronous is not None:
             metrics["staleness"] = float(run.staleness(a))
         run.folding += 1  # the driver will not close the round under this write and fold
-        write = engine.store.accept_op(
+        return engine.store.accept_op(
             h.task_id, nonce=h.nonce, sha256=digest, num_samples=h.num_samples,
             metrics=metrics, bytes_up=nbytes, upload_s=upload_s, now=engine.clock(),
         )  # fmt: skip
-    try:
-        engine.commits.write(write)
-    except BaseException as exc:
+
+
+def accept_end(
+    engine: Engine, ticket: UploadTicket, digest: str, nbytes: int, durable: Future[None]
+) -> None:
+    """After ``accept_begin``'s write was committed (or refused: ``durable`` holds the
+    outcome): the task is accepted and the update folded, or it is the site's again and
+    the refusal raised."""
+    h, run, a = ticket.header, ticket.run, ticket.assignment
+    exc = durable.exception()
+    if exc is not None:
         with engine.lock:
             run.folding -= 1
             _drop_spooled(engine, run, digest)
@@ -387,7 +408,8 @@ def accept(engine: Engine, ticket: UploadTicket, digest: str, nbytes: int) -> No
             engine.notify(run.run_id)
         if isinstance(exc, DuplicateError):
             raise AlreadyExists(str(exc)) from exc
-        raise
+        raise exc
+    upload_s = time.monotonic() - ticket.started
     with engine.lock:
         crash_point("after_accept", ticket.round)  # durable, not folded, no reply
         a.move(TaskState.ACCEPTED)

@@ -674,8 +674,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-calls-per-site",
         type=int,
         default=8,
-        help="calls one site certificate may have in flight (each holds a server thread); "
-        "past it a call is refused with RESOURCE_EXHAUSTED",
+        help="calls one site certificate may have in flight; past it a call is refused "
+        "with UNAVAILABLE (the site retries with backoff)",
     )
     c.add_argument(
         "--max-calls-per-admin",

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
+from dataclasses import fields
+from typing import Any
 
 from fedra.storage import models as m
 from fedra.storage.records import (
@@ -52,6 +55,21 @@ def round_record(r: m.Round) -> RoundRecord:
         metrics=json.loads(r.metrics_json),
         stages=json.loads(r.stages_json or "{}"),
     )
+
+
+# ParticipationRecord's fields in order, as the participations table's columns (the
+# metrics are stored as JSON): a status of thousands of sites reads them positionally.
+PARTICIPATION_COLUMNS = tuple(
+    "metrics_json" if f.name == "metrics" else f.name for f in fields(ParticipationRecord)
+)
+_METRICS_AT = PARTICIPATION_COLUMNS.index("metrics_json")
+
+
+def participation_from_values(values: Sequence[Any]) -> ParticipationRecord:
+    """A record from a row of ``PARTICIPATION_COLUMNS``, in that order."""
+    row = list(values)
+    row[_METRICS_AT] = json.loads(row[_METRICS_AT])
+    return ParticipationRecord(*row)
 
 
 def participation_record(r: m.Participation) -> ParticipationRecord:

@@ -263,7 +263,7 @@ def _rounds_since(run_id: str, since: int) -> Select[m.Round]:
 def _participation_rows_between(run_id: str, since: int, until: int | None) -> Select[Any]:
     """``_participations_between`` as plain rows (no ORM objects built)."""
     t = m.Participation.__table__.c
-    q = select(*t).where(t.run_id == run_id)
+    q = select(*(t[name] for name in rows.PARTICIPATION_COLUMNS)).where(t.run_id == run_id)
     if since:
         q = q.where(t.round_number >= since)
     if until is not None:
@@ -740,8 +740,8 @@ class Store:
             return RunView(
                 rows.run_record(run),
                 [rows.round_record(r) for r in rounds],
-                [  # Core rows, not ORM objects: a status of thousands of sites reads fast
-                    rows.participation_record(p)  # type: ignore[arg-type]  # same attributes
+                [  # plain tuples, not ORM objects: a status of thousands of sites reads fast
+                    rows.participation_from_values(p)
                     for p in s.execute(_participation_rows_between(run_id, since, until))
                 ],
                 [

@@ -321,3 +321,107 @@ def test_the_final_rounds_kept_are_bounded_by_bytes() -> None:
     assert kept.from_("run-a", 0) == [] and len(kept.from_("run-b", 0)) == 1
     kept.keep("run-b", {1: admin_pb2.RoundStatus(number=1)}, set())  # not final: not kept
     assert [r.number for r in kept.from_("run-b", 0)] == [0]
+
+
+# -- attention: the coordinator's own stalls are not the sites' -------------------------
+
+
+def test_attention_counts_the_stalls_within_a_stretch_only() -> None:
+    from fedra.coordinator.attention import SLACK_S, TICK_S, Attention
+
+    now = [100.0]
+    att = Attention(lambda: now[0])
+    att.tick(0.0)  # on time: no stall
+    assert att.stalled(0.0, now[0]) == 0.0
+    now[0] = 110.0
+    att.tick(5.0 + SLACK_S)  # the loop ran 5 s late: 105..110 it was not listening
+    assert att.stalled(0.0, 110.0) == pytest.approx(5.0)
+    assert att.stalled(107.0, 110.0) == pytest.approx(3.0)  # the part within the stretch
+    assert att.stalled(110.0, 110.0 + TICK_S) == 0.0  # the next tick is not late yet
+    # No tick since 110: the loop is stalled right now, from when the next tick was due.
+    due = 110.0 + TICK_S + SLACK_S
+    assert att.stalled(110.0, 113.0) == pytest.approx(113.0 - due)
+    assert att.stalled(0.0, 113.0) == pytest.approx(5.0 + 113.0 - due)
+    att.stop()  # not watched any more: nothing ongoing
+    assert att.stalled(110.0, 113.0) == 0.0
+
+
+def test_a_site_is_not_failed_as_silent_for_the_coordinators_own_stall(tmp_path: Path) -> None:
+    """The server's event loop stops for longer than the liveness timeout (a burst of
+    calls, a pause): a site heard just before is still online after it, and goes offline
+    only once the coordinator has listened for a whole timeout without hearing it."""
+    timeout_s = 2.0
+    c = InProcessCoordinator(tmp_path / "state", EngineSettings(site_timeout_s=timeout_s))
+    try:
+        _register(c, "site-a")
+        frozen = threading.Event()
+
+        def freeze() -> None:  # runs on the server's loop: nothing else runs there meanwhile
+            frozen.set()
+            time.sleep(2 * timeout_s)
+
+        c.server._loop.call_soon_threadsafe(freeze)
+        assert frozen.wait(10.0)
+        started = time.monotonic()
+        # The loop answers again once the freeze is over (a health check goes through it).
+        c.admin.ListSites(admin_pb2.ListSitesRequest(summary_only=True), timeout=30.0)
+        assert time.monotonic() - started >= timeout_s  # it did wait for the loop
+        engine = c.engine
+        quiet = engine.clock() - engine._last_seen["site-a"]
+        assert quiet > timeout_s  # by the wall clock alone, the site would be gone
+        assert engine.site_online("site-a")
+        assert engine.attention.stalled_s >= timeout_s
+        deadline = time.monotonic() + 10 * timeout_s
+        while engine.site_online("site-a"):  # listening now: a whole timeout, then offline
+            assert time.monotonic() < deadline, "the site never went offline"
+            time.sleep(0.05)
+        assert engine.clock() - engine._last_seen["site-a"] >= 2 * timeout_s
+    finally:
+        c.close()
+
+
+def test_the_site_list_is_served_from_memory_as_stored_and_survives_a_restart(
+    tmp_path: Path,
+) -> None:
+    """Listings read the sites kept in memory with each registration: the same as the
+    database's rows, loaded again by a restarted engine, in id order, paged."""
+    from fedra.coordinator.engine import Engine
+    from fedra.storage import BlobStore
+
+    def engine_on(store: Store) -> Engine:
+        e = Engine(store, BlobStore(tmp_path / "m"), BlobStore(tmp_path / "u"), EngineSettings())
+        e.start()
+        return e
+
+    def listing(e: Engine) -> list[tuple[str, tuple[str, ...], str, float]]:
+        out, after = [], ""
+        while True:
+            page, after = e.list_sites(after, 2)
+            out += [(s.id, s.tasks, s.version, s.registered_at) for s, _, _ in page]
+            if not after:
+                return out
+
+    store = _store(tmp_path)
+    first = engine_on(store)
+    try:
+        for site in ("site-c", "site-a", "site-b"):
+            first.register(site, [TASK], "1")
+        first.register("site-a", [TASK, "other:task"], "2")  # again: same registration time
+        before = listing(first)
+        assert [s[0] for s in before] == ["site-a", "site-b", "site-c"]
+        assert before[0][1:3] == ((TASK, "other:task"), "2")
+        stored = {s.id: (s.id, s.tasks, s.version, s.registered_at) for s in store.list_sites()}
+        assert before == [stored[s[0]] for s in before]
+        first.register("site-0", [TASK], "1")  # a new id is listed at once, in order
+        assert [s[0] for s in listing(first)] == ["site-0", "site-a", "site-b", "site-c"]
+    finally:
+        first.stop()
+    second = engine_on(store)
+    try:
+        assert listing(second) == [
+            (s.id, s.tasks, s.version, s.registered_at) for s in store.list_sites()
+        ]
+        assert len(listing(second)) == 4
+    finally:
+        second.stop()
+        store.close()

@@ -1,0 +1,158 @@
+"""Coordinator CPU per site call, against a bare grpc.aio server on the same machine.
+
+A coordinator's cost at thousands of sites is mostly its cost per call: every site
+heartbeats and polls, whatever the model. This measures it alone, without the round
+machinery: the real daemon (`fedra coordinator`, default flags, SQLite) answers
+`Heartbeat` from registered sites, and a bare `grpc.aio`
+server on one event loop answers a unary call that does nothing; both are called by
+the same client threads, and each server's CPU (user + system, from /proc) is divided
+by the calls it answered. The ratio is what fedra's edge, engine and bookkeeping add.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/call_cost.py --seconds 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import grpc
+
+from fedra.client.connection import Connection
+from fedra.local import LocalCluster
+from fedra.protos.v1 import site_pb2
+
+_TICK = os.sysconf("SC_CLK_TCK")
+_BARE = "/bench.Bare/Call"
+
+
+def cpu_s(pid: int) -> float:
+    """User plus system CPU seconds of ``pid`` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def hammer(calls: list[object], threads: int, seconds: float) -> int:
+    """Run the ``calls`` (callables) round-robin from ``threads`` threads for ``seconds``;
+    returns how many completed."""
+    done = [0] * threads
+    stop = time.monotonic() + seconds
+
+    def loop(i: int) -> None:
+        mine = calls[i::threads]
+        n = 0
+        while time.monotonic() < stop:
+            mine[n % len(mine)]()  # type: ignore[operator]
+            n += 1
+        done[i] = n
+
+    workers = [threading.Thread(target=loop, args=(i,)) for i in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return sum(done)
+
+
+def measure_fedra(sites: int, threads: int, seconds: float) -> dict[str, float]:
+    out: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as tmp, LocalCluster(Path(tmp), secure=False) as cluster:
+        address = cluster.start_coordinator()
+        assert cluster.coordinator is not None
+        pid = cluster.coordinator.popen.pid
+        conns = [Connection(address, f"site-{i:04d}") for i in range(sites)]
+        try:
+            for c in conns:
+                c.register(["bench"])
+            calls = [(lambda c: lambda: c.heartbeat("no-such-task"))(c) for c in conns]
+            hammer(calls, threads, 1.0)  # warm up
+            before = cpu_s(pid)
+            n = hammer(calls, threads, seconds)
+            out["Heartbeat"] = (cpu_s(pid) - before) / n * 1e6
+            out["Heartbeat_per_s"] = n / seconds
+        finally:
+            for c in conns:
+                c.close()
+    return out
+
+
+_BARE_SERVER = """
+import asyncio, sys
+import grpc
+
+async def main():
+    server = grpc.aio.server()
+    async def call(request, context):
+        return b""
+    handler = grpc.method_handlers_generic_handler(
+        "bench.Bare", {"Call": grpc.unary_unary_rpc_method_handler(call)}
+    )
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    print(port, flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    await server.stop(0)
+
+asyncio.run(main())
+"""
+
+
+def measure_bare(sites: int, threads: int, seconds: float) -> dict[str, float]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _BARE_SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        channels = [grpc.insecure_channel(f"127.0.0.1:{port}") for _ in range(sites)]
+        request = site_pb2.HeartbeatRequest(site_id="site-0000", task_id="x").SerializeToString()
+        calls = [
+            (lambda m: lambda: m(request, timeout=10.0))(ch.unary_unary(_BARE)) for ch in channels
+        ]
+        hammer(calls, threads, 1.0)
+        before = cpu_s(proc.pid)
+        n = hammer(calls, threads, seconds)
+        cost = (cpu_s(proc.pid) - before) / n * 1e6
+        for ch in channels:
+            ch.close()
+        return {"Bare": cost, "Bare_per_s": n / seconds}
+    finally:
+        if proc.stdin is not None:
+            proc.stdin.close()
+        proc.wait(10)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sites", type=int, default=50, help="registered sites (channels)")
+    parser.add_argument("--threads", type=int, default=8, help="calling threads")
+    parser.add_argument("--seconds", type=float, default=8.0, help="per measured call kind")
+    parser.add_argument("--out", type=Path, help="write the figures here as JSON")
+    args = parser.parse_args(argv)
+    figures = measure_bare(args.sites, args.threads, args.seconds)
+    figures.update(measure_fedra(args.sites, args.threads, args.seconds))
+    bare = figures["Bare"]
+    print(f"bare grpc.aio unary call: {bare:.0f} us of server CPU per call "
+          f"({figures['Bare_per_s']:.0f} calls/s)")  # fmt: skip
+    beat = figures["Heartbeat"]
+    print(
+        f"fedra Heartbeat: {beat:.0f} us of coordinator CPU per call "
+        f"({figures['Heartbeat_per_s']:.0f} calls/s), {beat / bare:.2f}x the bare call"
+    )
+    if args.out is not None:
+        args.out.write_text(json.dumps(figures, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    asyncio.set_event_loop_policy(None)
+    main()
