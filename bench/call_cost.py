@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import subprocess
@@ -22,6 +23,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -40,7 +42,7 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICK
 
 
-def hammer(calls: list[object], threads: int, seconds: float) -> int:
+def hammer(calls: list[Callable[[], object]], threads: int, seconds: float) -> int:
     """Run the ``calls`` (callables) round-robin from ``threads`` threads for ``seconds``;
     returns how many completed."""
     done = [0] * threads
@@ -50,7 +52,7 @@ def hammer(calls: list[object], threads: int, seconds: float) -> int:
         mine = calls[i::threads]
         n = 0
         while time.monotonic() < stop:
-            mine[n % len(mine)]()  # type: ignore[operator]
+            mine[n % len(mine)]()
             n += 1
         done[i] = n
 
@@ -72,7 +74,7 @@ def measure_fedra(sites: int, threads: int, seconds: float) -> dict[str, float]:
         try:
             for c in conns:
                 c.register(["bench"])
-            calls = [(lambda c: lambda: c.heartbeat("no-such-task"))(c) for c in conns]
+            calls = [functools.partial(c.heartbeat, "no-such-task") for c in conns]
             hammer(calls, threads, 1.0)  # warm up
             before = cpu_s(pid)
             n = hammer(calls, threads, seconds)
@@ -117,7 +119,7 @@ def measure_bare(sites: int, threads: int, seconds: float) -> dict[str, float]:
         channels = [grpc.insecure_channel(f"127.0.0.1:{port}") for _ in range(sites)]
         request = site_pb2.HeartbeatRequest(site_id="site-0000", task_id="x").SerializeToString()
         calls = [
-            (lambda m: lambda: m(request, timeout=10.0))(ch.unary_unary(_BARE)) for ch in channels
+            functools.partial(ch.unary_unary(_BARE), request, timeout=10.0) for ch in channels
         ]
         hammer(calls, threads, 1.0)
         before = cpu_s(proc.pid)
