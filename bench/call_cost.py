@@ -118,9 +118,7 @@ def measure_bare(sites: int, threads: int, seconds: float) -> dict[str, float]:
         port = int(proc.stdout.readline())
         channels = [grpc.insecure_channel(f"127.0.0.1:{port}") for _ in range(sites)]
         request = site_pb2.HeartbeatRequest(site_id="site-0000", task_id="x").SerializeToString()
-        calls = [
-            functools.partial(ch.unary_unary(_BARE), request, timeout=10.0) for ch in channels
-        ]
+        calls = [functools.partial(ch.unary_unary(_BARE), request, timeout=10.0) for ch in channels]
         hammer(calls, threads, 1.0)
         before = cpu_s(proc.pid)
         n = hammer(calls, threads, seconds)
