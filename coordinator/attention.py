@@ -13,47 +13,76 @@ they cover; liveness counts only the rest (``Engine.is_online``).
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
+import math
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 
 log = logging.getLogger("fedra.coordinator")
 
 TICK_S = 0.1  # how often the loop is looked at
 SLACK_S = 0.05  # lateness below this is ordinary scheduling, not a stall
-LOG_S = 1.0  # stalls this long are logged
-KEEP = 4096  # stall intervals kept (the oldest go first; a liveness timeout needs few)
+LOG_S = 1.0  # stalls this long are logged, at most one warning per LOG_EVERY_S
+LOG_EVERY_S = 10.0
+KEEP = 4096  # stalls kept (the older half goes when full: a liveness timeout needs few)
 
 
 class Attention:
     """Stretches of wall time (``clock``'s) when the coordinator's loop did not run.
 
-    ``tick`` is called from the loop (``watch``); ``stalled`` from any thread."""
+    ``tick`` is called from the loop (``watch``); ``stalled`` from any thread, for every
+    site a listing or a round looks at: it costs O(log stalls kept)."""
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self.clock = clock
         self._lock = threading.Lock()
-        self._stalls: deque[tuple[float, float]] = deque(maxlen=KEEP)  # (from, to), in order
+        # The stalls kept, in order: where each began and ended, and the seconds of all
+        # stalls up to its end (those let go included, from ``_base`` on).
+        self._starts: list[float] = []
+        self._ends: list[float] = []
+        self._upto: list[float] = []
+        self._base = 0.0
         self._ticked_at: float | None = None  # wall time of the last tick, while watched
         self.stalled_s = 0.0  # in all, since the watch began
+        self._logged_at = -math.inf  # monotonic: the last warning
+        self._unlogged = 0.0, 0  # stalls of LOG_S or more since: longest, how many
 
     def tick(self, late_s: float) -> None:
         """The loop ran a tick ``late_s`` seconds after it was due."""
         now = self.clock()
         lost = late_s - SLACK_S
         with self._lock:
-            if lost > 0:
-                self._stalls.append((now - lost, now))
+            if lost > 0 and (not self._ends or now > self._ends[-1]):
+                if len(self._ends) >= KEEP:  # let the older half go
+                    half = KEEP // 2
+                    self._base = self._upto[half - 1]
+                    del self._starts[:half], self._ends[:half], self._upto[:half]
+                # Not before the last tick, when the loop did run (nor the last stall's end).
+                start = now - lost
+                if self._ticked_at is not None:
+                    start = max(start, self._ticked_at)
+                self._starts.append(max(start, self._ends[-1]) if self._ends else start)
+                self._ends.append(now)
+                self._upto.append((self._upto[-1] if self._upto else self._base) + lost)
                 self.stalled_s += lost
             self._ticked_at = now
         if late_s >= LOG_S:
-            log.warning(
-                "the coordinator's event loop ran %.1f s late (overloaded, paused, or short "
-                "of CPU): that time does not count against the sites' liveness",
-                late_s,
-            )
+            self._log(late_s)
+
+    def _log(self, late_s: float) -> None:
+        longest, count = self._unlogged
+        longest, count = max(longest, late_s), count + 1
+        if time.monotonic() - self._logged_at < LOG_EVERY_S:
+            self._unlogged = longest, count
+            return
+        self._logged_at, self._unlogged = time.monotonic(), (0.0, 0)
+        log.warning(
+            "the coordinator's event loop ran %.1f s late%s (overloaded, paused, or short "
+            "of CPU): that time does not count against the sites' liveness",
+            longest, f" ({count} times since the last such warning)" if count > 1 else "",
+        )  # fmt: skip
 
     def stop(self) -> None:
         with self._lock:
@@ -61,19 +90,20 @@ class Attention:
 
     def stalled(self, since: float, now: float) -> float:
         """Seconds of [since, now] the loop was not running, the stall under way included."""
-
-        def overlap(start: float, end: float) -> float:
-            return max(0.0, min(end, now) - max(start, since))
-
         with self._lock:
-            total = 0.0
+            total = self._until(now) - self._until(since)
             if self._ticked_at is not None:  # the next tick was due then: late since
-                total += overlap(self._ticked_at + TICK_S + SLACK_S, now)
-            for start, end in reversed(self._stalls):
-                if end <= since:
-                    break  # in order: the rest ended earlier still
-                total += overlap(start, end)
-            return total
+                late_from = max(self._ticked_at + TICK_S + SLACK_S, since)
+                total += max(0.0, now - late_from)
+            return max(0.0, total)
+
+    def _until(self, t: float) -> float:
+        """Seconds of the stalls kept up to ``t`` (those let go count as before it)."""
+        i = bisect.bisect_right(self._ends, t)
+        total = self._upto[i - 1] if i else self._base
+        if i < len(self._ends) and self._starts[i] < t:  # within stall i
+            total += t - self._starts[i]
+        return total
 
     async def watch(self) -> None:
         """Tick on the running loop until cancelled."""

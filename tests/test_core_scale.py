@@ -346,6 +346,41 @@ def test_attention_counts_the_stalls_within_a_stretch_only() -> None:
     assert att.stalled(110.0, 113.0) == 0.0
 
 
+def test_attention_agrees_with_adding_up_the_stalls_and_keeps_a_bounded_number() -> None:
+    """Thousands of stalls: each window's figure is the overlap summed one by one (what
+    is let go, past KEEP, is only ever counted short: a site is then never kept longer)."""
+    import random
+
+    from fedra.coordinator import attention
+    from fedra.coordinator.attention import SLACK_S, Attention
+
+    rng = random.Random(7)
+    now = [0.0]
+    att = Attention(lambda: now[0])
+    stalls: list[tuple[float, float]] = []
+    for _ in range(attention.KEEP + 500):
+        late = rng.choice([0.0, 0.0, rng.uniform(0.0, 1.5)])
+        now[0] += attention.TICK_S + late  # a tick comes TICK_S after the last, and late
+        att.tick(late)
+        if late > SLACK_S:
+            stalls.append((now[0] - (late - SLACK_S), now[0]))
+    att.stop()
+    assert len(att._ends) <= attention.KEEP
+
+    def truth(a: float, b: float) -> float:
+        return sum(max(0.0, min(e, b) - max(s, a)) for s, e in stalls)
+
+    kept_from = att._starts[0]
+    for _ in range(300):
+        a = rng.uniform(0.0, now[0])
+        b = rng.uniform(a, now[0])
+        got = att.stalled(a, b)
+        if a >= kept_from:
+            assert got == pytest.approx(truth(a, b), abs=1e-6)
+        else:
+            assert got <= truth(a, b) + 1e-6
+
+
 def test_a_site_is_not_failed_as_silent_for_the_coordinators_own_stall(tmp_path: Path) -> None:
     """The server's event loop stops for longer than the liveness timeout (a burst of
     calls, a pause): a site heard just before is still online after it, and goes offline
