@@ -53,7 +53,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -198,6 +198,7 @@ def worker_main(args: argparse.Namespace) -> None:
     """Build the agents, say "ready", start them on "go", stop them on "stop" (or when
     stdin closes, or at the deadline), then write the tally to ``--stats``."""
     torch.set_num_threads(1)
+    os.nice(max(0, args.site_nice))
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
     separate_connections()
     fewer_wakeups()
@@ -289,6 +290,7 @@ def start_workers(
         command = [sys.executable, __file__, "--worker", "--address", address]
         command += ["--first", str(first), "--count", str(count), "--stats", str(stats)]
         command += ["--timeout-s", f"{timeout_s:.0f}", "--fit-delay-s", str(args.fit_delay_s)]
+        command += ["--site-nice", str(args.site_nice)]
         with (root / f"worker-{i}.log").open("ab") as log:
             popen = subprocess.Popen(
                 command,
@@ -606,8 +608,7 @@ class Measurement:
         r, n, pid = self.result, self.n, cluster.coordinator.pid
         r["idle"] = asdict(idle := proc_sample(pid))
         left = self.deadline - time.monotonic()
-        with pinned(self.args.pin, coordinator=False):
-            workers += start_workers(cluster.address, n, self.args, root, left + 60.0)
+        workers += start_workers(cluster.address, n, self.args, root, left + 60.0)
         r["pids"] = [pid, *(w.popen.pid for w in workers)]
         wait_ready(workers, self.deadline)
         self.reached("agents_built")
@@ -671,23 +672,6 @@ class Measurement:
         run["peak"] = asdict(sampler.peak())
 
 
-@contextlib.contextmanager
-def pinned(pin: bool, *, coordinator: bool) -> Iterator[None]:
-    """With ``pin``, processes started inside run on CPU 0 (the coordinator) or on the
-    other CPUs (the sites), so that the sites' work does not compete with the
-    coordinator's for the same CPU and its figures repeat from run to run."""
-    if not pin:
-        yield
-        return
-    mine = os.sched_getaffinity(0)
-    first = min(mine)
-    os.sched_setaffinity(0, {first} if coordinator else (mine - {first} or mine))
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, mine)
-
-
 def measure(n: int, args: argparse.Namespace) -> dict[str, Any]:
     """One coordinator and ``n`` sites, everything stopped and removed before it returns."""
     m = Measurement(n, args)
@@ -700,10 +684,9 @@ def measure(n: int, args: argparse.Namespace) -> dict[str, Any]:
         cluster = stack.enter_context(LocalCluster(root / "coordinator", secure=False))
         workers: list[Worker] = []
         try:
-            with pinned(args.pin, coordinator=True):  # its threads inherit the CPU set
-                cluster.start_coordinator(
-                    db_url=db_url, timeout_s=120.0, flags=shlex.split(args.coordinator_flags)
-                )
+            cluster.start_coordinator(
+                db_url=db_url, timeout_s=120.0, flags=shlex.split(args.coordinator_flags)
+            )
             m.reached("coordinator_ready")
             m.connect(cluster, root, workers)
             m.run(cluster, workers)
@@ -816,10 +799,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--round-deadline-s", type=float, default=300.0)
     parser.add_argument("--admin-hz", type=float, default=4.0, help="ListSites and GetRun")
     parser.add_argument(
-        "--pin",
-        action="store_true",
-        help="the coordinator on one CPU, the sites on the "
-        "others: figures that repeat (the coordinator gets one CPU, no more)",
+        "--site-nice",
+        type=int,
+        default=10,
+        help="the worker processes' niceness: lower priority than the coordinator's, so "
+        "that thousands of site threads do not starve it of CPU (real sites have machines "
+        "of their own); 0: the same priority",
     )
     parser.add_argument(
         "--coordinator-flags",

@@ -445,23 +445,27 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
         total, online = await self.api.read(self.engine.site_counts)  # O(sites): not here
         if request.summary_only:
             return admin_pb2.ListSitesResponse(total=total, online=online)
-        page, next_token = await self.api.read(
-            self.engine.list_sites, request.page_token, request.page_size or SITES_PAGE
-        )
-        sites = [
-            admin_pb2.Site(
-                site_id=s.id,
-                tasks=list(s.tasks),
-                online=is_online,
-                registered_unix_s=s.registered_at,
-                last_seen_unix_s=last_seen,
-                version=s.version,
+
+        def page() -> admin_pb2.ListSitesResponse:  # built on a reader thread, not the loop
+            found, next_token = self.engine.list_sites(
+                request.page_token, request.page_size or SITES_PAGE
             )
-            for s, is_online, last_seen in page
-        ]
-        return admin_pb2.ListSitesResponse(
-            sites=sites, next_page_token=next_token, total=total, online=online
-        )
+            sites = [
+                admin_pb2.Site(
+                    site_id=s.id,
+                    tasks=list(s.tasks),
+                    online=is_online,
+                    registered_unix_s=s.registered_at,
+                    last_seen_unix_s=last_seen,
+                    version=s.version,
+                )
+                for s, is_online, last_seen in found
+            ]
+            return admin_pb2.ListSitesResponse(
+                sites=sites, next_page_token=next_token, total=total, online=online
+            )
+
+        return await self.api.read(page)
 
     @mapped_stream
     async def ExportModel(  # type: ignore[override]  # framed ModelChunks: see server.py
