@@ -307,6 +307,29 @@ def _quieter_gc() -> None:
     gc.freeze()
     _, older, oldest = gc.get_threshold()
     gc.set_threshold(_GC_YOUNG, older, oldest)
+    gc.callbacks.append(_GcTimer().callback)
+
+
+class _GcTimer:
+    """Logs a collection long enough to stall the daemon (it holds the interpreter lock:
+    nothing else runs meanwhile, and the event loop's watch reports it late too)."""
+
+    def __init__(self) -> None:
+        self.started = 0.0
+
+    def callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self.started = time.perf_counter()
+            return
+        took = time.perf_counter() - self.started
+        if took >= _GC_LOG_S:
+            log.warning(
+                "a garbage collection (generation %d) took %.2f s and freed %d objects",
+                info.get("generation", -1), took, info.get("collected", 0),
+            )  # fmt: skip
+
+
+_GC_LOG_S = 0.5
 
 
 def serve(config: CoordinatorConfig) -> None:
