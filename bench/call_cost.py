@@ -129,7 +129,11 @@ def measure_bare(sites: int, threads: int, seconds: float) -> dict[str, float]:
     finally:
         if proc.stdin is not None:
             proc.stdin.close()
-        proc.wait(10)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def main(argv: list[str] | None = None) -> None:
