@@ -300,9 +300,10 @@ _GC_YOUNG = 50_000
 
 
 def _quieter_gc() -> None:
-    """Once the daemon is up: what it has built so far (the engine, the recovered runs,
-    torch and gRPC themselves) lives as long as the process, so no collection need walk
-    it again (``gc.freeze``), and collections come less often. Cycles are still found."""
+    """Before the daemon serves: what it has built so far (torch, gRPC, the engine and the
+    server) lives as long as the process, so no collection need walk it again
+    (``gc.freeze``; the runs resumed after it are not frozen, so a run's state can still
+    be collected when it ends), and collections come less often. Cycles are still found."""
     gc.collect()
     gc.freeze()
     _, older, oldest = gc.get_threshold()
@@ -377,9 +378,9 @@ def _serve(config: CoordinatorConfig, tls: pki.TlsFiles | None) -> None:
             engine, address, config.max_workers, tls, config.deny_list_path,
             config.stream_window_mb, config.limits,
         )  # fmt: skip
+        _quieter_gc()  # before the runs are resumed: what a run holds may be let go
         engine.start()
         server.start()
-        _quieter_gc()
     except BaseException:  # nothing may drive runs, or hold the database, after this
         if server is not None:
             server.stop(0)
