@@ -60,9 +60,16 @@ def fedra_cli(
 ) -> subprocess.CompletedProcess[str]:
     """``python -m fedra ARGS`` in a subprocess (no stdin, bounded), its output captured;
     an inherited $FEDRA_COORDINATOR is dropped, so only what a test gives counts."""
+    return run_python("-m", "fedra", *args, env=env, cwd=cwd, timeout_s=timeout_s)
+
+
+def run_python(
+    *args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout_s: float = 120.0
+) -> subprocess.CompletedProcess[str]:
+    """``python ARGS`` (a script, or ``-m`` a module) as ``fedra_cli`` runs it."""
     environ = {k: v for k, v in os.environ.items() if k != "FEDRA_COORDINATOR"}
     return subprocess.run(
-        [sys.executable, "-m", "fedra", *args],
+        [sys.executable, *args],
         capture_output=True,
         text=True,
         timeout=timeout_s,

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.conftest import run_python
 
 pytestmark = pytest.mark.multiprocess
 
@@ -21,19 +21,11 @@ SITES, ROUNDS = 8, 2
 
 def _bench(tmp_path: Path) -> tuple[dict[str, Any], str]:
     out = tmp_path / "scale.json"
-    args = [sys.executable, str(BENCH), "--sites", str(SITES), "--rounds", str(ROUNDS)]
+    args = [str(BENCH), "--sites", str(SITES), "--rounds", str(ROUNDS)]
     args += ["--procs", "2", "--timeout-s", "75", "--out", str(out)]
-    env = {**os.environ, "TMPDIR": str(tmp_path / "tmp")}  # its temporary directories
     (tmp_path / "tmp").mkdir()
-    done = subprocess.run(
-        args,
-        capture_output=True,
-        text=True,
-        timeout=100,
-        stdin=subprocess.DEVNULL,
-        check=False,
-        env=env,
-    )
+    env = {"TMPDIR": str(tmp_path / "tmp")}  # its temporary directories
+    done = run_python(*args, env=env, timeout_s=100)
     assert done.returncode == 0, done.stdout + done.stderr
     (result,) = json.loads(out.read_text())["results"]
     return result, done.stdout
