@@ -27,7 +27,7 @@ from fedra.client.task import FitSettings, ParallelTask, Task, load_task
 from fedra.config import ConfigError
 from fedra.faults import attack, crash_point
 from fedra.privacy import add_secure_gaussian_, clip_factor
-from fedra.protos.codec import all_finite, digest_and_size, sole_owners
+from fedra.protos.codec import CodecError, all_finite, digest_and_size, sole_owners
 from fedra.protos.compression import (
     MASKED,
     Compressor,
@@ -277,8 +277,14 @@ class SiteAgent:
             # This round's model is here already: its task came again (after a coordinator
             # restart, say) once the step to it had been applied.
             return held[1]
-        model = None
-        if held is None and task.round == 1:  # the initial model, built by a site from the seed
+        try:
+            model = self.conn.sent_model(task)  # a small model comes with its task
+        except CodecError as exc:
+            log.warning("%s: the model sent with the task is not right (%s); downloading it",
+                        self.tag, exc)  # fmt: skip
+            model = None
+        # The initial model, built by a site from the seed:
+        if model is None and held is None and task.round == 1:
             built = self._model(impl, task).state_dict()
             rebuilt = {k: v.detach().clone() for k, v in built.items()}
             if digest_and_size(rebuilt)[0] == task.model_sha256:
@@ -550,6 +556,8 @@ class _Heartbeat:
 
     def _beat(self) -> None:
         while not self.done.wait(self.interval_s):
+            if self.conn.moved_within(self.interval_s):
+                continue  # the coordinator hears the site through its transfer
             try:
                 if not self.conn.heartbeat(self.task_id):
                     self.withdrawn.set()

@@ -7,7 +7,8 @@ import os
 import threading
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import grpc
 import torch
@@ -75,6 +76,9 @@ class Assignment:
     base_sha256: str = ""  # compressed downloads: the model the step applies to
     delta_sha256: str = ""
     delta_bytes: int = 0
+    # The whole model, when the coordinator sent it with the task (a small one): no
+    # download needed. Never kept on disk with the task.
+    model: bytes = field(default=b"", repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -124,10 +128,31 @@ class Connection:
         self.site_id = site_id
         self.chunk_bytes = chunk_bytes
         self.closed = False
+        self._transfers = 0  # downloads and uploads under way
+        self._transfers_lock = threading.Lock()
+        self._moved_at = 0.0  # when one of them last moved a chunk (time.monotonic)
 
     def close(self) -> None:
         self.closed = True
         self.channel.close()
+
+    def moved_within(self, seconds: float) -> bool:
+        """Whether a download or upload of this site's is under way and moved a chunk in
+        the last ``seconds``: the coordinator hears the site through it, so a heartbeat
+        then tells it nothing. (An upload whose next chunk is long in coming, on a slow
+        link, still needs them: they keep it from being taken for a silent site's.)"""
+        return self._transfers > 0 and time.monotonic() - self._moved_at <= seconds
+
+    @contextmanager
+    def _transfer(self) -> Iterator[None]:
+        with self._transfers_lock:
+            self._transfers += 1
+            self._moved_at = time.monotonic()
+        try:
+            yield
+        finally:
+            with self._transfers_lock:
+                self._transfers -= 1
 
     def wait_reconnected(self, timeout_s: float, stop: threading.Event) -> bool:
         """Wait out a backoff delay of ``timeout_s``, ending early (True) once the channel,
@@ -168,7 +193,17 @@ class Connection:
     def poll(self, poll_timeout_s: float) -> Assignment | None:
         request = site_pb2.PollTaskRequest(site_id=self.site_id)
         r = self.stub.PollTask(request, timeout=poll_timeout_s + 10.0)
-        return _assignment(r.task) if r.HasField("task") else None
+        return _assignment(r.task, r.model) if r.HasField("task") else None
+
+    def sent_model(self, task: Assignment) -> dict[str, torch.Tensor] | None:
+        """The model that came with the task, checked like a download (its SHA-256 and
+        structure); None if it came without one."""
+        if not task.model:
+            return None
+        digest = hashlib.sha256(task.model).hexdigest()
+        if digest != task.model_sha256 or len(task.model) != task.model_bytes:
+            raise CodecError(f"model SHA-256 {digest} != announced {task.model_sha256}")
+        return decode_chunks([memoryview(task.model)])
 
     def download(
         self,
@@ -188,11 +223,13 @@ class Connection:
 
         def chunks() -> Iterator[memoryview]:
             for data in self._download_model(request, timeout=timeout_s):
+                self._moved_at = time.monotonic()
                 digest.update(data)
                 yield data
                 del data  # free it before the next message arrives
 
-        tensors = decode_chunks(chunks(), reuse=reuse)
+        with self._transfer():
+            tensors = decode_chunks(chunks(), reuse=reuse)
         if digest.hexdigest() != expected:
             raise CodecError(f"model SHA-256 {digest.hexdigest()} != announced {expected}")
         return tensors
@@ -241,9 +278,13 @@ class Connection:
                 return
             # UpdateChunk data messages, each built in one copy from tensor memory.
             chunk = transfer_chunk_bytes(size, self.chunk_bytes)
-            yield from encode_chunks(tensors, chunk, frame=wire.update_chunk_frame)
+            for data in encode_chunks(tensors, chunk, frame=wire.update_chunk_frame):
+                self._moved_at = time.monotonic()  # gRPC takes the next one when it can
+                yield data
+                del data  # not held while the next one is built
 
-        reply = self._upload_update(messages(), timeout=timeout_s)
+        with self._transfer():
+            reply = self._upload_update(messages(), timeout=timeout_s)
         return int(reply.bytes_received)
 
     def report_failure(self, task_id: str, reason: str, timeout_s: float = 10.0) -> None:
@@ -327,7 +368,7 @@ def new_nonce() -> bytes:
     return os.urandom(16)
 
 
-def _assignment(t: site_pb2.Task) -> Assignment:
+def _assignment(t: site_pb2.Task, model: bytes = b"") -> Assignment:
     return Assignment(
         task_id=t.task_id,
         run_id=t.run_id,
@@ -344,4 +385,5 @@ def _assignment(t: site_pb2.Task) -> Assignment:
         base_sha256=t.base_sha256,
         delta_sha256=t.delta_sha256,
         delta_bytes=t.delta_bytes,
+        model=model if t.kind == site_pb2.TASK_KIND_TRAIN else b"",
     )

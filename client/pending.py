@@ -45,7 +45,7 @@ class PendingUpdate:
     def save(self, path: Path) -> None:
         """Write it whole or not at all (temp file, fsync, rename)."""
         header = {
-            "task": asdict(self.task),
+            "task": {k: v for k, v in asdict(self.task).items() if k != "model"},
             "nonce": self.nonce.hex(),
             "num_samples": self.num_samples,
             "metrics": self.metrics,

@@ -18,6 +18,7 @@ Nothing here knows gRPC: servicers turn messages into these calls and results ba
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
@@ -28,6 +29,7 @@ from typing import Any, TypeVar
 
 from fedra.coordinator import secure, uploads
 from fedra.coordinator.engine import Engine, EngineSettings, TaskView
+from fedra.coordinator.errors import FedraError
 from fedra.coordinator.wakeups import Ticket, run_key, site_key, stage_key
 from fedra.faults import crash_point
 from fedra.protos.codec import Buffer, transfer_chunk_bytes
@@ -41,6 +43,7 @@ READERS = 2  # threads for operators' reads
 # A step on this many bytes or fewer (a model chunk read, an update's accept and fold)
 # runs on the loop when the engine's lock is free: cheaper than handing it to a thread.
 INLINE_BYTES = 64 * 1024
+SMALL_MODELS_KEPT = 4  # models sent with tasks, kept in memory (the newest rounds')
 
 
 class CoordinatorAPI:
@@ -52,6 +55,8 @@ class CoordinatorAPI:
         # Operators' reads (status, watch, site lists) have threads of their own: they
         # never queue behind a round's thousands of steps, nor hold those up.
         self.readers = ThreadPoolExecutor(READERS, thread_name_prefix="fedra-read")
+        # Small models sent with their tasks, by digest, newest last (on the loop only).
+        self._small_models: dict[str, asyncio.Future[bytes]] = {}
 
     @property
     def settings(self) -> EngineSettings:
@@ -136,7 +141,64 @@ class CoordinatorAPI:
             self.later(engine.poll_end, site_id, began, True)
             raise
         await self.quick(engine.poll_end, site_id, began, False)
+        if view is not None and self._inlined(view):
+            view = await self._with_model(site_id, view)
         return view
+
+    def _inlined(self, view: TaskView) -> bool:
+        """Whether the task's model goes out with it: a small one (one chunk at most) that
+        the site has no cheaper way to: not round 1's (the initial model, which sites
+        rebuild from the run's seed), nor one a compressed step leads to."""
+        s = self.engine.settings
+        limit = min(s.inline_model_bytes, s.chunk_bytes)
+        cheaper = view.round <= 1 or bool(view.delta_sha256)
+        return view.kind == "train" and 0 < view.model_bytes <= limit and not cheaper
+
+    async def _with_model(self, site_id: str, view: TaskView) -> TaskView:
+        """The task with its model, counted as a finished download of it (a site whose
+        reply is lost polls again and gets both again). A model that cannot be sent this
+        way goes the usual one: the site's download meets what is wrong."""
+        engine = self.engine
+        try:
+            digest, size, base = await self.quick(
+                engine.open_download, site_id, view.task_id, False
+            )
+        except FedraError:  # the round moved on meanwhile: the site's download says so
+            return view
+        try:
+            if digest != view.model_sha256:
+                raise ValueError(f"the round's model is {digest} now")
+            model = await self._model_bytes(digest, size)
+        except asyncio.CancelledError:  # the site hung up: nothing went out
+            engine.downloads.abandoned(view.task_id)
+            raise
+        except Exception as exc:
+            engine.downloads.abandoned(view.task_id)
+            log.warning("the model %s did not go out with task %s (%s): the site downloads it",
+                        view.model_sha256, view.task_id, exc)  # fmt: skip
+            return view
+        await self.quick(engine.record_download, view.task_id, size, 0.0, base)
+        return dataclasses.replace(view, model=model)
+
+    async def _model_bytes(self, digest: str, size: int) -> bytes:
+        """A small stored model, whole and checked: read once for all the polls that
+        want it (a round's opening wakes them together), kept while it is recent."""
+        read = self._small_models.get(digest)
+        if read is None:
+            read = asyncio.ensure_future(self.call(self.engine.models.read, digest))
+            self._small_models[digest] = read
+            while len(self._small_models) > SMALL_MODELS_KEPT:
+                del self._small_models[next(iter(self._small_models))]
+        try:
+            data = await asyncio.shield(read)
+        except BaseException:
+            if self._small_models.get(digest) is read and read.done():
+                del self._small_models[digest]  # failed: the next poll tries again
+            raise
+        if len(data) != size:
+            del self._small_models[digest]
+            raise ValueError(f"it has {len(data)} bytes, not the recorded {size}")
+        return data
 
     async def _look(self, ticket: Ticket, fn: Callable[..., T], *args: Any) -> T:
         try:
@@ -201,8 +263,17 @@ class CoordinatorAPI:
         returns the bytes it counted. ``check`` (its signature, say) runs first, in the
         same step as the header's checks; ``started`` once the round holds the update."""
         engine, held = self.engine, _Held()
+        # A small update is received in memory (storage.spool): no file, no thread. (Not
+        # an async run's: refusing a stale one writes to the database.)
+        small = engine.updates.is_small(header.payload_bytes) and not engine.is_async_task(
+            header.task_id
+        )
         try:
-            await self.call(held.begin, engine, header, check)  # and opens the spool file
+            if small:
+                check()  # not under the engine's lock, which quick holds
+                await self.quick(held.begin, engine, header, lambda: None)
+            else:
+                await self.call(held.begin, engine, header, check)  # opens the spool file
         except uploads.AlreadyAccepted as done:
             return done.nbytes
         except BaseException:
@@ -225,13 +296,17 @@ class CoordinatorAPI:
             # One chunk behind: the last is fed with the finish, one executor step (most
             # updates of small models are one chunk: one step for all of it).
             last: Buffer | None = None
+            here = engine.updates.is_small(size)  # in memory: each step costs microseconds
             async for data in chunks:
                 received += len(data)
                 if last is not None:
-                    await self.call(held.feed, last)
+                    if here:
+                        held.feed(last)
+                    else:
+                        await self.call(held.feed, last)
                 last = data
                 del data  # not held while the next message is received
-            digest = await self.call(held.finish, last)
+            digest = held.finish(last) if here else await self.call(held.finish, last)
             del last
         except BaseException:  # cut off or refused: what arrived crossed the wire for nothing
             ledger.ended(task_id, received)

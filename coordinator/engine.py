@@ -15,7 +15,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fedra import logsafe
 from fedra.config import SITE_ID_RULE, is_valid_site_id
@@ -34,6 +34,7 @@ from fedra.protos.serde import SecAggRound
 from fedra.runspec import MAX_TASK_CHARS, CodecSpec, RunSpec, TrainSpec
 from fedra.storage import BlobStore, Store
 from fedra.storage.records import CheckpointRecord, RunRecord, SiteRecord
+from fedra.storage.spool import SMALL_UPDATE_BYTES, UpdateSpool
 
 log = logging.getLogger("fedra.coordinator")
 _CARRY_GRACE_S = 30.0  # beyond join_timeout_s, how long a carried task's call waits
@@ -51,6 +52,12 @@ class EngineSettings:
     site_timeout_s: float = 20.0
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     max_init_model_bytes: int = 16 * 2**30
+    # A model of at most this many bytes (and one chunk) goes out with its task in the
+    # poll's reply: one call a site and round fewer. 0: every site downloads.
+    inline_model_bytes: int = 64 * 1024
+    # An update of at most this many bytes is kept in its participation row, durable with
+    # its accept's commit, instead of as a file (storage.spool). 0: every update a file.
+    small_update_bytes: int = SMALL_UPDATE_BYTES
 
 
 @dataclass(frozen=True)
@@ -73,6 +80,7 @@ class TaskView:
     base_sha256: str = ""
     delta_sha256: str = ""
     delta_bytes: int = 0
+    model: bytes = field(default=b"", repr=False)  # the whole model, when it comes along
 
 
 class Engine:
@@ -86,8 +94,9 @@ class Engine:
         settings: EngineSettings | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self.store, self.models, self.updates = store, models, updates
+        self.store, self.models = store, models
         self.settings = settings or EngineSettings()
+        self.updates = UpdateSpool(updates, store, self.settings.small_update_bytes)
         self.clock = clock
         self.lock = threading.RLock()
         self.changed = threading.Condition(self.lock)
@@ -131,6 +140,21 @@ class Engine:
             log.info("run %s: resumed at round %d", run.run_id, run.open_round or run.next_round)
             crash_point("during_startup", run.open_round or run.next_round)
             self._launch(run)
+        self._sweep_update_data()
+
+    def _sweep_update_data(self) -> None:
+        """Let go of the small updates' bytes that rows of ended rounds still hold (a
+        crash between a round's end and its clean-up leaves them)."""
+        holding = self.store.holding_update_data()
+        if not holding:
+            return
+        with self.lock:
+            live = {
+                a.task_id
+                for run in self.runs.values()
+                for a in (*run.assignments.values(), *run.carried.values())
+            }
+        self.store.clear_update_data([t for t in holding if t not in live])
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop the drivers; open rounds stay open in the database for the next start."""
@@ -159,11 +183,17 @@ class Engine:
         The spool is content-addressed: two runs of one task and seed upload the same
         initial model, so one run's clean-up must not delete the other's update.
         """
-        return any(
-            a.update_sha256 == digest and a.state == "accepted"
+        return digest in self.spool_kept()
+
+    def spool_kept(self) -> set[str]:
+        """The blobs that accepted updates of active runs are (lock held): what a clean-up
+        of many updates must keep, looked up once for all of them."""
+        return {
+            a.update_sha256
             for run in self.runs.values()
             for a in run.assignments.values()
-        )
+            if a.state == "accepted" and a.update_sha256
+        }
 
     def _notify_now(self) -> None:
         with self.lock:
@@ -379,6 +409,13 @@ class Engine:
             base_sha256="" if init else run.base_sha256,
             delta_sha256="" if init else run.delta_sha256,
             delta_bytes=0 if init else run.delta_bytes,
+        )
+
+    def is_async_task(self, task_id: str) -> bool:
+        """Whether ``task_id`` is a live task of an asynchronous run (a look, no lock)."""
+        return any(
+            run.spec.asynchronous is not None and run.by_task(task_id) is not None
+            for run in list(self.runs.values())
         )
 
     def find_task(self, task_id: str) -> tuple[ActiveRun, Assignment] | None:

@@ -135,10 +135,12 @@ def _resume_open_round(engine: Engine, run: ActiveRun, number: int, attempt: int
     if engine.store.failed_attempt(run.run_id, number, attempt, ATTEMPT_FAILED):
         # It failed (and said so) before the restart: the next attempt opens, nothing of
         # this one is resumed or recorded again; its spooled updates will not be used.
+        kept = engine.spool_kept()
         for p in parts:
-            if p.update_sha256 and not engine.spool_in_use(p.update_sha256):
+            if p.update_sha256 and p.update_sha256 not in kept:
                 engine.updates.delete(p.update_sha256)
             engine.mark_seen_for_recovery(p.site_id, now)
+        engine.store.clear_update_data([p.task_id for p in parts if p.update_sha256])
         if attempt >= run.spec.max_round_attempts:  # it was the last: the run had failed
             reason = f"round {number}: gave up after {attempt} attempts"
             engine.store.set_run_state(run.run_id, "failed", reason, now)

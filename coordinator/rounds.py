@@ -498,9 +498,11 @@ class RoundDriver:
     def _drop_round_updates(self, number: int) -> None:
         parts = self.engine.store.list_participations(self.run_state.run_id, number)
         with self.engine.lock:  # this run's round is closed: only other runs can still hold one
+            kept = self.engine.spool_kept()
             for p in parts:
-                if p.update_sha256 and not self.engine.spool_in_use(p.update_sha256):
+                if p.update_sha256 and p.update_sha256 not in kept:
                     self.engine.updates.delete(p.update_sha256)
+        self.engine.store.clear_update_data([p.task_id for p in parts if p.update_sha256])
 
     def _finish(self, state: str, reason: str) -> None:
         run, engine = self.run_state, self.engine

@@ -233,7 +233,7 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
         task = await self.api.poll(request.site_id, timeout)
         if task is None:
             return site_pb2.PollTaskResponse()
-        return site_pb2.PollTaskResponse(task=_task_to_proto(task))
+        return site_pb2.PollTaskResponse(task=_task_to_proto(task), model=task.model)
 
     @mapped_stream
     async def DownloadModel(  # type: ignore[override]  # framed ModelChunks: see server.py

@@ -42,6 +42,7 @@ from fedra.protos.compression import (
 )
 from fedra.runspec import WIRE_CODECS, CodecSpec
 from fedra.storage.blobs import BlobDigestError, StorageFullError
+from fedra.storage.spool import SmallWriter
 from fedra.storage.store import DuplicateError, WriteOp
 
 if TYPE_CHECKING:
@@ -91,6 +92,8 @@ class UploadTicket:
     codec: CodecSpec
     model: dict[str, TensorSpec] | None  # the global model's specs; None for the initial model
     started: float = field(default_factory=time.monotonic)
+    # A small update, whole and checked: its bytes go into its accept (storage.spool).
+    payload: bytes | None = field(default=None, repr=False)
 
     @property
     def expected(self) -> dict[str, TensorSpec] | None:
@@ -252,7 +255,7 @@ class Receiver:
         if ticket.model is not None and ticket.codec.name != "secagg":
             self.dense = StreamingDecompressor(ticket.model, ticket.codec)
         try:
-            self.writer = engine.updates.writer()
+            self.writer = engine.updates.writer(ticket.header.payload_bytes)
         except StorageFullError as exc:  # nothing was spooled: the site retries later
             raise Unavailable("disk full: the coordinator cannot spool updates now") from exc
 
@@ -279,7 +282,10 @@ class Receiver:
             if self.dense is not None:
                 self.dense.finish()
             _check_init_model(self.ticket, self.decoder)
-            return self.writer.commit(expected_digest=h.sha256)
+            digest = self.writer.commit(expected_digest=h.sha256)
+            if isinstance(self.writer, SmallWriter):
+                self.ticket.payload = self.writer.data
+            return digest
 
     def discard(self) -> None:
         self.writer.discard()
@@ -389,6 +395,7 @@ def accept_begin(engine: Engine, ticket: UploadTicket, digest: str, nbytes: int)
         return engine.store.accept_op(
             h.task_id, nonce=h.nonce, sha256=digest, num_samples=h.num_samples,
             metrics=metrics, bytes_up=nbytes, upload_s=upload_s, now=engine.clock(),
+            data=ticket.payload,
         )  # fmt: skip
 
 
@@ -410,6 +417,8 @@ def accept_end(
             raise AlreadyExists(str(exc)) from exc
         raise exc
     upload_s = time.monotonic() - ticket.started
+    if ticket.payload is not None:  # durable in its row now; at hand for the fold
+        engine.updates.accepted(digest, ticket.payload)
     with engine.lock:
         crash_point("after_accept", ticket.round)  # durable, not folded, no reply
         a.move(TaskState.ACCEPTED)

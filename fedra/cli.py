@@ -110,6 +110,8 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
         heartbeat_interval_s=args.heartbeat_s,
         site_timeout_s=args.site_timeout_s,
         poll_timeout_s=args.poll_timeout_s,
+        inline_model_bytes=args.inline_model_bytes,
+        small_update_bytes=args.small_update_bytes,
     )
     window = {} if args.stream_window_mb is None else {"stream_window_mb": args.stream_window_mb}
     config = CoordinatorConfig(
@@ -456,6 +458,13 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bytes_count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more bytes, got {value}")
+    return value
+
+
 def _page_size(text: str) -> int:
     value = int(text)
     if not 1 <= value <= 5000:
@@ -656,6 +665,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--site-timeout-s", type=float, default=20.0, help="a site silent this long is offline"
     )
     c.add_argument("--poll-timeout-s", type=float, default=20.0, help="longest long poll")
+    c.add_argument(
+        "--inline-model-bytes", type=_bytes_count, default=64 * 1024,  # EngineSettings'
+        help="a model this small goes out with its task in the poll's reply: no download "
+        "call (0: sites always download)",
+    )  # fmt: skip
+    c.add_argument(
+        "--small-update-bytes", type=_bytes_count, default=64 * 1024,  # EngineSettings'
+        help="an update this small is kept in the database with its accept instead of as "
+        "a spool file (0: every update a file)",
+    )  # fmt: skip
     c.add_argument(
         "--workers",
         type=int,

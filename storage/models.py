@@ -72,6 +72,7 @@ class Participation(Base):
     __table_args__ = (
         UniqueConstraint("run_id", "round_number", "attempt", "site_id", name="uq_participation"),
         Index("ix_participations_run_round", "run_id", "round_number"),
+        Index("ix_participations_update_sha256", "update_sha256"),
     )
 
     task_id: Mapped[str] = mapped_column(String(32), primary_key=True)
@@ -97,6 +98,9 @@ class Participation(Base):
     # round commits moves on to the next one), and the round whose model it downloaded.
     issued_round: Mapped[int | None] = mapped_column(Integer, nullable=True)
     base_round: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # A small accepted update's own bytes (storage.spool), until its round ends; larger
+    # updates are files. Never loaded with the row.
+    update_data: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True, deferred=True)
 
 
 class Checkpoint(Base):

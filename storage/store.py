@@ -117,6 +117,7 @@ _CLAIM_KEY = int.from_bytes(b"fedra-co", "big", signed=True)
 # ended, and each later one fails its check. b"fedra-wr" as an int.
 _WRITE_KEY = int.from_bytes(b"fedra-wr", "big", signed=True)
 FENCE_WAIT_S = 30  # how long a claim waits for the previous holder's writes to end
+_IN_BATCH = 500  # ids in one IN (...) list
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
@@ -250,6 +251,7 @@ _ACCEPT = (
         bytes_up=bindparam("new_bytes_up"),
         upload_s=bindparam("new_upload_s"),
         finished_at=bindparam("new_now"),
+        update_data=bindparam("new_data"),
     )
 )
 del _p
@@ -751,6 +753,40 @@ class Store:
                 more_rounds=more,
             )
 
+    def update_data(self, sha256: str) -> bytes | None:
+        """The bytes of a small accepted update with this digest, from any row that still
+        holds them (``accept_op``'s ``data``); None if none does."""
+        p = m.Participation
+        q = (
+            select(p.update_data)
+            .where(p.update_sha256 == sha256, p.update_data.is_not(None))
+            .limit(1)
+        )
+        with self._read() as s:
+            return s.execute(q).scalar_one_or_none()
+
+    def holding_update_data(self) -> list[str]:
+        """The tasks whose rows still hold their update's bytes."""
+        p = m.Participation
+        with self._read() as s:
+            return list(s.scalars(select(p.task_id).where(p.update_data.is_not(None))))
+
+    def clear_update_data(self, task_ids: Sequence[str]) -> None:
+        """Let these tasks' rows go of their updates' bytes (their round has ended), in
+        one transaction."""
+        ids = list(task_ids)
+        if not ids:
+            return
+        p = m.Participation
+        with self._tx() as s:
+            for start in range(0, len(ids), _IN_BATCH):
+                batch = ids[start : start + _IN_BATCH]
+                s.execute(
+                    update(p)
+                    .where(p.task_id.in_(batch), p.update_data.is_not(None))
+                    .values(update_data=None)
+                )
+
     def get_participation(self, task_id: str) -> ParticipationRecord | None:
         with self._read() as s:
             row = s.get(m.Participation, task_id)
@@ -807,8 +843,10 @@ class Store:
         bytes_up: int,
         upload_s: float,
         now: float,
+        data: bytes | None = None,
     ) -> WriteOp:
-        """The write of ``accept_update``, for ``write_batch``."""
+        """The write of ``accept_update``, for ``write_batch``; with ``data``, the update's
+        own bytes are written into its row (a small one: ``storage.spool``)."""
         values = {
             "tid": task_id,
             "new_nonce": nonce,
@@ -818,6 +856,7 @@ class Store:
             "new_bytes_up": bytes_up,
             "new_upload_s": upload_s,
             "new_now": now,
+            "new_data": data,
         }
 
         def accept(s: Session) -> None:

@@ -115,7 +115,11 @@ def postgres_database(prefix: str) -> Iterator[str]:
 
 @pytest.fixture
 def coordinator(tmp_path: Path) -> Iterator[InProcessCoordinator]:
-    settings = EngineSettings(heartbeat_interval_s=1.0, poll_timeout_s=2.0, site_timeout_s=30.0)
+    # Tests on this one make each call by hand, a download included: no model comes with
+    # a task (test_small_models covers the models that do).
+    settings = EngineSettings(
+        heartbeat_interval_s=1.0, poll_timeout_s=2.0, site_timeout_s=30.0, inline_model_bytes=0
+    )
     c = InProcessCoordinator(tmp_path / "state", settings)
     try:
         yield c

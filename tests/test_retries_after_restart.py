@@ -10,13 +10,16 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
 import pytest
+from sqlalchemy import text
 
 from fedra.coordinator.engine import EngineSettings
 from fedra.protos.v1 import admin_pb2, site_pb2
+from fedra.storage import Store
 from tests.conftest import InProcessCoordinator
 from tests.test_site_service import (
     delta_payload,
@@ -201,10 +204,15 @@ def test_a_last_attempt_that_failed_before_a_restart_ends_the_run(
         again.close()
 
 
-def test_a_spooled_update_damaged_across_a_restart_fails_its_task_alone(tmp_path: Path) -> None:
+@pytest.mark.parametrize("where", ["file", "row"])  # a spool file; a small one's own row
+def test_a_spooled_update_damaged_across_a_restart_fails_its_task_alone(
+    tmp_path: Path, where: str
+) -> None:
     """The daemon starts, the damaged update's task fails with the reason, the others'
     updates stay in, and the round goes on."""
-    first = InProcessCoordinator(tmp_path / "state", SETTINGS)
+    small = 0 if where == "file" else SETTINGS.small_update_bytes
+    settings = replace(SETTINGS, small_update_bytes=small)
+    first = InProcessCoordinator(tmp_path / "state", settings)
     try:
         run_id, tasks = start_round_one(first, sites_per_round=3, min_sites=2)
         (a, ta), (b, tb) = sorted(tasks.items())[:2]
@@ -212,13 +220,27 @@ def test_a_spooled_update_damaged_across_a_restart_fails_its_task_alone(tmp_path
         upload(first, messages(tb, b, delta_payload(0.2)))
         damaged = first.engine.store.get_participation(ta.task_id)
         assert damaged is not None and damaged.update_sha256
-        path = first.engine.updates.path(damaged.update_sha256)
+        path = first.engine.updates.blobs.path(damaged.update_sha256)
+        assert path.exists() == (where == "file")
     finally:
         first.close()
-    raw = bytearray(path.read_bytes())
-    raw[-1] ^= 0xFF
-    path.write_bytes(bytes(raw))
-    again = InProcessCoordinator(tmp_path / "state", SETTINGS)
+    if where == "file":
+        raw = bytearray(path.read_bytes())
+        raw[-1] ^= 0xFF
+        path.write_bytes(bytes(raw))
+    else:
+        store = Store(f"sqlite:///{tmp_path / 'state' / 'fedra.db'}")
+        try:
+            data = store.update_data(damaged.update_sha256)
+            assert data is not None
+            with store.engine.begin() as conn:
+                conn.execute(
+                    text("UPDATE participations SET update_data = :d WHERE task_id = :t"),
+                    {"d": data[:-1] + bytes([data[-1] ^ 0xFF]), "t": ta.task_id},
+                )
+        finally:
+            store.close()
+    again = InProcessCoordinator(tmp_path / "state", settings)
     try:
         run = again.engine.runs[run_id]
         assert run.assignments[a].state == "failed" and run.assignments[b].state == "accepted"

@@ -29,9 +29,16 @@ from sqlalchemy.pool import NullPool
 
 from fedra.coordinator.status import round_statuses
 from fedra.storage import CheckpointRecord, DuplicateError, Store
-from fedra.storage.blobs import BlobDigestError, BlobNotFoundError, BlobStore
+from fedra.storage.blobs import (
+    BlobCorruptError,
+    BlobDigestError,
+    BlobNotFoundError,
+    BlobStore,
+    BlobWriter,
+)
 from fedra.storage.migrate import current_revision, head_revision
 from fedra.storage.models import Base, Site
+from fedra.storage.spool import SmallWriter, UpdateSpool
 from fedra.storage.store import NotFoundError, make_engine
 from tests.conftest import postgres_database
 
@@ -1266,3 +1273,74 @@ def test_a_database_that_cannot_be_locked_counts_as_claimed() -> None:
         assert store.check_claim()
     finally:
         store.close()
+
+
+# -- the update spool: small updates in their rows ------------------------------------
+
+
+def test_a_small_update_lives_in_its_row_until_its_round_lets_go(
+    run_store: Store, tmp_path: Path
+) -> None:
+    _open(run_store, 1, 1, ["s1", "s2"])
+    spool = UpdateSpool(BlobStore(tmp_path / "updates"), run_store)
+    data = os.urandom(100)
+    digest = hashlib.sha256(data).hexdigest()
+    writer = spool.writer(len(data))
+    assert isinstance(writer, SmallWriter)
+    writer.write(data[:40])
+    writer.write(data[40:])
+    assert writer.commit(digest) == digest and writer.data == data
+    assert not spool.exists(digest)  # nothing is durable before its accept
+    task = _task(1, 1, "s1")
+    run_store.accept_update(
+        task, nonce=b"n" * 16, sha256=digest, num_samples=1, metrics={}, bytes_up=len(data),
+        upload_s=0.1, now=T0, data=data,
+    )  # fmt: skip
+    assert run_store.update_data(digest) == data
+    assert run_store.holding_update_data() == [task]
+    # Read back from the database (nothing cached), in the chunks asked for.
+    assert spool.exists(digest) and list(spool.read_chunks(digest, 64)) == [data[:64], data[64:]]
+    assert not any((tmp_path / "updates").rglob(f"{digest}*"))  # no file for it
+    run_store.clear_update_data([task, _task(1, 1, "s2")])
+    assert run_store.update_data(digest) is None and run_store.holding_update_data() == []
+    assert not spool.exists(digest)
+    with pytest.raises(BlobNotFoundError):
+        list(spool.read_chunks(digest))
+    # The participation's record is as before: the bytes were never part of it.
+    record = run_store.get_participation(task)
+    assert record is not None and record.state == "accepted" and record.update_sha256 == digest
+
+
+def test_a_larger_update_is_a_spool_file_and_a_cached_one_is_read_from_memory(
+    run_store: Store, tmp_path: Path
+) -> None:
+    spool = UpdateSpool(BlobStore(tmp_path / "updates"), run_store, small_bytes=64)
+    big = os.urandom(65)
+    writer = spool.writer(len(big))
+    assert isinstance(writer, BlobWriter)
+    writer.write(big)
+    digest = writer.commit()
+    assert spool.blobs.path(digest).is_file() and b"".join(spool.read_chunks(digest)) == big
+    small = os.urandom(10)
+    small_digest = hashlib.sha256(small).hexdigest()
+    spool.accepted(small_digest, small)  # as after its accept's commit
+    assert spool.exists(small_digest) and b"".join(spool.read_chunks(small_digest)) == small
+    spool.delete(small_digest)
+    assert not spool.exists(small_digest)
+    spool.delete(digest)
+    assert not spool.exists(digest)
+
+
+def test_a_row_whose_update_bytes_changed_reads_as_damaged(
+    run_store: Store, tmp_path: Path
+) -> None:
+    _open(run_store, 1, 1, ["s1"])
+    spool = UpdateSpool(BlobStore(tmp_path / "updates"), run_store)
+    data = os.urandom(50)
+    digest = hashlib.sha256(data).hexdigest()
+    run_store.accept_update(
+        _task(1, 1, "s1"), nonce=b"m" * 16, sha256=digest, num_samples=1, metrics={},
+        bytes_up=50, upload_s=0.1, now=T0, data=data[:-1] + b"\0",
+    )  # fmt: skip
+    with pytest.raises(BlobCorruptError):
+        list(spool.read_chunks(digest))

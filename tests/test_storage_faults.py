@@ -171,6 +171,7 @@ def _events(c: InProcessCoordinator, run_id: str, kind: str) -> list[str]:
 def test_an_upload_that_finds_the_disk_full_is_unavailable_and_changes_nothing(
     coordinator: InProcessCoordinator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    coordinator.engine.updates.small_bytes = 0  # spooled as files, however small
     run_id, tasks = start_round_one(coordinator)
     (site, task), (other_site, other_task) = sorted(tasks.items())
     full = DiskFull(monkeypatch, coordinator.engine.updates.root, left=None)

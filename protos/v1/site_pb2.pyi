@@ -281,6 +281,12 @@ class PollTaskResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     TASK_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    model: _builtins.bytes
+    """A small model (TASK_KIND_TRAIN) comes with its task: the bytes DownloadModel would
+    stream (task.model_bytes of them, hashing to task.model_sha256), so the site needs
+    no download call. Empty: download it.
+    """
     @_builtins.property
     def task(self) -> Global___Task:
         """unset: nothing to do yet, poll again"""
@@ -289,10 +295,11 @@ class PollTaskResponse(_message.Message):
         self,
         *,
         task: Global___Task | None = ...,
+        model: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

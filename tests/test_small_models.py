@@ -1,0 +1,302 @@
+"""Small payloads. A small model goes out with its task in the poll's reply: one call a
+site and round fewer. It is the model the download would stream, counted as that
+download; a larger one is downloaded as before; a site trains on it without a download
+call. A small update is kept in its participation row, durable with its accept, instead
+of as a file (storage.spool)."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from sqlalchemy import text
+
+from fedra.client.agent import SiteAgent, _Heartbeat
+from fedra.client.config import SiteConfig
+from fedra.client.connection import Assignment, Connection
+from fedra.client.executor import LocalExecutor
+from fedra.coordinator.engine import EngineSettings
+from fedra.examples.synthetic import task as synthetic_task
+from fedra.protos.codec import CodecError, decode, encode
+from fedra.protos.v1 import admin_pb2, site_pb2
+from fedra.runspec import CodecSpec, TrainSpec
+from tests.conftest import InProcessCoordinator
+from tests.test_site_service import (
+    TASK,
+    delta_payload,
+    messages,
+    model_state,
+    round_status,
+    submit,
+    tasks_of_round,
+    upload,
+    wait_round,
+)
+from tests.test_site_service import (
+    start_round_one as _start_round_one,
+)
+
+
+def _coordinator(tmp_path: Path, **settings: object) -> Iterator[InProcessCoordinator]:
+    base = {"heartbeat_interval_s": 1.0, "poll_timeout_s": 2.0, "site_timeout_s": 30.0}
+    c = InProcessCoordinator(tmp_path / "state", EngineSettings(**{**base, **settings}))  # type: ignore[arg-type]
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+@pytest.fixture
+def inlining(tmp_path: Path) -> Iterator[InProcessCoordinator]:
+    yield from _coordinator(tmp_path)  # the default: models up to 64 KiB come along
+
+
+def test_a_small_model_comes_with_its_task_and_counts_as_its_download(
+    inlining: InProcessCoordinator,
+) -> None:
+    c = inlining
+    run_id, tasks = _start_round_one(c)
+    # Round 1's model is the initial one, which sites rebuild from the seed: not sent.
+    for site, task in sorted(tasks.items()):
+        again = c.site.PollTask(site_pb2.PollTaskRequest(site_id=site), timeout=10)
+        assert again.task.task_id == task.task_id and again.model == b""
+        upload(c, messages(task, site, delta_payload()))
+    wait_round(c, run_id, 1, "committed")
+    tasks = tasks_of_round(c, run_id, 2)
+    (s1, t1), (s2, t2) = sorted(tasks.items())
+    # The reply that gave the task had the model: poll again (the same task) to look at it.
+    again = c.site.PollTask(site_pb2.PollTaskRequest(site_id=s1), timeout=10)
+    assert again.task.task_id == t1.task_id
+    model = again.model
+    assert len(model) == t1.model_bytes > 0
+    assert hashlib.sha256(model).hexdigest() == t1.model_sha256
+    streamed = b"".join(
+        m.data
+        for m in c.site.DownloadModel(
+            site_pb2.DownloadModelRequest(site_id=s2, task_id=t2.task_id), timeout=10
+        )
+    )
+    assert streamed == model  # the very bytes a download streams
+    assert c.engine.downloads.flush(10)
+    by_site = {p.site_id: p for p in round_status(c, run_id, 2).participations}
+    assert by_site[s1].status == "downloaded"
+    # Each reply that carried the model counts, as each download does: s1 got it twice,
+    # s2 once with its task and once by its own download.
+    assert by_site[s1].bytes_down == by_site[s2].bytes_down == 2 * len(model)
+    for site, task in ((s1, t1), (s2, t2)):
+        upload(c, messages(task, site, delta_payload()))
+    assert wait_round(c, run_id, 2, "committed").updates == 2
+
+
+def test_the_initial_model_task_has_nothing_to_send(inlining: InProcessCoordinator) -> None:
+    c = inlining
+    for s in ("site-a", "site-b"):
+        c.site.Register(site_pb2.RegisterRequest(site_id=s, tasks=[TASK], version="test"))
+    run_id = submit(c)
+    wait_round(c, run_id, 0)
+    replies = [
+        c.site.PollTask(site_pb2.PollTaskRequest(site_id=s), timeout=10)
+        for s in ("site-a", "site-b")
+    ]
+    [init] = [r for r in replies if r.HasField("task")]
+    assert init.task.kind == site_pb2.TASK_KIND_INIT and init.model == b""
+
+
+@pytest.mark.parametrize("limit", [0, 64])  # off; or below this model's bytes
+def test_a_model_above_the_limit_is_downloaded(tmp_path: Path, limit: int) -> None:
+    for c in _coordinator(tmp_path, inline_model_bytes=limit):
+        run_id, tasks = _start_round_one(c)
+        site, task = sorted(tasks.items())[0]
+        assert task.model_bytes > 64
+        again = c.site.PollTask(site_pb2.PollTaskRequest(site_id=site), timeout=10)
+        assert again.task.task_id == task.task_id and again.model == b""
+        assert c.engine.downloads.flush(10)
+        by_site = {p.site_id: p for p in round_status(c, run_id, 1).participations}
+        assert by_site[site].status == "assigned" and by_site[site].bytes_down == 0
+
+
+def test_a_site_trains_on_the_model_that_came_with_its_task(
+    inlining: InProcessCoordinator,
+) -> None:
+    """A real agent serves three rounds and never calls DownloadModel."""
+    c = inlining
+    config = SiteConfig("site-a", c.address, (TASK,), insecure=True)
+    data = {TASK: synthetic_task.load_data({"samples": 64, "seed": 1})}
+    agent = SiteAgent(config, executor=LocalExecutor(), tasks={TASK: synthetic_task}, data=data)
+    downloads = 0
+    real_download = agent.conn.download
+
+    def counted(*args: object, **kwargs: object) -> object:
+        nonlocal downloads
+        downloads += 1
+        return real_download(*args, **kwargs)  # type: ignore[arg-type]
+
+    agent.conn.download = counted  # type: ignore[method-assign, assignment]
+    thread = threading.Thread(target=agent.run, daemon=True)
+    thread.start()
+    try:
+        run_id = submit(c, sites_per_round=1, min_sites=1, rounds=3)
+        for status in c.admin.WatchRun(admin_pb2.WatchRunRequest(run_id=run_id), timeout=60):
+            if status.state in ("completed", "failed", "cancelled"):
+                break
+        assert status.state == "completed", status.reason
+    finally:
+        agent.shutdown()
+        thread.join(30)
+    assert not thread.is_alive()
+    assert agent.rounds_done == 4  # the initial model, then three rounds
+    assert downloads == 0
+    rounds = [r for r in c.admin.GetRun(admin_pb2.GetRunRequest(run_id=run_id)).rounds]
+    # Round 1: the initial model, rebuilt from the seed; then each came with its task.
+    assert [r.participations[0].bytes_down > 0 for r in rounds[1:]] == [False, True, True]
+
+
+class _Beating:
+    """A Connection's transfer state and heartbeats, without a coordinator."""
+
+    def __init__(self) -> None:
+        self.conn = Connection("127.0.0.1:9", "s1")
+        self.beats = 0
+
+        def heartbeat(task_id: str, timeout_s: float = 10.0) -> bool:
+            self.beats += 1
+            return True
+
+        self.conn.heartbeat = heartbeat  # type: ignore[method-assign]
+
+
+def test_a_heartbeat_is_skipped_while_a_transfer_moves_bytes() -> None:
+    b = _Beating()
+    try:
+        assert not b.conn.moved_within(10.0)
+        with b.conn._transfer():
+            assert b.conn.moved_within(10.0)
+            with _Heartbeat(b.conn, "t", 0.05):
+                end = time.monotonic() + 0.4
+                while time.monotonic() < end:  # a chunk every 10 ms
+                    b.conn._moved_at = time.monotonic()
+                    time.sleep(0.01)
+            assert b.beats == 0
+            # Its next chunk long in coming (a slow link): heartbeats again.
+            with _Heartbeat(b.conn, "t", 0.05):
+                deadline = time.monotonic() + 10
+                while b.beats == 0 and time.monotonic() < deadline:
+                    time.sleep(0.02)
+            assert b.beats > 0
+        assert not b.conn.moved_within(10.0)  # no transfer under way
+    finally:
+        b.conn.close()
+
+
+def test_a_heartbeat_still_tells_a_site_its_task_was_withdrawn() -> None:
+    b = _Beating()
+    b.conn.heartbeat = lambda task_id, timeout_s=10.0: False  # type: ignore[method-assign]
+    try:
+        with _Heartbeat(b.conn, "t", 0.02) as beat:
+            assert beat.withdrawn.wait(10)
+    finally:
+        b.conn.close()
+
+
+def test_a_model_that_does_not_match_its_digest_is_refused_by_the_site() -> None:
+    state = synthetic_task.create_model(0, {}).state_dict()
+    model = encode({k: v.detach() for k, v in state.items()})
+    good = Assignment(
+        task_id="t", run_id="r", round=1, init=False, entry_point=TASK,
+        train=TrainSpec(local_steps=1, batch_size=8, learning_rate=0.1), seed=0,
+        model_sha256=hashlib.sha256(model).hexdigest(), model_bytes=len(model),
+        deadline_in_s=10.0, codec=CodecSpec("none"), model=model,
+    )  # fmt: skip
+    conn = Connection("127.0.0.1:9", "s1")
+    try:
+        got = conn.sent_model(good)
+        assert got is not None and set(got) == set(state)
+        with pytest.raises(CodecError, match="SHA-256"):
+            conn.sent_model(replace(good, model=model[:-1] + bytes([model[-1] ^ 1])))
+        assert conn.sent_model(replace(good, model=b"")) is None
+    finally:
+        conn.close()
+
+
+def _spool_files(c: InProcessCoordinator) -> list[Path]:
+    return [p for p in c.engine.updates.root.rglob("*") if p.is_file()]
+
+
+def _until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_a_small_update_needs_no_file_and_its_row_lets_go_once_the_round_ends(
+    inlining: InProcessCoordinator,
+) -> None:
+    c = inlining
+    run_id, tasks = _start_round_one(c)
+    (s1, t1), (s2, t2) = sorted(tasks.items())
+    upload(c, messages(t1, s1, delta_payload(0.1)))
+    assert _spool_files(c) == []  # durable in its row, with its accept
+    assert c.engine.store.holding_update_data() == [t1.task_id]
+    upload(c, messages(t2, s2, delta_payload(0.3)))
+    wait_round(c, run_id, 1, "committed")
+    assert _until(lambda: c.engine.store.holding_update_data() == [])
+    assert _spool_files(c) == []
+
+
+def test_a_small_update_accepted_before_a_restart_counts_after_it(tmp_path: Path) -> None:
+    settings = EngineSettings(heartbeat_interval_s=1.0, poll_timeout_s=2.0, site_timeout_s=30.0)
+    first = InProcessCoordinator(tmp_path / "state", settings)
+    try:
+        run_id, tasks = _start_round_one(first)
+        (s1, t1), (s2, t2) = sorted(tasks.items())
+        upload(first, messages(t1, s1, delta_payload(0.1)))
+    finally:
+        first.close()
+    again = InProcessCoordinator(tmp_path / "state", settings)
+    try:
+        assert again.engine.runs[run_id].assignments[s1].state == "accepted"
+        upload(again, messages(t2, s2, delta_payload(0.3)))
+        wait_round(again, run_id, 1, "committed")
+        export = admin_pb2.ExportModelRequest(run_id=run_id, round=1)
+        model = decode(b"".join(m.data for m in again.admin.ExportModel(export, timeout=30)))
+        for name, value in model_state().items():  # both sent 10 samples: the plain mean
+            torch.testing.assert_close(model[name], value + (0.1 + 0.3) / 2)
+        assert _until(lambda: again.engine.store.holding_update_data() == [])
+    finally:
+        again.close()
+
+
+def test_rows_left_holding_bytes_by_a_crash_are_let_go_at_start(tmp_path: Path) -> None:
+    settings = EngineSettings(heartbeat_interval_s=1.0, poll_timeout_s=2.0, site_timeout_s=30.0)
+    first = InProcessCoordinator(tmp_path / "state", settings)
+    try:
+        run_id, tasks = _start_round_one(first)
+        (s1, t1), (s2, t2) = sorted(tasks.items())
+        upload(first, messages(t1, s1, delta_payload(0.1)))
+        upload(first, messages(t2, s2, delta_payload(0.3)))
+        wait_round(first, run_id, 1, "committed")
+        assert _until(lambda: first.engine.store.holding_update_data() == [])
+        # As a crash between the round's commit and its clean-up would leave them:
+        data = delta_payload(0.1)
+        with first.engine.store.engine.begin() as conn:
+            conn.execute(
+                text("UPDATE participations SET update_data = :d WHERE task_id = :t"),
+                {"d": data, "t": t1.task_id},
+            )
+        assert first.engine.store.holding_update_data() == [t1.task_id]
+    finally:
+        first.close()
+    again = InProcessCoordinator(tmp_path / "state", settings)
+    try:
+        assert again.engine.store.holding_update_data() == []
+    finally:
+        again.close()
