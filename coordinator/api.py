@@ -159,12 +159,21 @@ class CoordinatorAPI:
         reply is lost polls again and gets both again). A model that cannot be sent this
         way goes the usual one: the site's download meets what is wrong."""
         engine = self.engine
+        opened: list[bool] = []  # open_download counted the download as under way
+
+        def open_it() -> tuple[str, int, int]:
+            found = engine.open_download(site_id, view.task_id, False)
+            opened.append(True)
+            return found
+
         try:
-            digest, size, base = await self.quick(
-                engine.open_download, site_id, view.task_id, False
-            )
+            digest, size, base = await self.quick(open_it)
         except FedraError:  # the round moved on meanwhile: the site's download says so
             return view
+        except asyncio.CancelledError:  # the site hung up; open_download ran to its end
+            if opened:
+                engine.downloads.abandoned(view.task_id)
+            raise
         try:
             if digest != view.model_sha256:
                 raise ValueError(f"the round's model is {digest} now")

@@ -135,11 +135,10 @@ class ActiveRun:
     _fold_order: list[str] = field(default_factory=list, repr=False)
     _fold_order_of: tuple[dict[str, Assignment], set[str]] | None = field(default=None, repr=False)
     fold_from: int = 0
-    # by_task's index, and the (assignments, carried) pair it was built from.
-    _task_index: dict[str, Assignment] = field(default_factory=dict, repr=False)
-    _task_index_of: tuple[dict[str, Assignment], dict[str, Assignment]] | None = field(
-        default=None, repr=False
-    )
+    # by_task's (assignments, carried) pair and the index built from it.
+    _task_index: (
+        tuple[dict[str, Assignment], dict[str, Assignment], dict[str, Assignment]] | None
+    ) = field(default=None, repr=False)
     folded: set[str] = field(default_factory=set)  # sites whose update is in the aggregate
     # perf_counter of the attempt's last acceptance and of the end of its last fold: what
     # folding in site order costs a round is the folding left after the last update is in.
@@ -187,14 +186,16 @@ class ActiveRun:
         """The open attempt's (or a carried) assignment of ``task_id``: a lookup, not a
         scan, as every heartbeat and transfer of thousands of sites asks it."""
         # The two dicts are only ever replaced whole (set_open, set_closed): an index of
-        # the pair held now stays right until one of them is replaced.
-        held = self._task_index_of
-        if held is None or held[0] is not self.assignments or held[1] is not self.carried:
-            self._task_index = {
-                a.task_id: a for a in (*self.assignments.values(), *self.carried.values())
-            }
-            self._task_index_of = (self.assignments, self.carried)
-        return self._task_index.get(task_id)
+        # the pair held now stays right until one of them is replaced. Built from the pair
+        # as read once, and kept with it in one attribute, so that a look without the lock
+        # (Engine.is_async_task) never labels an old pair's index with a new pair.
+        assignments, carried = self.assignments, self.carried
+        held = self._task_index
+        if held is None or held[0] is not assignments or held[1] is not carried:
+            index = {a.task_id: a for a in (*assignments.values(), *carried.values())}
+            held = (assignments, carried, index)
+            self._task_index = held
+        return held[2].get(task_id)
 
     def staleness(self, a: Assignment) -> int:
         """How many global models behind the open round the assignment's model is."""

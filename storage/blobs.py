@@ -49,6 +49,10 @@ class BlobCorruptError(ValueError):
         self.digest = digest
 
 
+def digest_mismatch(digest: str, declared: str) -> BlobDigestError:
+    return BlobDigestError(f"payload SHA-256 is {digest}, the sender declared {declared}")
+
+
 class StorageFullError(OSError):
     """No space left (or over quota) for a blob: the write was undone, nothing is left."""
 
@@ -211,9 +215,7 @@ class BlobWriter:
         digest = self._hash.hexdigest()
         if expected_digest is not None and digest != expected_digest:
             self.discard()
-            raise BlobDigestError(
-                f"payload SHA-256 is {digest}, the sender declared {expected_digest}"
-            )
+            raise digest_mismatch(digest, expected_digest)
         final = self._store.path(digest)
         try:
             self._file.flush()

@@ -26,10 +26,10 @@ from pathlib import Path
 from fedra.storage.blobs import (
     BLOCK_BYTES,
     BlobCorruptError,
-    BlobDigestError,
     BlobNotFoundError,
     BlobStore,
     BlobWriter,
+    digest_mismatch,
 )
 from fedra.storage.store import Store
 
@@ -62,9 +62,7 @@ class SmallWriter:
         digest = self._hash.hexdigest()
         if expected_digest is not None and digest != expected_digest:
             self.discard()
-            raise BlobDigestError(
-                f"payload SHA-256 is {digest}, the sender declared {expected_digest}"
-            )
+            raise digest_mismatch(digest, expected_digest)
         self.data = b"".join(self._parts)
         self._parts = []
         return digest

@@ -7,6 +7,7 @@ and PostgreSQL are both supported through the SQLAlchemy URL.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import socket
@@ -754,16 +755,20 @@ class Store:
             )
 
     def update_data(self, sha256: str) -> bytes | None:
-        """The bytes of a small accepted update with this digest, from any row that still
-        holds them (``accept_op``'s ``data``); None if none does."""
+        """The bytes of a small accepted update with this digest (``accept_op``'s
+        ``data``), from a row of an accepted task that still holds them: one whose bytes
+        hash to the digest if any does (identical updates of two tasks each have a copy),
+        else a damaged one, for the caller to find so; None if no row holds them."""
         p = m.Participation
-        q = (
-            select(p.update_data)
-            .where(p.update_sha256 == sha256, p.update_data.is_not(None))
-            .limit(1)
+        q = select(p.update_data).where(
+            p.update_sha256 == sha256, p.state == "accepted", p.update_data.is_not(None)
         )
         with self._read() as s:
-            return s.execute(q).scalar_one_or_none()
+            copies = [data for data in s.scalars(q) if data is not None]
+        for data in copies:
+            if hashlib.sha256(data).hexdigest() == sha256:
+                return data
+        return copies[0] if copies else None
 
     def holding_update_data(self) -> list[str]:
         """The tasks whose rows still hold their update's bytes."""
@@ -906,6 +911,7 @@ class Store:
                 accepted_too and row.state == "accepted"
             ):
                 row.state, row.error, row.finished_at = "failed", error, now
+                row.update_data = None  # a failed task's update is no one's copy
 
     def expire_attempt(
         self,

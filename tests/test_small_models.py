@@ -42,10 +42,11 @@ from tests.test_site_service import (
     start_round_one as _start_round_one,
 )
 
+SETTINGS = EngineSettings(heartbeat_interval_s=1.0, poll_timeout_s=2.0, site_timeout_s=30.0)
 
-def _coordinator(tmp_path: Path, **settings: object) -> Iterator[InProcessCoordinator]:
-    base = {"heartbeat_interval_s": 1.0, "poll_timeout_s": 2.0, "site_timeout_s": 30.0}
-    c = InProcessCoordinator(tmp_path / "state", EngineSettings(**{**base, **settings}))  # type: ignore[arg-type]
+
+def _coordinator(tmp_path: Path, **settings: int) -> Iterator[InProcessCoordinator]:
+    c = InProcessCoordinator(tmp_path / "state", replace(SETTINGS, **settings))
     try:
         yield c
     finally:
@@ -252,16 +253,24 @@ def test_a_small_update_needs_no_file_and_its_row_lets_go_once_the_round_ends(
     assert _spool_files(c) == []
 
 
+Task = tuple[str, site_pb2.Task]
+
+
+def _first_update_in(c: InProcessCoordinator) -> tuple[str, Task, Task]:
+    """Round 1 open with two sites, the first one's small update accepted."""
+    run_id, tasks = _start_round_one(c)
+    (s1, t1), (s2, t2) = sorted(tasks.items())
+    upload(c, messages(t1, s1, delta_payload(0.1)))
+    return run_id, (s1, t1), (s2, t2)
+
+
 def test_a_small_update_accepted_before_a_restart_counts_after_it(tmp_path: Path) -> None:
-    settings = EngineSettings(heartbeat_interval_s=1.0, poll_timeout_s=2.0, site_timeout_s=30.0)
-    first = InProcessCoordinator(tmp_path / "state", settings)
+    first = InProcessCoordinator(tmp_path / "state", SETTINGS)
     try:
-        run_id, tasks = _start_round_one(first)
-        (s1, t1), (s2, t2) = sorted(tasks.items())
-        upload(first, messages(t1, s1, delta_payload(0.1)))
+        run_id, (s1, _), (s2, t2) = _first_update_in(first)
     finally:
         first.close()
-    again = InProcessCoordinator(tmp_path / "state", settings)
+    again = InProcessCoordinator(tmp_path / "state", SETTINGS)
     try:
         assert again.engine.runs[run_id].assignments[s1].state == "accepted"
         upload(again, messages(t2, s2, delta_payload(0.3)))
@@ -276,12 +285,9 @@ def test_a_small_update_accepted_before_a_restart_counts_after_it(tmp_path: Path
 
 
 def test_rows_left_holding_bytes_by_a_crash_are_let_go_at_start(tmp_path: Path) -> None:
-    settings = EngineSettings(heartbeat_interval_s=1.0, poll_timeout_s=2.0, site_timeout_s=30.0)
-    first = InProcessCoordinator(tmp_path / "state", settings)
+    first = InProcessCoordinator(tmp_path / "state", SETTINGS)
     try:
-        run_id, tasks = _start_round_one(first)
-        (s1, t1), (s2, t2) = sorted(tasks.items())
-        upload(first, messages(t1, s1, delta_payload(0.1)))
+        run_id, (_, t1), (s2, t2) = _first_update_in(first)
         upload(first, messages(t2, s2, delta_payload(0.3)))
         wait_round(first, run_id, 1, "committed")
         assert _until(lambda: first.engine.store.holding_update_data() == [])
@@ -295,7 +301,7 @@ def test_rows_left_holding_bytes_by_a_crash_are_let_go_at_start(tmp_path: Path) 
         assert first.engine.store.holding_update_data() == [t1.task_id]
     finally:
         first.close()
-    again = InProcessCoordinator(tmp_path / "state", settings)
+    again = InProcessCoordinator(tmp_path / "state", SETTINGS)
     try:
         assert again.engine.store.holding_update_data() == []
     finally:

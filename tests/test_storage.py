@@ -1344,3 +1344,20 @@ def test_a_row_whose_update_bytes_changed_reads_as_damaged(
     )  # fmt: skip
     with pytest.raises(BlobCorruptError):
         list(spool.read_chunks(digest))
+
+
+def test_identical_updates_each_keep_a_copy_and_a_damaged_or_failed_one_is_passed_over(
+    run_store: Store,
+) -> None:
+    _open(run_store, 1, 1, ["s1", "s2"])
+    data = os.urandom(64)
+    digest = hashlib.sha256(data).hexdigest()
+    for site, stored, nonce in (("s1", data[:-1] + b"\0", b"p" * 16), ("s2", data, b"q" * 16)):
+        run_store.accept_update(
+            _task(1, 1, site), nonce=nonce, sha256=digest, num_samples=1, metrics={},
+            bytes_up=64, upload_s=0.1, now=T0, data=stored,
+        )  # fmt: skip
+    assert run_store.update_data(digest) == data  # the copy that hashes right
+    run_store.fail_participation(_task(1, 1, "s2"), "lost", T0, accepted_too=True)
+    assert run_store.holding_update_data() == [_task(1, 1, "s1")]  # failed: let go
+    assert run_store.update_data(digest) == data[:-1] + b"\0"  # only the damaged one left
