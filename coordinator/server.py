@@ -152,6 +152,7 @@ class Server:
         self._thread.start()
         self._server: grpc.aio.Server | None = None
         self.api: CoordinatorAPI | None = None
+        self.admin: AdminService | None = None  # its admin servicer (tests look into it)
         self._watch: asyncio.Task[None] | None = None
 
     def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
@@ -235,6 +236,7 @@ async def _build(
     limits: EdgeLimits | None,
 ) -> int:
     api = handle.api = CoordinatorAPI(engine, max_workers)
+    handle.admin = AdminService(api, guard)
     limiter = CallLimiter(guard, engine, limits or EdgeLimits(), refuse)
     server = grpc.aio.server(
         interceptors=[limiter],
@@ -254,7 +256,7 @@ async def _build(
     wire.add_service(
         server,
         admin_pb2_grpc.add_AdminServiceServicer_to_server,
-        AdminService(api, guard),
+        handle.admin,
         wire.ADMIN_SERVICE,
         {"ExportModel": {"response": wire.serialize}},
     )

@@ -32,6 +32,7 @@ from fedra.coordinator.status import (
     PAGE_BYTES,
     FinalRounds,
     RunWatch,
+    SharedPages,
     run_header,
     run_page,
     run_status,
@@ -376,6 +377,7 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
         self.watch_interval_s = watch_interval_s  # a watch looks at least this often
         self.watch_gap_s = watch_gap_s  # and at most this often
         self.kept = FinalRounds()  # GetRun pages build only the rounds still moving
+        self.pages = SharedPages()  # a large page is built once for the calls at once
 
     @mapped
     async def SubmitRun(
@@ -396,9 +398,14 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
         self.guard.admin(context)
         insecure, first = self.guard.insecure, request.first_round
         if request.page:
-            return await self.api.read(
+            # A page may be shared for a moment within one phase of the run, never across.
+            key = (request.run_id, first, insecure, self.engine.run_phase(request.run_id))
+            if (page := self.pages.fresh(key)) is not None:
+                return page
+            build = functools.partial(
                 run_page, self.engine, request.run_id, insecure, first, PAGE_BYTES, self.kept
             )
+            return await self.api.read(self.pages.get, key, build)
         return await self.api.read(run_status, self.engine, request.run_id, insecure, first)
 
     @mapped

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Callable, Collection
+from concurrent.futures import Future
+from dataclasses import dataclass
 
 from fedra.coordinator.engine import Engine
 from fedra.coordinator.errors import NotFound, ResourceExhausted
@@ -85,6 +88,107 @@ class FinalRounds:
             while len(self._runs) > 1 and sum(self._bytes.values()) > self.max_bytes:
                 gone, _ = self._runs.popitem(last=False)
                 self._bytes.pop(gone, None)
+
+
+_MAX_LARGE_KEYS = 4096  # SharedPages: keys remembered as large, at most
+
+
+@dataclass(frozen=True)
+class _Page:
+    status: admin_pb2.RunStatus
+    built_at: float
+    fresh_for: float  # seconds it answers for
+
+
+class SharedPages:
+    """GetRun pages of a large run, shared by the calls that ask for one at about the
+    same time.
+
+    A page of a round that thousands of sites are in reads and builds thousands of
+    participations (tens of ms): with several operators, dashboards or scrapers asking a
+    few times a second, that alone took a core's tenth. A page that read at least
+    ``min_participations`` is kept for a moment after it is built: for ``cost / share``
+    (its build time over ``share``, at most ``max_age_s``), so that building pages
+    takes at most about ``share`` of one thread however often they are asked for; the
+    calls that ask while it is being built wait for that build. Such a page is at most
+    ``max_age_s`` old, and a smaller page is built afresh for each call. The caller
+    puts in ``key`` what a page must not be kept across (GetRun: the run's phase, so
+    that a round opening or committing, or the run ending, is not shown late). Safe from any thread.
+    """
+
+    def __init__(
+        self,
+        share: float = 0.05,
+        max_age_s: float = 1.0,
+        min_participations: int = 256,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not 0.0 < share <= 1.0:
+            raise ValueError(f"share must be in (0, 1], got {share}")
+        self.share, self.max_age_s = share, max_age_s
+        self.min_participations, self.clock = min_participations, clock
+        self._lock = threading.Lock()
+        self._pages: dict[tuple[object, ...], _Page] = {}
+        self._building: dict[tuple[object, ...], Future[admin_pb2.RunStatus]] = {}
+        self._large: set[tuple[object, ...]] = set()  # keys whose last page was large
+
+    def fresh(self, key: tuple[object, ...]) -> admin_pb2.RunStatus | None:
+        """The page kept for ``key`` if it still answers, else None (no wait, no build):
+        for the event loop to answer with, without a hand-off to a reader thread."""
+        with self._lock:
+            page = self._pages.get(key)
+            if page is not None and self.clock() - page.built_at < page.fresh_for:
+                return page.status
+            return None
+
+    def get(
+        self, key: tuple[object, ...], build: Callable[[], admin_pb2.RunStatus]
+    ) -> admin_pb2.RunStatus:
+        """The page for ``key``: a kept one that still answers, the one being built for a
+        key whose last page was large (waited for), or ``build()``'s."""
+        with self._lock:
+            now = self.clock()
+            page = self._pages.get(key)
+            if page is not None and now - page.built_at < page.fresh_for:
+                return page.status
+            flight = self._building.get(key) if key in self._large else None
+            if flight is None:
+                mine: Future[admin_pb2.RunStatus] = Future()
+                self._building[key] = mine
+        if flight is not None:
+            return flight.result()
+        try:
+            started = self.clock()
+            status = build()
+            cost = self.clock() - started
+            large = sum(len(r.participations) for r in status.rounds) >= self.min_participations
+            with self._lock:
+                if self._building.get(key) is mine:  # not forgotten meanwhile
+                    self._keep(key, status, min(self.max_age_s, cost / self.share), large)
+            mine.set_result(status)
+            return status
+        except BaseException as exc:
+            mine.set_exception(exc)
+            raise
+        finally:
+            with self._lock:
+                if self._building.get(key) is mine:
+                    del self._building[key]
+
+    def _keep(
+        self, key: tuple[object, ...], status: admin_pb2.RunStatus, fresh_for: float, large: bool
+    ) -> None:
+        now = self.clock()  # lock held
+        for old in [k for k, p in self._pages.items() if now - p.built_at >= p.fresh_for]:
+            del self._pages[old]
+        if not large:
+            self._large.discard(key)
+            self._pages.pop(key, None)
+            return
+        if len(self._large) >= _MAX_LARGE_KEYS:
+            self._large.clear()
+        self._large.add(key)
+        self._pages[key] = _Page(status, now, fresh_for)
 
 
 def run_page(

@@ -439,7 +439,7 @@ def accept_end(
         run.folding -= 1
         run.broken = run.broken or broken
         engine.notify(run.run_id)
-    log.info(
+    log.debug(  # one a site a round: the round's commit line sums them up
         "run %s round %d: accepted update from %s (%d bytes, %.2fs)",
         run.run_id, ticket.round, h.site_id, nbytes, upload_s,
     )  # fmt: skip

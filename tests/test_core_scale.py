@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -321,6 +322,91 @@ def test_the_final_rounds_kept_are_bounded_by_bytes() -> None:
     assert kept.from_("run-a", 0) == [] and len(kept.from_("run-b", 0)) == 1
     kept.keep("run-b", {1: admin_pb2.RoundStatus(number=1)}, set())  # not final: not kept
     assert [r.number for r in kept.from_("run-b", 0)] == [0]
+
+
+def _page(participations: int) -> admin_pb2.RunStatus:
+    parts = [admin_pb2.Participation(site_id=f"s{i}") for i in range(participations)]
+    return admin_pb2.RunStatus(run_id="r", rounds=[admin_pb2.RoundStatus(participations=parts)])
+
+
+def test_shared_pages_keep_a_large_page_for_its_cost_and_build_a_small_one_each_time() -> None:
+    from fedra.coordinator.status import SharedPages
+
+    now = [0.0]
+    pages = SharedPages(share=0.1, max_age_s=1.0, min_participations=10, clock=lambda: now[0])
+    built: list[int] = []
+
+    def build(parts: int, cost: float) -> Callable[[], admin_pb2.RunStatus]:
+        def run() -> admin_pb2.RunStatus:
+            built.append(parts)
+            now[0] += cost
+            return _page(parts)
+
+        return run
+
+    small = ("small", 0, False)
+    pages.get(small, build(3, 0.05))
+    pages.get(small, build(3, 0.05))  # small: never kept, whatever it cost
+    assert built == [3, 3] and pages.fresh(small) is None
+
+    large = ("large", 0, False)
+    first = pages.get(large, build(20, 0.02))  # kept for 0.02 / 0.1 = 0.2 s
+    now[0] += 0.1
+    assert pages.fresh(large) is first and pages.get(large, build(20, 0.02)) is first
+    assert built == [3, 3, 20]
+    now[0] += 0.15  # 0.25 s since: no longer
+    assert pages.fresh(large) is None
+    second = pages.get(large, build(20, 0.5))  # 5 s by its cost, but at most max_age_s
+    now[0] += 0.9
+    assert pages.get(large, build(20, 0.0)) is second
+    now[0] += 0.2
+    assert pages.get(large, build(20, 0.0)) is not second and built[-2:] == [20, 20]
+    assert pages.get(("large", 1, False), build(20, 0.0)) is not second  # another page
+    assert len(built) == 6
+
+
+def test_shared_pages_share_one_build_between_calls_at_once_and_pass_on_its_error() -> None:
+    from fedra.coordinator.errors import NotFound
+    from fedra.coordinator.status import SharedPages
+
+    pages = SharedPages(share=1.0, max_age_s=0.0, min_participations=1)
+    key = ("run", 0, False)
+    pages.get(key, lambda: _page(5))  # large: the next builds are shared, none kept
+    started, release = threading.Event(), threading.Event()
+    builds: list[str] = []
+
+    def slow() -> admin_pb2.RunStatus:
+        builds.append("slow")
+        started.set()
+        assert release.wait(10)
+        return _page(5)
+
+    got: list[admin_pb2.RunStatus] = []
+    first = threading.Thread(target=lambda: got.append(pages.get(key, slow)))
+    first.start()
+    assert started.wait(10)
+    waiters = [
+        threading.Thread(target=lambda: got.append(pages.get(key, lambda: _page(9))))
+        for _ in range(3)
+    ]
+    for t in waiters:
+        t.start()
+    flight = pages._building[key]  # the build under way; its waiters block on its condition
+    deadline = time.monotonic() + 10
+    while len(flight._condition._waiters) < 3:  # type: ignore[attr-defined]
+        assert time.monotonic() < deadline, "the calls did not wait for the build"
+        time.sleep(0.001)
+    release.set()
+    for t in (first, *waiters):
+        t.join(10)
+    assert builds == ["slow"] and len(got) == 4 and all(g is got[0] for g in got)
+
+    def missing() -> admin_pb2.RunStatus:
+        raise NotFound("no run 'run'")
+
+    with pytest.raises(NotFound):
+        pages.get(key, missing)
+    assert pages.get(key, lambda: _page(2)).rounds[0].participations[1].site_id == "s1"
 
 
 # -- attention: the coordinator's own stalls are not the sites' -------------------------

@@ -10,6 +10,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -959,6 +960,49 @@ def test_the_admin_client_reads_a_daemon_that_predates_paging() -> None:
             assert seen == [("running", [0, 1, 2, 3]), ("completed", [0, 1, 2, 3, 4])]
     finally:
         server.stop(grace=None)
+
+
+def test_get_run_shares_a_large_page_for_a_moment_and_shows_a_cancel_at_once(
+    coordinator: InProcessCoordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A large page (here: any page; its moment made long) is built once for the calls
+    within a moment of each other, a site's change showing a moment late; the run's end
+    is seen at once (a page is kept within one phase of the run, never across)."""
+    from fedra.coordinator import status as status_mod
+
+    assert coordinator.server.admin is not None
+    pages = coordinator.server.admin.pages
+    assert isinstance(pages, status_mod.SharedPages)
+    monkeypatch.setattr(pages, "min_participations", 1)
+    monkeypatch.setattr(pages, "max_age_s", 60.0)
+    monkeypatch.setattr(pages, "share", 1e-6)
+    run_id, tasks = start_round_one(coordinator)
+    store = coordinator.engine.store
+    reads: list[int] = []
+    original = store.read_run
+
+    def _counted(run: str, *, since: int = 0, limit: int | None = None):  # type: ignore[no-untyped-def]
+        reads.append(since)
+        return original(run, since=since, limit=limit)
+
+    monkeypatch.setattr(store, "read_run", _counted)
+    request = admin_pb2.GetRunRequest(run_id=run_id, page=True)
+    first = coordinator.admin.GetRun(request, timeout=10)
+    assert first.state == "running" and len(reads) >= 1
+    read_once = len(reads)
+    site, task = sorted(tasks.items())[0]
+    failed = site_pb2.ReportFailureRequest(site_id=site, task_id=task.task_id, reason="boom")
+    coordinator.site.ReportFailure(failed, timeout=10)  # a site's change
+    assert coordinator.admin.GetRun(request, timeout=10) == first and len(reads) == read_once
+    coordinator.admin.CancelRun(admin_pb2.CancelRunRequest(run_id=run_id), timeout=10)
+    cancelling = coordinator.admin.GetRun(request, timeout=10)  # the driver may not be done
+    assert len(reads) > read_once and cancelling.state in ("running", "cancelled")
+    assert any("boom" in p.error for r in cancelling.rounds for p in r.participations)
+    deadline = time.monotonic() + 30
+    while run_id in coordinator.engine.runs:  # the driver ends the run, then lets it go
+        assert time.monotonic() < deadline, "the cancelled run was never let go"
+        time.sleep(0.01)
+    assert coordinator.admin.GetRun(request, timeout=10).state == "cancelled"  # it ended
 
 
 def test_get_run_keeps_the_status_of_final_rounds_and_reads_only_the_rest(
