@@ -105,15 +105,16 @@ class SharedPages:
     same time.
 
     A page of a round that thousands of sites are in reads and builds thousands of
-    participations (tens of ms): with several operators, dashboards or scrapers asking a
-    few times a second, that alone took a core's tenth. A page that read at least
+    participations (tens of ms): with operators, dashboards or scrapers asking a few
+    times a second, that alone took a tenth of a core or more. A page that read at least
     ``min_participations`` is kept for a moment after it is built: for ``cost / share``
     (its build time over ``share``, at most ``max_age_s``), so that building pages
     takes at most about ``share`` of one thread however often they are asked for; the
     calls that ask while it is being built wait for that build. Such a page is at most
     ``max_age_s`` old, and a smaller page is built afresh for each call. The caller
     puts in ``key`` what a page must not be kept across (GetRun: the run's phase, so
-    that a round opening or committing, or the run ending, is not shown late). Safe from any thread.
+    that a round opening or committing, or the run ending, is not shown late). Safe
+    from any thread.
     """
 
     def __init__(
@@ -163,15 +164,14 @@ class SharedPages:
             cost = self.clock() - started
             large = sum(len(r.participations) for r in status.rounds) >= self.min_participations
             with self._lock:
-                if self._building.get(key) is mine:  # not forgotten meanwhile
-                    self._keep(key, status, min(self.max_age_s, cost / self.share), large)
+                self._keep(key, status, min(self.max_age_s, cost / self.share), large)
             mine.set_result(status)
             return status
         except BaseException as exc:
             mine.set_exception(exc)
             raise
         finally:
-            with self._lock:
+            with self._lock:  # a small page's builds run side by side: only ours goes
                 if self._building.get(key) is mine:
                     del self._building[key]
 

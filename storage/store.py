@@ -32,6 +32,7 @@ from sqlalchemy import (
     text,
     update,
 )
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
@@ -237,6 +238,28 @@ _ADD_CUT = (
     .values(bytes_cut=_p.bytes_cut + bindparam("nbytes", type_=BigInteger))
 )
 _KNOWN_TASKS = select(_p.task_id).where(_p.task_id.in_(bindparam("tids", expanding=True)))
+
+
+def _site_upsert(dialect: str) -> Any:
+    """A site's registration as one statement (insert, or update the row there), for the
+    dialects that have one (None for others): no read before the write, no ORM object."""
+    values: dict[str, Any] = {
+        "id": bindparam("sid"), "tasks_json": bindparam("tasks"), "version": bindparam("ver"),
+        "registered_at": bindparam("ts"), "last_seen_at": bindparam("ts"),
+    }  # fmt: skip
+    again = ("tasks_json", "version", "last_seen_at")
+    key = [m.Site.__table__.c.id]
+    if dialect == "sqlite":
+        lite = sqlite.insert(m.Site).values(values)
+        return lite.on_conflict_do_update(
+            index_elements=key, set_={c: lite.excluded[c] for c in again}
+        )
+    if dialect == "postgresql":
+        pg = postgresql.insert(m.Site).values(values)
+        return pg.on_conflict_do_update(index_elements=key, set_={c: pg.excluded[c] for c in again})
+    return None
+
+
 _TOUCH_SITE = (
     update(m.Site).where(m.Site.id == bindparam("sid")).values(last_seen_at=bindparam("ts"))
 )
@@ -317,6 +340,7 @@ class Store:
     def __init__(self, url: str, *, migrate: bool = True) -> None:
         self.url = url
         self.engine = make_engine(url)
+        self._upsert_site = _site_upsert(self.engine.dialect.name)
         if migrate:
             try:
                 upgrade(self.engine)
@@ -518,8 +542,16 @@ class Store:
         self, site_id: str, tasks: Sequence[str], version: str, now: float
     ) -> WriteOp:
         """The write of ``upsert_site``, for ``write_batch``."""
+        if self._upsert_site is not None:
+            values = {"sid": site_id, "tasks": json.dumps(list(tasks)), "ver": version, "ts": now}
+            statement = self._upsert_site
 
-        def upsert(s: Session) -> None:
+            def one_statement(s: Session) -> None:
+                s.connection().execute(statement, values)
+
+            return one_statement
+
+        def upsert(s: Session) -> None:  # the other dialects' way: read, then write
             row = s.get(m.Site, site_id)
             if row is None:
                 s.add(

@@ -401,6 +401,21 @@ def test_shared_pages_share_one_build_between_calls_at_once_and_pass_on_its_erro
         t.join(10)
     assert builds == ["slow"] and len(got) == 4 and all(g is got[0] for g in got)
 
+    small, inside, out = ("small", 0, False), threading.Barrier(2, timeout=10), []
+
+    def overlapping() -> admin_pb2.RunStatus:  # two builds of a small page at once
+        inside.wait()
+        return _page(1)
+
+    pair = [
+        threading.Thread(target=lambda: out.append(pages.get(small, overlapping))) for _ in range(2)
+    ]
+    for t in pair:
+        t.start()
+    for t in pair:
+        t.join(10)
+    assert len(out) == 2 and out[0] is not out[1]  # each built its own, neither failed
+
     def missing() -> admin_pb2.RunStatus:
         raise NotFound("no run 'run'")
 

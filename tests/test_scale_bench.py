@@ -17,17 +17,21 @@ pytestmark = pytest.mark.multiprocess
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "scale_bench.py"
 SITES, ROUNDS = 8, 2
+SITE_CPU = min(os.sched_getaffinity(0))  # the workers are pinned to it
 
 
 def _bench(tmp_path: Path) -> tuple[dict[str, Any], str]:
     out = tmp_path / "scale.json"
     args = [str(BENCH), "--sites", str(SITES), "--rounds", str(ROUNDS)]
     args += ["--procs", "2", "--timeout-s", "75", "--out", str(out)]
+    args += ["--site-cpus", str(SITE_CPU)]
     (tmp_path / "tmp").mkdir()
     env = {"TMPDIR": str(tmp_path / "tmp")}  # its temporary directories
     done = run_python(*args, env=env, timeout_s=100)
     assert done.returncode == 0, done.stdout + done.stderr
-    (result,) = json.loads(out.read_text())["results"]
+    doc = json.loads(out.read_text())
+    assert doc["sites_run"] == {"nice": 10, "policy": "nice", "cpus": str(SITE_CPU)}, doc
+    (result,) = doc["results"]
     return result, done.stdout
 
 
@@ -64,3 +68,9 @@ def test_scale_bench_reports_every_figure(tmp_path: Path) -> None:
     for pid in r["pids"]:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+@pytest.mark.parametrize("cpus", ["one", "1-x", "99999"])
+def test_scale_bench_refuses_a_bad_cpu_list(cpus: str) -> None:
+    done = run_python(str(BENCH), "--site-cpus", cpus, timeout_s=60)
+    assert done.returncode == 2 and "--site-cpus" in done.stderr, done.stderr
