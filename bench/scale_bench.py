@@ -225,9 +225,7 @@ def worker_main(args: argparse.Namespace) -> None:
     stdin closes, or at the deadline), then write the tally to ``--stats``."""
     torch.set_num_threads(1)
     os.nice(max(0, args.site_nice))
-    if args.site_policy == "idle":  # inherited by every thread started from here on
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    if args.site_cpus:  # likewise
+    if args.site_cpus:  # inherited by every thread started from here on
         os.sched_setaffinity(0, cpu_list(args.site_cpus))
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
     separate_connections()
@@ -320,8 +318,7 @@ def start_workers(
         command = [sys.executable, __file__, "--worker", "--address", address]
         command += ["--first", str(first), "--count", str(count), "--stats", str(stats)]
         command += ["--timeout-s", f"{timeout_s:.0f}", "--fit-delay-s", str(args.fit_delay_s)]
-        command += ["--site-nice", str(args.site_nice), "--site-policy", args.site_policy]
-        command += ["--site-cpus", args.site_cpus]
+        command += ["--site-nice", str(args.site_nice), "--site-cpus", args.site_cpus]
         with (root / f"worker-{i}.log").open("ab") as log:
             popen = subprocess.Popen(
                 command,
@@ -838,19 +835,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "of their own); 0: the same priority",
     )
     parser.add_argument(
-        "--site-policy",
-        choices=("nice", "idle"),
-        default="nice",
-        help="nice: the workers run at --site-nice; idle: under Linux's SCHED_IDLE, so that "
-        "they get only the CPU the coordinator leaves (as if the sites had machines of "
-        "their own, which a few thousand threads at any niceness are not)",
-    )
-    parser.add_argument(
         "--site-cpus",
         default="",
         help="run the workers on these CPUs only (e.g. '1' or '2-3'; default: all), leaving "
-        "the others to the coordinator: at thousands of sites, niceness and SCHED_IDLE still "
-        "let the sites' hundreds of runnable threads outweigh the coordinator's few",
+        "the others to the coordinator: at thousands of sites, no niceness (nor SCHED_IDLE) "
+        "keeps the sites' hundreds of runnable threads from outweighing the coordinator's few",
     )
     parser.add_argument(
         "--coordinator-flags",
@@ -910,8 +899,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\ninterrupted: everything started was stopped", file=sys.stderr)
     if args.out:
         doc = {"results": results, "interrupted": interrupted, "db": args.db.split("://")[0]}
-        doc["sites_run"] = {"nice": args.site_nice, "policy": args.site_policy,
-                            "cpus": args.site_cpus or "all"}  # fmt: skip
+        doc["sites_run"] = {"nice": args.site_nice, "cpus": args.site_cpus or "all"}
         doc["cpus"], doc["load_average"] = os.cpu_count(), os.getloadavg()[0]
         args.out.write_text(json.dumps(doc, indent=2) + "\n")
     return 130 if interrupted else 0

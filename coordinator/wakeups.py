@@ -68,6 +68,17 @@ class Ticket:
             loop.call_soon_threadsafe(self._set)
 
 
+WAKE_SLICE = 64  # tickets set in one pass of their loop
+
+
+def _set_slices(loop: asyncio.AbstractEventLoop, tickets: list[Ticket], start: int) -> None:
+    """On ``loop``: set ``tickets[start:]``, a slice a pass."""
+    for ticket in tickets[start : start + WAKE_SLICE]:
+        ticket._set()
+    if start + WAKE_SLICE < len(tickets):
+        loop.call_soon(_set_slices, loop, tickets, start + WAKE_SLICE)
+
+
 class Wakeups:
     """The waiting calls, by key. Safe to wake from any thread."""
 
@@ -98,11 +109,23 @@ class Wakeups:
                         del self._waiting[key]
 
     def wake(self, keys: Iterable[Hashable]) -> int:
-        """Wake every ticket of ``keys``; returns how many were woken."""
+        """Wake every ticket of ``keys``; returns how many were woken.
+
+        The tickets of one loop are set by one callback on it, ``WAKE_SLICE`` at a time,
+        each slice a pass of the loop after the last: a round opening for thousands of
+        sites wakes their polls with one hand-over to the loop instead of thousands, and
+        the calls that arrive meanwhile (an operator's status) are served between the
+        slices instead of after every one of those polls."""
         with self._lock:
             woken = {t for key in keys for t in self._waiting.pop(key, ())}
+        by_loop: dict[asyncio.AbstractEventLoop, list[Ticket]] = {}
         for ticket in woken:
-            ticket.wake()
+            by_loop.setdefault(ticket._future.get_loop(), []).append(ticket)
+        for loop, tickets in by_loop.items():
+            if loop.is_closed():
+                continue
+            with suppress(RuntimeError):  # the loop closed meanwhile: nobody waits any more
+                loop.call_soon_threadsafe(_set_slices, loop, tickets, 0)
         return len(woken)
 
     def close(self) -> None:

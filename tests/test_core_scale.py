@@ -56,6 +56,32 @@ def test_a_wake_from_another_thread_wakes_only_its_key() -> None:
     assert asyncio.run(main()) == [False, True, False]
 
 
+def test_a_wake_of_many_sets_them_a_slice_a_pass_so_other_calls_get_in_between() -> None:
+    from fedra.coordinator.wakeups import WAKE_SLICE
+
+    board, many = Wakeups(), 3 * WAKE_SLICE + 5
+
+    async def main() -> tuple[int, list[bool]]:
+        loop = asyncio.get_running_loop()
+        tickets = [board.ticket(site_key(f"s{i}")) for i in range(many)]
+        seen: list[int] = []
+        probe = asyncio.Event()
+
+        def look() -> None:  # a call that arrived just after the wake
+            seen.append(sum(t._future.done() for t in tickets))
+            probe.set()
+
+        # The wake, then a call that arrives at once: both reach the loop's queue together.
+        assert board.wake([site_key(f"s{i}") for i in range(many)]) == many
+        loop.call_soon(look)
+        await asyncio.wait_for(probe.wait(), 5)
+        return seen[0], list(await asyncio.gather(*(t.wait(5) for t in tickets)))
+
+    first_look, woken = asyncio.run(main())
+    assert first_look == WAKE_SLICE  # served after one slice, not after all of them
+    assert all(woken) and board.waiting() == 0
+
+
 def test_closing_wakes_everyone_now_and_later() -> None:
     board = Wakeups()
 
