@@ -400,11 +400,11 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
         if request.page:
             # A page may be shared for a moment within one phase of the run, never across.
             key = (request.run_id, first, insecure, self.engine.run_phase(request.run_id))
-            if (page := self.pages.fresh(key)) is not None:
-                return page
             build = functools.partial(
                 run_page, self.engine, request.run_id, insecure, first, PAGE_BYTES, self.kept
             )
+            if (page := self.pages.answer(key, build, self.api.readers)) is not None:
+                return page
             return await self.api.read(self.pages.get, key, build)
         return await self.api.read(run_status, self.engine, request.run_id, insecure, first)
 

@@ -6,7 +6,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection
-from concurrent.futures import Future
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 
 from fedra.coordinator.engine import Engine
@@ -110,8 +110,10 @@ class SharedPages:
     ``min_participations`` is kept for a moment after it is built: for ``cost / share``
     (its build time over ``share``, at most ``max_age_s``), so that building pages
     takes at most about ``share`` of one thread however often they are asked for; the
-    calls that ask while it is being built wait for that build. Such a page is at most
-    ``max_age_s`` old, and a smaller page is built afresh for each call. The caller
+    calls that ask while it is being built wait for that build. For as long again it
+    still answers (``answer``) while its rebuild runs in the background, so that a
+    caller seldom waits for a build. Such a page is at most ``2 * max_age_s`` old (a
+    second), and a smaller page is built afresh for each call. The caller
     puts in ``key`` what a page must not be kept across (GetRun: the run's phase, so
     that a round opening or committing, or the run ending, is not shown late). Safe
     from any thread.
@@ -120,7 +122,7 @@ class SharedPages:
     def __init__(
         self,
         share: float = 0.05,
-        max_age_s: float = 1.0,
+        max_age_s: float = 0.5,
         min_participations: int = 256,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -133,14 +135,35 @@ class SharedPages:
         self._building: dict[tuple[object, ...], Future[admin_pb2.RunStatus]] = {}
         self._large: set[tuple[object, ...]] = set()  # keys whose last page was large
 
-    def fresh(self, key: tuple[object, ...]) -> admin_pb2.RunStatus | None:
-        """The page kept for ``key`` if it still answers, else None (no wait, no build):
-        for the event loop to answer with, without a hand-off to a reader thread."""
+    def answer(
+        self,
+        key: tuple[object, ...],
+        build: Callable[[], admin_pb2.RunStatus],
+        executor: Executor,
+    ) -> admin_pb2.RunStatus | None:
+        """The page kept for ``key`` if it may answer now, else None; no wait, no build
+        here: for the event loop to answer with, without a hand-off to a reader thread.
+        A page past its moment but within as long again answers too, and its rebuild is
+        started on ``executor`` (one at a time), so that the callers that follow get a
+        fresh page without waiting for its build."""
         with self._lock:
             page = self._pages.get(key)
-            if page is not None and self.clock() - page.built_at < page.fresh_for:
+            if page is None:
+                return None
+            age = self.clock() - page.built_at
+            if age < page.fresh_for:
                 return page.status
-            return None
+            if age >= 2 * page.fresh_for:
+                return None
+            if key in self._building:  # its rebuild is under way
+                return page.status
+            mine: Future[admin_pb2.RunStatus] = Future()
+            self._building[key] = mine
+        try:
+            executor.submit(self._build, key, build, mine)
+        except RuntimeError:  # the executor has shut down: the server is stopping
+            self._built(key, mine)
+        return page.status
 
     def get(
         self, key: tuple[object, ...], build: Callable[[], admin_pb2.RunStatus]
@@ -148,9 +171,8 @@ class SharedPages:
         """The page for ``key``: a kept one that still answers, the one being built for a
         key whose last page was large (waited for), or ``build()``'s."""
         with self._lock:
-            now = self.clock()
             page = self._pages.get(key)
-            if page is not None and now - page.built_at < page.fresh_for:
+            if page is not None and self.clock() - page.built_at < page.fresh_for:
                 return page.status
             flight = self._building.get(key) if key in self._large else None
             if flight is None:
@@ -158,6 +180,14 @@ class SharedPages:
                 self._building[key] = mine
         if flight is not None:
             return flight.result()
+        return self._build(key, build, mine)
+
+    def _build(
+        self,
+        key: tuple[object, ...],
+        build: Callable[[], admin_pb2.RunStatus],
+        mine: Future[admin_pb2.RunStatus],
+    ) -> admin_pb2.RunStatus:
         try:
             started = self.clock()
             status = build()
@@ -171,15 +201,18 @@ class SharedPages:
             mine.set_exception(exc)
             raise
         finally:
-            with self._lock:  # a small page's builds run side by side: only ours goes
-                if self._building.get(key) is mine:
-                    del self._building[key]
+            self._built(key, mine)
+
+    def _built(self, key: tuple[object, ...], mine: Future[admin_pb2.RunStatus]) -> None:
+        with self._lock:  # a small page's builds run side by side: only ours goes
+            if self._building.get(key) is mine:
+                del self._building[key]
 
     def _keep(
         self, key: tuple[object, ...], status: admin_pb2.RunStatus, fresh_for: float, large: bool
     ) -> None:
         now = self.clock()  # lock held
-        for old in [k for k, p in self._pages.items() if now - p.built_at >= p.fresh_for]:
+        for old in [k for k, p in self._pages.items() if now - p.built_at >= 2 * p.fresh_for]:
             del self._pages[old]
         if not large:
             self._large.discard(key)

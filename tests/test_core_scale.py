@@ -7,7 +7,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -355,12 +355,29 @@ def _page(participations: int) -> admin_pb2.RunStatus:
     return admin_pb2.RunStatus(run_id="r", rounds=[admin_pb2.RoundStatus(participations=parts)])
 
 
+class _HeldExecutor(Executor):
+    """Holds what is submitted until the test runs it."""
+
+    def __init__(self) -> None:
+        self.held: list[Callable[[], object]] = []
+
+    def submit(self, fn, /, *args, **kwargs):  # type: ignore[no-untyped-def]
+        self.held.append(lambda: fn(*args, **kwargs))
+        return Future()
+
+    def run_all(self) -> None:
+        held, self.held = self.held, []
+        for call in held:
+            call()
+
+
 def test_shared_pages_keep_a_large_page_for_its_cost_and_build_a_small_one_each_time() -> None:
     from fedra.coordinator.status import SharedPages
 
     now = [0.0]
     pages = SharedPages(share=0.1, max_age_s=1.0, min_participations=10, clock=lambda: now[0])
     built: list[int] = []
+    later = _HeldExecutor()
 
     def build(parts: int, cost: float) -> Callable[[], admin_pb2.RunStatus]:
         def run() -> admin_pb2.RunStatus:
@@ -373,22 +390,29 @@ def test_shared_pages_keep_a_large_page_for_its_cost_and_build_a_small_one_each_
     small = ("small", 0, False)
     pages.get(small, build(3, 0.05))
     pages.get(small, build(3, 0.05))  # small: never kept, whatever it cost
-    assert built == [3, 3] and pages.fresh(small) is None
+    assert built == [3, 3] and pages.answer(small, build(3, 0.0), later) is None
 
     large = ("large", 0, False)
     first = pages.get(large, build(20, 0.02))  # kept for 0.02 / 0.1 = 0.2 s
     now[0] += 0.1
-    assert pages.fresh(large) is first and pages.get(large, build(20, 0.02)) is first
-    assert built == [3, 3, 20]
-    now[0] += 0.15  # 0.25 s since: no longer
-    assert pages.fresh(large) is None
-    second = pages.get(large, build(20, 0.5))  # 5 s by its cost, but at most max_age_s
+    assert pages.answer(large, build(20, 0.02), later) is first
+    assert pages.get(large, build(20, 0.02)) is first
+    assert built == [3, 3, 20] and later.held == []
+    now[0] += 0.15  # 0.25 s since: past its moment, within as long again
+    assert pages.answer(large, build(20, 0.03), later) is first  # and its rebuild starts
+    assert pages.answer(large, build(20, 0.03), later) is first and len(later.held) == 1
+    later.run_all()  # the rebuild, kept for 0.3 s from now
+    second = pages.answer(large, build(20, 0.0), later)
+    assert second is not None and second is not first and built == [3, 3, 20, 20]
+    now[0] += 0.7  # 0.7 s since: not even as long again
+    assert pages.answer(large, build(20, 0.0), later) is None and later.held == []
+    third = pages.get(large, build(20, 5.0))  # 50 s by its cost, but at most max_age_s
     now[0] += 0.9
-    assert pages.get(large, build(20, 0.0)) is second
+    assert pages.get(large, build(20, 0.0)) is third
     now[0] += 0.2
-    assert pages.get(large, build(20, 0.0)) is not second and built[-2:] == [20, 20]
-    assert pages.get(("large", 1, False), build(20, 0.0)) is not second  # another page
-    assert len(built) == 6
+    assert pages.get(large, build(20, 0.0)) is not third
+    assert pages.get(("large", 1, False), build(20, 0.0)) is not third  # another page
+    assert len(built) == 7
 
 
 def test_shared_pages_share_one_build_between_calls_at_once_and_pass_on_its_error() -> None:
