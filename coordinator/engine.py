@@ -613,14 +613,11 @@ class Engine:
         return len(known), sum(self.is_online(s, now) for s in known)
 
     def run_phase(self, run_id: str) -> tuple[object, ...]:
-        """Where the run stands as a whole: driven or not, its open attempt and whether it
-        is closing, cancelled or next. It changes when a round opens, closes or commits
-        and when the run is cancelled or ends, not with a site's progress within a round.
-        Read without the lock (a torn read is just another phase)."""
+        """Where the run stands as a whole: driven (and whether cancelled), or not (not
+        yet, or no longer: it has ended). It does not change with its rounds. Read
+        without the lock (a torn read is just another phase)."""
         run = self.runs.get(run_id)
-        if run is None:
-            return ("not driven",)
-        return (run.open_round, run.attempt, run.closing, run.cancelled, run.next_round)
+        return ("not driven",) if run is None else ("driven", run.cancelled)
 
     def export_checkpoint(self, run_id: str, round_number: int | None) -> CheckpointRecord:
         """The checkpoint of ``round_number`` (or the latest)."""

@@ -115,8 +115,7 @@ class SharedPages:
     caller seldom waits for a build. Such a page is at most ``2 * max_age_s`` old (a
     second), and a smaller page is built afresh for each call. The caller
     puts in ``key`` what a page must not be kept across (GetRun: the run's phase, so
-    that a round opening or committing, or the run ending, is not shown late). Safe
-    from any thread.
+    that the run's end, or a cancel, is not shown late). Safe from any thread.
     """
 
     def __init__(

@@ -966,8 +966,8 @@ def test_get_run_shares_a_large_page_for_a_moment_and_shows_a_cancel_at_once(
     coordinator: InProcessCoordinator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A large page (here: any page; its moment made long) is built once for the calls
-    within a moment of each other, a site's change showing a moment late; the run's end
-    is seen at once (a page is kept within one phase of the run, never across)."""
+    within a moment of each other, a site's change showing a moment late; a cancel and
+    the run's end are seen at once (a page is never kept across either)."""
     from fedra.coordinator import status as status_mod
 
     assert coordinator.server.admin is not None
