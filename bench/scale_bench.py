@@ -214,7 +214,7 @@ def cpu_list(text: str) -> set[int]:
     cpus: set[int] = set()
     for part in text.split(","):
         first, _, last = part.strip().partition("-")
-        if not first.isdigit() or (last and not last.isdigit()):
+        if not first.isdigit() or (last and not last.isdigit()) or int(last or first) < int(first):
             raise ValueError(f"--site-cpus: not a CPU list: {text!r}")
         cpus.update(range(int(first), int(last or first) + 1))
     return cpus
@@ -223,10 +223,10 @@ def cpu_list(text: str) -> set[int]:
 def worker_main(args: argparse.Namespace) -> None:
     """Build the agents, say "ready", start them on "go", stop them on "stop" (or when
     stdin closes, or at the deadline), then write the tally to ``--stats``."""
+    if args.site_cpus:  # first: inherited by every thread started from here on
+        os.sched_setaffinity(0, cpu_list(args.site_cpus))
     torch.set_num_threads(1)
     os.nice(max(0, args.site_nice))
-    if args.site_cpus:  # inherited by every thread started from here on
-        os.sched_setaffinity(0, cpu_list(args.site_cpus))
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
     separate_connections()
     fewer_wakeups()

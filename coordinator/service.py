@@ -398,7 +398,7 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
         self.guard.admin(context)
         insecure, first = self.guard.insecure, request.first_round
         if request.page:
-            # A page may be shared for a moment while the run is driven, never across its end.
+            # Shared for a moment within a phase (driven, cancelled, ended), never across one.
             key = (request.run_id, first, insecure, self.engine.run_phase(request.run_id))
             build = functools.partial(
                 run_page, self.engine, request.run_id, insecure, first, PAGE_BYTES, self.kept

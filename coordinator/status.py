@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection
 from concurrent.futures import Executor, Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fedra.coordinator.engine import Engine
 from fedra.coordinator.errors import NotFound, ResourceExhausted
@@ -16,6 +17,8 @@ from fedra.protos.serde import runspec_to_proto
 from fedra.protos.v1 import admin_pb2
 from fedra.runspec import RunSpec
 from fedra.storage.records import ParticipationRecord, RoundRecord, RunRecord, RunView
+
+log = logging.getLogger("fedra.coordinator")
 
 
 def run_status(
@@ -96,8 +99,20 @@ _MAX_LARGE_KEYS = 4096  # SharedPages: keys remembered as large, at most
 @dataclass(frozen=True)
 class _Page:
     status: admin_pb2.RunStatus
-    built_at: float
+    read_at: float  # when its build began: what it shows is at least this recent
     fresh_for: float  # seconds it answers for
+
+
+@dataclass
+class _Flight:
+    """A build of a page: queued (a background rebuild not yet begun) or claimed by the
+    thread running it. Only a claimed one is waited for: a queued one is taken over."""
+
+    future: Future[admin_pb2.RunStatus] = field(default_factory=Future)
+    claimed: bool = False
+
+
+_MAX_PAGES = 64  # SharedPages: pages kept at most (each up to about PAGE_BYTES)
 
 
 class SharedPages:
@@ -109,13 +124,14 @@ class SharedPages:
     times a second, that alone took a tenth of a core or more. A page that read at least
     ``min_participations`` is kept for a moment after it is built: for ``cost / share``
     (its build time over ``share``, at most ``max_age_s``), so that building pages
-    takes at most about ``share`` of one thread however often they are asked for; the
-    calls that ask while it is being built wait for that build. For as long again it
-    still answers (``answer``) while its rebuild runs in the background, so that a
-    caller seldom waits for a build. Such a page is at most ``2 * max_age_s`` old (a
-    second), and a smaller page is built afresh for each call. The caller
-    puts in ``key`` what a page must not be kept across (GetRun: the run's phase, so
-    that the run's end, or a cancel, is not shown late). Safe from any thread.
+    takes at most about ``share`` of one thread however often they are asked for; once
+    a key's page was that large, the calls that ask while one is being built wait for
+    that build. For as long again it still answers (``answer``) while its rebuild runs
+    in the background, so that a caller seldom waits for a build. What a page shows is
+    at most ``2 * max_age_s`` old (a second) from the start of its build; a smaller page
+    is built afresh for each call. The caller puts in ``key`` what a page must not be
+    kept across (GetRun: the run's phase, so that a cancel and the run's end are not
+    hidden by a page of before). Safe from any thread.
     """
 
     def __init__(
@@ -131,7 +147,7 @@ class SharedPages:
         self.min_participations, self.clock = min_participations, clock
         self._lock = threading.Lock()
         self._pages: dict[tuple[object, ...], _Page] = {}
-        self._building: dict[tuple[object, ...], Future[admin_pb2.RunStatus]] = {}
+        self._building: dict[tuple[object, ...], _Flight] = {}
         self._large: set[tuple[object, ...]] = set()  # keys whose last page was large
 
     def answer(
@@ -143,49 +159,66 @@ class SharedPages:
         """The page kept for ``key`` if it may answer now, else None; no wait, no build
         here: for the event loop to answer with, without a hand-off to a reader thread.
         A page past its moment but within as long again answers too, and its rebuild is
-        started on ``executor`` (one at a time), so that the callers that follow get a
+        queued on ``executor`` (one at a time), so that the callers that follow get a
         fresh page without waiting for its build."""
         with self._lock:
             page = self._pages.get(key)
             if page is None:
                 return None
-            age = self.clock() - page.built_at
+            age = self.clock() - page.read_at
             if age < page.fresh_for:
                 return page.status
             if age >= 2 * page.fresh_for:
+                del self._pages[key]
                 return None
-            if key in self._building:  # its rebuild is under way
+            if key in self._building:  # its rebuild is under way, or queued
                 return page.status
-            mine: Future[admin_pb2.RunStatus] = Future()
-            self._building[key] = mine
+            flight = self._building[key] = _Flight()
         try:
-            executor.submit(self._build, key, build, mine)
+            executor.submit(self._rebuild, key, build, flight)
         except RuntimeError:  # the executor has shut down: the server is stopping
-            self._built(key, mine)
+            with self._lock:
+                if self._building.get(key) is flight:
+                    del self._building[key]
         return page.status
 
     def get(
         self, key: tuple[object, ...], build: Callable[[], admin_pb2.RunStatus]
     ) -> admin_pb2.RunStatus:
-        """The page for ``key``: a kept one that still answers, the one being built for a
-        key whose last page was large (waited for), or ``build()``'s."""
+        """The page for ``key``: a kept one that still answers, the one a thread is
+        building for a key whose last page was large (waited for), or ``build()``'s
+        (which takes over a queued rebuild, so that nobody waits for one not begun)."""
         with self._lock:
             page = self._pages.get(key)
-            if page is not None and self.clock() - page.built_at < page.fresh_for:
+            if page is not None and self.clock() - page.read_at < page.fresh_for:
                 return page.status
-            flight = self._building.get(key) if key in self._large else None
-            if flight is None:
-                mine: Future[admin_pb2.RunStatus] = Future()
-                self._building[key] = mine
-        if flight is not None:
-            return flight.result()
-        return self._build(key, build, mine)
+            flight = self._building.get(key)
+            if flight is not None and flight.claimed and key in self._large:
+                wait = flight
+            else:
+                wait = None
+                if flight is None or flight.claimed:  # a small page's builds run side by side
+                    flight = self._building[key] = _Flight()
+                flight.claimed = True
+        if wait is not None:
+            return wait.future.result()
+        return self._build(key, build, flight)
+
+    def _rebuild(
+        self, key: tuple[object, ...], build: Callable[[], admin_pb2.RunStatus], flight: _Flight
+    ) -> None:
+        """A queued rebuild, on the executor: unless a caller took it over meanwhile."""
+        with self._lock:
+            if flight.claimed:
+                return
+            flight.claimed = True
+        try:
+            self._build(key, build, flight)
+        except Exception:  # nobody waits for it: the next call builds and sees the error
+            log.exception("a background rebuild of a status page of run %s failed", key[0])
 
     def _build(
-        self,
-        key: tuple[object, ...],
-        build: Callable[[], admin_pb2.RunStatus],
-        mine: Future[admin_pb2.RunStatus],
+        self, key: tuple[object, ...], build: Callable[[], admin_pb2.RunStatus], flight: _Flight
     ) -> admin_pb2.RunStatus:
         try:
             started = self.clock()
@@ -193,25 +226,27 @@ class SharedPages:
             cost = self.clock() - started
             large = sum(len(r.participations) for r in status.rounds) >= self.min_participations
             with self._lock:
-                self._keep(key, status, min(self.max_age_s, cost / self.share), large)
-            mine.set_result(status)
+                self._keep(key, status, started, min(self.max_age_s, cost / self.share), large)
+            flight.future.set_result(status)
             return status
         except BaseException as exc:
-            mine.set_exception(exc)
+            flight.future.set_exception(exc)
             raise
         finally:
-            self._built(key, mine)
-
-    def _built(self, key: tuple[object, ...], mine: Future[admin_pb2.RunStatus]) -> None:
-        with self._lock:  # a small page's builds run side by side: only ours goes
-            if self._building.get(key) is mine:
-                del self._building[key]
+            with self._lock:
+                if self._building.get(key) is flight:
+                    del self._building[key]
 
     def _keep(
-        self, key: tuple[object, ...], status: admin_pb2.RunStatus, fresh_for: float, large: bool
+        self,
+        key: tuple[object, ...],
+        status: admin_pb2.RunStatus,
+        read_at: float,
+        fresh_for: float,
+        large: bool,
     ) -> None:
         now = self.clock()  # lock held
-        for old in [k for k, p in self._pages.items() if now - p.built_at >= 2 * p.fresh_for]:
+        for old in [k for k, p in self._pages.items() if now - p.read_at >= 2 * p.fresh_for]:
             del self._pages[old]
         if not large:
             self._large.discard(key)
@@ -220,7 +255,9 @@ class SharedPages:
         if len(self._large) >= _MAX_LARGE_KEYS:
             self._large.clear()
         self._large.add(key)
-        self._pages[key] = _Page(status, now, fresh_for)
+        self._pages[key] = _Page(status, read_at, fresh_for)
+        while len(self._pages) > _MAX_PAGES:  # the oldest go first
+            del self._pages[min(self._pages, key=lambda k: self._pages[k].read_at)]
 
 
 def run_page(

@@ -406,13 +406,24 @@ def test_shared_pages_keep_a_large_page_for_its_cost_and_build_a_small_one_each_
     assert second is not None and second is not first and built == [3, 3, 20, 20]
     now[0] += 0.7  # 0.7 s since: not even as long again
     assert pages.answer(large, build(20, 0.0), later) is None and later.held == []
-    third = pages.get(large, build(20, 5.0))  # 50 s by its cost, but at most max_age_s
-    now[0] += 0.9
+    third = pages.get(large, build(20, 0.5))  # 5 s by its cost, but at most max_age_s
+    now[0] += 0.4  # 0.9 s since its build began: what it shows is that old
     assert pages.get(large, build(20, 0.0)) is third
     now[0] += 0.2
     assert pages.get(large, build(20, 0.0)) is not third
     assert pages.get(("large", 1, False), build(20, 0.0)) is not third  # another page
     assert len(built) == 7
+
+    # A rebuild queued behind busy readers is taken over by the next call, not waited for.
+    now[0] += 1.5  # past the moment of the last page (fresh for 0 s: it cost nothing)
+    pages.get(large, build(20, 0.1))  # fresh for 1 s
+    now[0] += 1.05
+    assert pages.answer(large, build(20, 0.0), later) is not None and len(later.held) == 1
+    now[0] += 1.0  # past as long again: the next call must build, and does not wait
+    taken = pages.get(large, build(21, 0.0))
+    assert len(taken.rounds[0].participations) == 21
+    later.run_all()  # the queued rebuild finds it taken over: builds nothing
+    assert built[-1] == 21 and len(built) == 9
 
 
 def test_shared_pages_share_one_build_between_calls_at_once_and_pass_on_its_error() -> None:
@@ -441,7 +452,7 @@ def test_shared_pages_share_one_build_between_calls_at_once_and_pass_on_its_erro
     ]
     for t in waiters:
         t.start()
-    flight = pages._building[key]  # the build under way; its waiters block on its condition
+    flight = pages._building[key].future  # the build under way; its waiters block on it
     deadline = time.monotonic() + 10
     while len(flight._condition._waiters) < 3:  # type: ignore[attr-defined]
         assert time.monotonic() < deadline, "the calls did not wait for the build"

@@ -70,7 +70,7 @@ def test_scale_bench_reports_every_figure(tmp_path: Path) -> None:
             os.kill(pid, 0)
 
 
-@pytest.mark.parametrize("cpus", ["one", "1-x", "99999"])
+@pytest.mark.parametrize("cpus", ["one", "1-x", "3-1", "99999"])
 def test_scale_bench_refuses_a_bad_cpu_list(cpus: str) -> None:
     done = run_python(str(BENCH), "--site-cpus", cpus, timeout_s=60)
     assert done.returncode == 2 and "--site-cpus" in done.stderr, done.stderr
