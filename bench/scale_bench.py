@@ -178,6 +178,19 @@ def plain_backoff(conn: Connection) -> None:
     conn.wait_reconnected = wait  # type: ignore[method-assign]
 
 
+def lower_priority(nice: int) -> None:
+    """Run this worker's threads at ``nice``, and its whole session too. Linux schedules a
+    session (this worker has one of its own) as one group against the others
+    (``/proc/sys/kernel/sched_autogroup_enabled``) and a thread's niceness counts only
+    inside its group: four worker sessions at the default group niceness weigh four times
+    the coordinator's, which then gets two fifths of a core while a round's opening
+    makes the workers' threads runnable, whatever their own niceness."""
+    nice = max(0, nice)
+    os.nice(nice)
+    with contextlib.suppress(OSError):  # no autogroups (or not Linux): the threads' nice
+        Path("/proc/self/autogroup").write_text(f"{nice}\n")
+
+
 def site_id(index: int) -> str:
     return f"scale-{index:05d}"
 
@@ -226,7 +239,7 @@ def worker_main(args: argparse.Namespace) -> None:
     if args.site_cpus:  # first: inherited by every thread started from here on
         os.sched_setaffinity(0, cpu_list(args.site_cpus))
     torch.set_num_threads(1)
-    os.nice(max(0, args.site_nice))
+    lower_priority(args.site_nice)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
     separate_connections()
     fewer_wakeups()
@@ -830,16 +843,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--site-nice",
         type=int,
         default=10,
-        help="the worker processes' niceness: lower priority than the coordinator's, so "
-        "that thousands of site threads do not starve it of CPU (real sites have machines "
-        "of their own); 0: the same priority",
+        help="the worker processes' niceness, of their threads and of their sessions' "
+        "scheduling groups: lower priority than the coordinator's, so that thousands of site "
+        "threads do not starve it of CPU (real sites have machines of their own); 0: the same",
     )
     parser.add_argument(
         "--site-cpus",
         default="",
         help="run the workers on these CPUs only (e.g. '1' or '2-3'; default: all), leaving "
-        "the others to the coordinator: at thousands of sites, no niceness (nor SCHED_IDLE) "
-        "keeps the sites' hundreds of runnable threads from outweighing the coordinator's few",
+        "the others to the coordinator alone",
     )
     parser.add_argument(
         "--coordinator-flags",

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 from fedra.coordinator import secure, uploads
 from fedra.coordinator.engine import Engine, EngineSettings, TaskView
 from fedra.coordinator.errors import FedraError
-from fedra.coordinator.wakeups import Ticket, run_key, site_key, stage_key
+from fedra.coordinator.wakeups import LoopInbox, Ticket, run_key, site_key, stage_key
 from fedra.faults import crash_point
 from fedra.protos.codec import Buffer, transfer_chunk_bytes
 from fedra.runspec import RunSpec
@@ -57,6 +57,7 @@ class CoordinatorAPI:
         self.readers = ThreadPoolExecutor(READERS, thread_name_prefix="fedra-read")
         # Small models sent with their tasks, by digest, newest last (on the loop only).
         self._small_models: dict[str, asyncio.Future[bytes]] = {}
+        self._inboxes: dict[asyncio.AbstractEventLoop, LoopInbox] = {}  # a loop's hand-overs
 
     @property
     def settings(self) -> EngineSettings:
@@ -101,8 +102,17 @@ class CoordinatorAPI:
         cancelled meanwhile (the cancellation is raised once it has), so that what it
         did is known to the caller's clean-up."""
         loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(executor or self.executor, functools.partial(fn, *args))
-        return await _outcome(future)
+        done: asyncio.Future[T] = loop.create_future()
+        inbox = self._inbox(loop)
+
+        def run() -> None:  # on a thread; its outcome goes back with others' (LoopInbox)
+            outcome: Future[T] = Future()
+            _settle(outcome, functools.partial(fn, *args))
+            with suppress(RuntimeError):  # the loop closed: nobody waits any more
+                inbox.put(functools.partial(_copy_outcome, outcome, done))
+
+        (executor or self.executor).submit(run)
+        return await _outcome(done)
 
     def later(self, fn: Callable[..., object], *args: Any) -> None:
         """``fn(*args)`` in the executor, not waited for (clean-up of a cancelled call)."""
@@ -326,10 +336,12 @@ class CoordinatorAPI:
             # for the next round): no thread hand-offs.
             if size <= INLINE_BYTES and ticket.run.spec.asynchronous is None:
                 loop = asyncio.get_running_loop()
-                accepted = await self.quick(self._accept, ticket, digest, size, loop)
+                done: asyncio.Future[None] = loop.create_future()
+                await self.quick(self._accept_here, ticket, digest, size, done)
+                await _outcome(done)
             else:
-                accepted = await self.call(self._accept, ticket, digest, size, None)
-            await _outcome(asyncio.wrap_future(accepted))
+                accepted = await self.call(self._accept, ticket, digest, size)
+                await _outcome(asyncio.wrap_future(accepted))
         except asyncio.CancelledError:
             raise  # accept ran to its end: the site's retry is answered from what it did
         except BaseException:  # refused whole (too late, say): all of it for nothing
@@ -338,60 +350,69 @@ class CoordinatorAPI:
         ledger.ended(task_id)
         return size
 
-    def _accept(
-        self,
-        ticket: uploads.UploadTicket,
-        digest: str,
-        size: int,
-        loop: asyncio.AbstractEventLoop | None,
-    ) -> Future[None]:
+    def _accept_begin(
+        self, ticket: uploads.UploadTicket, digest: str, size: int
+    ) -> tuple[Future[None], Callable[[], None]]:
         """``uploads.accept`` without a thread waiting for the group commit: the accepting
-        write goes in the next batch and, once that is committed, the rest of the accept
-        runs in the executor (or on ``loop``, if the engine's lock is free there then);
-        the future says when it has. Begun, it goes to its end."""
+        write goes in the next batch; returned, the batch's future and the rest of the
+        accept, to run once that is committed. Begun, it goes to its end."""
         write = uploads.accept_begin(self.engine, ticket, digest, size)
         durable = self.engine.commits.submit(write)
-        accepted: Future[None] = Future()
         end = functools.partial(uploads.accept_end, self.engine, ticket, digest, size, durable)
-        durable.add_done_callback(lambda _: self._then(accepted, end, loop))
+        return durable, end
+
+    def _accept(self, ticket: uploads.UploadTicket, digest: str, size: int) -> Future[None]:
+        """An accept whose end runs in the executor; the future says when it has."""
+        durable, end = self._accept_begin(ticket, digest, size)
+        accepted: Future[None] = Future()
+        durable.add_done_callback(lambda _: self._submit(_settle, accepted, end))
         return accepted
 
-    def _then(
-        self, out: Future[T], fn: Callable[[], T], loop: asyncio.AbstractEventLoop | None
+    def _accept_here(
+        self, ticket: uploads.UploadTicket, digest: str, size: int, done: asyncio.Future[None]
     ) -> None:
-        """``fn()`` (a short step that takes the engine's lock), its outcome into ``out``:
-        on ``loop`` if given and the lock is free there, else in the executor (here if
-        that is shut down: the engine is stopping)."""
+        """An accept whose end runs on ``done``'s loop, handed over with the rest of its
+        batch (``LoopInbox``: one hand-over a batch, a slice of them a pass), or in the
+        executor if the engine's lock is taken then; ``done`` says when it has."""
+        durable, end = self._accept_begin(ticket, digest, size)
+        inbox = self._inbox(done.get_loop())
 
-        def run() -> None:
-            try:
-                out.set_result(fn())
-            except BaseException as exc:
-                out.set_exception(exc)
+        def back(outcome: Future[None]) -> None:  # from the executor: settle on the loop
+            with suppress(RuntimeError):  # the loop closed: nobody waits any more
+                inbox.put(functools.partial(_copy_outcome, outcome, done))
 
         def on_loop() -> None:
-            # Not run holding the lock: ``fn`` takes it (and a run's fold lock, which is
+            # Not run holding the lock: ``end`` takes it (and a run's fold lock, which is
             # taken before the engine's elsewhere) itself. Free now, it is soon again.
             lock = self.engine.lock
             if lock.acquire(blocking=False):
                 lock.release()
-                run()
+                _settle(done, end)
             else:
-                in_executor()
+                aside: Future[None] = Future()
+                aside.add_done_callback(back)
+                self._submit(_settle, aside, end)
 
-        def in_executor() -> None:
+        def hand_over(_: Future[None]) -> None:  # the group commit's thread, or here
             try:
-                self.executor.submit(run)
-            except RuntimeError:
-                run()
+                inbox.put(on_loop)
+            except RuntimeError:  # the loop has closed (the server stopped): end it anyway
+                self._submit(_settle, Future(), end)
 
-        if loop is None:
-            in_executor()
-            return
+        durable.add_done_callback(hand_over)
+
+    def _inbox(self, loop: asyncio.AbstractEventLoop) -> LoopInbox:
+        inbox = self._inboxes.get(loop)
+        if inbox is None:
+            inbox = self._inboxes.setdefault(loop, LoopInbox(loop))
+        return inbox
+
+    def _submit(self, fn: Callable[..., object], *args: Any) -> None:
+        """``fn(*args)`` in the executor, here if that is shut down (the engine is stopping)."""
         try:
-            loop.call_soon_threadsafe(on_loop)
-        except RuntimeError:  # the loop is closed: the server has stopped
-            in_executor()
+            self.executor.submit(fn, *args)
+        except RuntimeError:
+            fn(*args)
 
     async def report_failure(self, site_id: str, task_id: str, reason: str) -> None:
         await self.call(self.engine.report_failure, site_id, task_id, reason)
@@ -508,6 +529,29 @@ async def _outcome(future: asyncio.Future[T]) -> T:
         with suppress(BaseException):
             await asyncio.shield(future)
         raise
+
+
+def _settle(out: Future[T] | asyncio.Future[T], fn: Callable[[], T]) -> None:
+    """``fn()``'s outcome into ``out`` (an asyncio future: called on its loop)."""
+    try:
+        result = fn()
+    except BaseException as exc:
+        if not out.done():
+            out.set_exception(exc)
+        return
+    if not out.done():
+        out.set_result(result)
+
+
+def _copy_outcome(source: Future[T], out: asyncio.Future[T]) -> None:
+    """On ``out``'s loop: ``source``'s outcome (it is done) into ``out``."""
+    if out.done():
+        return
+    exc = source.exception()
+    if exc is not None:
+        out.set_exception(exc)
+    else:
+        out.set_result(source.result())
 
 
 def _read_chunk(chunks: Generator[bytes, None, None], last: bool, digest: str) -> bytes | None:

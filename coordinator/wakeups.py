@@ -13,9 +13,13 @@ between the look and the wait is never lost: the ticket is already set when awai
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
-from collections.abc import Hashable, Iterable
+from collections import deque
+from collections.abc import Callable, Hashable, Iterable
 from contextlib import suppress
+
+log = logging.getLogger("fedra.coordinator")
 
 
 def site_key(site_id: str) -> tuple[str, str]:
@@ -141,3 +145,54 @@ class Wakeups:
         """Tickets parked now (a ticket under several keys counts once)."""
         with self._lock:
             return len({t for waiters in self._waiting.values() for t in waiters})
+
+
+INBOX_SLICE = 32  # steps a LoopInbox runs in one pass of its loop
+
+
+class LoopInbox:
+    """Short steps handed to one event loop from any thread: one hand-over for as many as
+    are queued, and at most ``INBOX_SLICE`` of them a pass of the loop.
+
+    A group commit of hundreds of accepted updates completes them all at once. Handed
+    over one by one (``call_soon_threadsafe`` each) they cost a write to the loop's
+    self-pipe each, and the next pass of the loop ran all of them and then all their
+    calls' replies: passes of a quarter to half a second at 1,000 sites, which every
+    call waiting on the loop (an operator's status) waited out several times. Here the
+    calls that arrive meanwhile are served between the slices.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._steps: deque[Callable[[], object]] = deque()
+        self._scheduled = False
+
+    def put(self, step: Callable[[], object]) -> None:
+        """Run ``step()`` on the loop soon (in the order put). RuntimeError if the loop
+        is closed: the step will not run."""
+        with self._lock:
+            self._steps.append(step)
+            if self._scheduled:
+                return
+            self._scheduled = True
+        try:
+            self.loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:
+            with self._lock:
+                self._scheduled = False
+                self._steps.clear()
+            raise
+
+    def _drain(self) -> None:  # on the loop
+        for _ in range(INBOX_SLICE):
+            with self._lock:
+                if not self._steps:
+                    self._scheduled = False
+                    return
+                step = self._steps.popleft()
+            try:
+                step()
+            except Exception:  # a step's own failure: the steps after it still run
+                log.exception("a step handed to the event loop failed")
+        self.loop.call_soon(self._drain)

@@ -4,6 +4,7 @@ that never wait for the engine's lock."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -80,6 +81,79 @@ def test_a_wake_of_many_sets_them_a_slice_a_pass_so_other_calls_get_in_between()
     first_look, woken = asyncio.run(main())
     assert first_look == WAKE_SLICE  # served after one slice, not after all of them
     assert all(woken) and board.waiting() == 0
+
+
+def test_a_loop_inbox_hands_over_once_and_runs_a_slice_a_pass() -> None:
+    from fedra.coordinator.wakeups import INBOX_SLICE, LoopInbox
+
+    many = 3 * INBOX_SLICE + 5
+
+    async def main() -> tuple[list[int], int, list[int]]:
+        loop = asyncio.get_running_loop()
+        inbox, ran, handovers = LoopInbox(loop), [], []
+        plain = loop.call_soon_threadsafe
+
+        def counted(*args: object) -> object:
+            handovers.append(1)
+            return plain(*args)  # type: ignore[arg-type]
+
+        loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+        finished = asyncio.Event()
+        seen: list[int] = []
+
+        def put_all() -> None:  # a group commit's thread completing a batch
+            for i in range(many):
+                inbox.put(functools.partial(ran.append, i))
+            inbox.put(lambda: loop.call_soon(finished.set))
+
+        # While the loop is busy (here: blocked until the thread is done), as in a burst.
+        thread = threading.Thread(target=put_all)
+        thread.start()
+        thread.join()
+        loop.call_soon_threadsafe = plain  # type: ignore[method-assign]
+        loop.call_soon(lambda: seen.append(len(ran)))  # a call arriving meanwhile
+        await asyncio.wait_for(finished.wait(), 5)
+        return ran, len(handovers), seen
+
+    ran, handovers, seen = asyncio.run(main())
+    assert ran == list(range(many))  # all of them, in order
+    assert handovers == 1  # one hand-over for the whole batch
+    assert seen[0] <= INBOX_SLICE  # served after a slice at most, not after all of them
+
+
+def test_a_loop_inbox_step_that_fails_does_not_stop_the_others(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from fedra.coordinator.wakeups import LoopInbox
+
+    async def main() -> list[str]:
+        loop = asyncio.get_running_loop()
+        inbox, ran = LoopInbox(loop), []
+        first, second = asyncio.Event(), asyncio.Event()
+        inbox.put(lambda: ran.append("first"))
+        inbox.put(lambda: 1 / 0)
+        inbox.put(lambda: ran.append("after"))
+        inbox.put(first.set)
+        await asyncio.wait_for(first.wait(), 5)
+        inbox.put(lambda: ran.append("again"))  # the inbox still hands over
+        inbox.put(second.set)
+        await asyncio.wait_for(second.wait(), 5)
+        return ran
+
+    assert asyncio.run(main()) == ["first", "after", "again"]
+    assert "a step handed to the event loop failed" in caplog.text
+
+
+def test_an_inbox_of_a_closed_loop_refuses_each_step() -> None:
+    from fedra.coordinator.wakeups import LoopInbox
+
+    loop = asyncio.new_event_loop()
+    inbox = LoopInbox(loop)
+    loop.close()
+    with pytest.raises(RuntimeError):
+        inbox.put(lambda: None)
+    with pytest.raises(RuntimeError):  # not left "scheduled": it tries again, and says so
+        inbox.put(lambda: None)
 
 
 def test_closing_wakes_everyone_now_and_later() -> None:
