@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 import torch
 
-from fedra import pki
+from fedra import logformat, pki
 from fedra.client.config import SiteConfig
 from fedra.client.connection import TRANSIENT, Assignment, Connection, Session, new_nonce
 from fedra.client.executor import Executor, LocalExecutor, WorldBroken
@@ -115,6 +115,7 @@ class SiteAgent:
 
     def run(self) -> None:
         """Serve until ``stop`` is set."""
+        logformat.set_about(site=self.config.site_id)  # this thread serves this site alone
         while not self.stop.is_set():
             try:
                 session = self.conn.register(list(self.config.allowed_tasks))
@@ -157,7 +158,7 @@ class SiteAgent:
         beat = _Heartbeat(self.conn, task.task_id, session.heartbeat_interval_s)
         self.current = task
         try:
-            with beat:
+            with beat, logformat.about(run=task.run_id, round=task.round):
                 self._train_and_upload(task, session, tag, beat)
         except grpc.RpcError as exc:
             if exc.code() in _TASK_GONE:

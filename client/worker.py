@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
-import sys
 
 import torch
 import torch.distributed as dist
 
+from fedra import logformat
 from fedra.client.agent import SiteAgent, load_data, load_tasks
 from fedra.client.config import SiteConfig
 from fedra.client.executor import WorldExecutor, follow
@@ -31,10 +32,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     config = SiteConfig.load(args.config)
     world = init_world(config.parallel.backend)
-    logging.basicConfig(
-        level=logging.INFO,
-        format=f"%(asctime)s %(levelname)-7s %(name)s[rank {world.rank}]: %(message)s",
-        stream=sys.stderr,
+    logformat.setup(  # the site's --log-format, through the environment
+        "info",
+        os.environ.get(logformat.ENV, "text"),
+        text_format=f"%(asctime)s %(levelname)-7s %(name)s[rank {world.rank}]: %(message)s",
+        static={"rank": world.rank, "site": config.site_id},
     )
     if config.threads:
         torch.set_num_threads(config.threads)

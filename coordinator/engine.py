@@ -254,7 +254,10 @@ class Engine:
             self._last_seen[site_id] = now
             self._left.discard(site_id)
             self.notify()
-        log.info("site %s: registered, serves %s", site_id, logsafe.safe(", ".join(tasks)))
+        log.info(
+            "site %s: registered, serves %s", site_id, logsafe.safe(", ".join(tasks)),
+            extra={"site": site_id},
+        )  # fmt: skip
 
     def seen(self, site_id: str) -> None:
         if site_id not in self._site_tasks:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from fedra import logformat
 from fedra.coordinator.aggregation import ServerOptimizer
 from fedra.coordinator.aggregators import AggregationError, Attempt
 from fedra.coordinator.folding import fold_ready, fold_remaining, has_turn
@@ -75,6 +76,7 @@ class RoundDriver:
         """Drive rounds until the run ends or the engine stops. A storage fault (a full
         disk, dropped database connections) does not end the run: after a backoff it
         goes back to its last committed state and carries on (``storage_faults``)."""
+        logformat.set_about(run=self.run_state.run_id)  # this thread drives this run alone
         faults = StorageFaults(self.engine, self.run_state, self.tag, self._drop_round_updates)
         try:
             while True:
@@ -191,6 +193,7 @@ class RoundDriver:
             if number == INIT_ROUND and attempt == 1:
                 engine.store.set_run_state(run.run_id, "running", "", now)
             run.set_open(number, attempt, assignments, now, deadline)
+            logformat.set_about(round=number)
             for site in sampled:  # online when sampled: one liveness timeout to pick it up
                 engine.mark_seen_for_recovery(site, now, refresh=True)
             if not init:
@@ -259,7 +262,10 @@ class RoundDriver:
             a = run.assignments[site]
             self.engine.store.fail_participation(a.task_id, change.dropped_why, now)
             a.move(TaskState.FAILED)
-            log.warning("%s round %s: %s: %s", self.tag, run.open_round, site, change.dropped_why)
+            log.warning(
+                "%s round %s: %s: %s", self.tag, run.open_round, site, change.dropped_why,
+                extra={"site": site},
+            )  # fmt: skip
         if change.broken:
             run.broken = change.broken
         if change.changed:  # wake the sites waiting on the stage
@@ -292,7 +298,10 @@ class RoundDriver:
                 )
                 engine.store.fail_participation(a.task_id, reason, now)
                 a.move(TaskState.FAILED)
-                log.warning("%s round %s: %s: %s", self.tag, run.open_round, a.site_id, reason)
+                log.warning(
+                    "%s round %s: %s: %s", self.tag, run.open_round, a.site_id, reason,
+                    extra={"site": a.site_id},
+                )  # fmt: skip
 
     # -- closing -----------------------------------------------------------------
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import logging
 import math
 import os
 import re
@@ -23,6 +22,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
+from fedra import logformat
 from fedra.config import READY_FILE, ConfigError, check_host_port, load_toml
 from fedra.metrics import format_bytes, format_metric
 
@@ -76,15 +76,6 @@ def _check_db_url(url: str) -> None:
         raise ConfigError(f"--db: {_first_line(exc)}") from None
     finally:
         engine.dispose()
-
-
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper()),
-        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    logging.getLogger("alembic").setLevel(logging.WARNING)
 
 
 def _cmd_coordinator(args: argparse.Namespace) -> int:
@@ -647,6 +638,13 @@ def format_status(s: admin_pb2.RunStatus) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fedra", description=__doc__)
     p.add_argument("--log-level", default=os.environ.get("FEDRA_LOG_LEVEL", "info"))
+    p.add_argument(
+        "--log-format",
+        choices=logformat.FORMATS,
+        default=os.environ.get(logformat.ENV, "text"),
+        help="text lines, or one JSON object a line with time, level, component, message "
+        f"and the run, round and site it is about (default: ${logformat.ENV} or text)",
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("coordinator", help="run the coordinator daemon")
@@ -847,8 +845,11 @@ def _rpc_error(args: argparse.Namespace, exc: grpc.RpcError) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    _setup_logging(args.log_level)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.log_format not in logformat.FORMATS:  # from the environment: not checked above
+        parser.error(f"${logformat.ENV}: {args.log_format!r} is not one of text, json")
+    logformat.setup(args.log_level, args.log_format)
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `fedra run status --json | head` is fine
     try:
         return int(args.func(args))
