@@ -57,7 +57,8 @@ class CoordinatorAPI:
         self.readers = ThreadPoolExecutor(READERS, thread_name_prefix="fedra-read")
         # Small models sent with their tasks, by digest, newest last (on the loop only).
         self._small_models: dict[str, asyncio.Future[bytes]] = {}
-        self._inboxes: dict[asyncio.AbstractEventLoop, LoopInbox] = {}  # a loop's hand-overs
+        # What each pool's steps hand back to a loop (see call).
+        self._inboxes: dict[tuple[asyncio.AbstractEventLoop, ThreadPoolExecutor], LoopInbox] = {}
 
     @property
     def settings(self) -> EngineSettings:
@@ -103,15 +104,16 @@ class CoordinatorAPI:
         did is known to the caller's clean-up."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future[T] = loop.create_future()
-        inbox = self._inbox(loop)
+        pool = executor or self.executor
+        inbox = self._inbox(loop, pool)
+        work = pool.submit(fn, *args)
 
-        def run() -> None:  # on a thread; its outcome goes back with others' (LoopInbox)
-            outcome: Future[T] = Future()
-            _settle(outcome, functools.partial(fn, *args))
+        def hand_back(finished: Future[T]) -> None:  # its thread, or close()'s if cancelled
             with suppress(RuntimeError):  # the loop closed: nobody waits any more
-                inbox.put(functools.partial(_copy_outcome, outcome, done))
+                inbox.put(functools.partial(_copy_outcome, finished, done))
 
-        (executor or self.executor).submit(run)
+        # Back with the other outcomes of the moment (LoopInbox), not a hand-over each.
+        work.add_done_callback(hand_back)
         return await _outcome(done)
 
     def later(self, fn: Callable[..., object], *args: Any) -> None:
@@ -375,7 +377,7 @@ class CoordinatorAPI:
         batch (``LoopInbox``: one hand-over a batch, a slice of them a pass), or in the
         executor if the engine's lock is taken then; ``done`` says when it has."""
         durable, end = self._accept_begin(ticket, digest, size)
-        inbox = self._inbox(done.get_loop())
+        inbox = self._inbox(done.get_loop(), self.executor)
 
         def back(outcome: Future[None]) -> None:  # from the executor: settle on the loop
             with suppress(RuntimeError):  # the loop closed: nobody waits any more
@@ -401,10 +403,12 @@ class CoordinatorAPI:
 
         durable.add_done_callback(hand_over)
 
-    def _inbox(self, loop: asyncio.AbstractEventLoop) -> LoopInbox:
-        inbox = self._inboxes.get(loop)
+    def _inbox(self, loop: asyncio.AbstractEventLoop, pool: ThreadPoolExecutor) -> LoopInbox:
+        """The inbox of what ``pool``'s steps hand back to ``loop``: one a pool, so that
+        operators' reads never queue behind a round's accepts on their way back."""
+        inbox = self._inboxes.get((loop, pool))
         if inbox is None:
-            inbox = self._inboxes.setdefault(loop, LoopInbox(loop))
+            inbox = self._inboxes.setdefault((loop, pool), LoopInbox(loop))
         return inbox
 
     def _submit(self, fn: Callable[..., object], *args: Any) -> None:
@@ -544,8 +548,12 @@ def _settle(out: Future[T] | asyncio.Future[T], fn: Callable[[], T]) -> None:
 
 
 def _copy_outcome(source: Future[T], out: asyncio.Future[T]) -> None:
-    """On ``out``'s loop: ``source``'s outcome (it is done) into ``out``."""
+    """On ``out``'s loop: ``source``'s outcome (it is done) into ``out``; cancelled if
+    it was (a step not begun when the executor shut down)."""
     if out.done():
+        return
+    if source.cancelled():
+        out.cancel()
         return
     exc = source.exception()
     if exc is not None:

@@ -24,6 +24,7 @@ class Guard:
             raise ValueError("a secure coordinator needs a deny list")
         self.deny_list = deny_list
         self.insecure = insecure
+        self._site_serials: dict[str, int] = {}  # the certificate each site last called with
 
     def identity(self, context: Any) -> pki.Identity | None:
         """The verified caller, or None in insecure mode; Unauthenticated otherwise."""
@@ -33,6 +34,8 @@ class Guard:
         if who is None:
             raise Unauthenticated("no verified client certificate")
         assert self.deny_list is not None
+        if who.role == "site":
+            self._site_serials[who.name] = who.serial
         try:
             revoked = self.deny_list.is_revoked(who.serial)
         except pki.DenyListError as exc:  # fail closed: a deny list we cannot read denies all
@@ -42,6 +45,24 @@ class Guard:
         if revoked:
             raise Unauthenticated(f"the certificate of {who.role} {who.name!r} is revoked")
         return who
+
+    def revoked_sites(self) -> frozenset[str]:
+        """The sites whose certificate is revoked: the one each last called with, or
+        (for a site not heard from since this daemon started) any listed under its name.
+        Empty without a deny list, or while it cannot be read (every call is refused
+        then anyway)."""
+        if self.deny_list is None:
+            return frozenset()
+        try:
+            named = self.deny_list.names("site")
+            serials = dict(self._site_serials)  # one atomic copy: calls go on
+            return frozenset(
+                name
+                for name in named | serials.keys()
+                if (self.deny_list.is_revoked(serials[name]) if name in serials else True)
+            )
+        except pki.DenyListError:
+            return frozenset()
 
     def any_site(self, context: Any) -> None:
         """The caller must be a site, not revoked: checked from its certificate alone,

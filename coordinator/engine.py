@@ -14,7 +14,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from fedra import logsafe
@@ -604,16 +604,20 @@ class Engine:
         page = []
         for site_id in ids[:limit]:
             s = self._sites[site_id]
-            page.append(
-                (s, self.is_online(site_id, now), self._last_seen.get(site_id, s.last_seen_at))
-            )
+            if self._polling[site_id] > 0 or self._moving[site_id] > 0:
+                last_seen = now  # connected, waiting in a long poll or moving bytes: seen now
+            else:
+                last_seen = self._last_seen.get(site_id, s.last_seen_at)
+            page.append((s, self.is_online(site_id, now), last_seen))
         return page, (ids[limit - 1] if len(ids) > limit else "")
 
-    def site_counts(self) -> tuple[int, int]:
-        """(sites registered, of them online now), counted in memory, without the lock."""
+    def site_counts(self, offline: Collection[str] = ()) -> tuple[int, int]:
+        """(sites registered, of them online now, those in ``offline`` left out of the
+        second), counted in memory, without the lock."""
         now = self.clock()
         known = list(self._site_tasks)  # one atomic copy: registrations may go on
-        return len(known), sum(self.is_online(s, now) for s in known)
+        online = sum(self.is_online(s, now) and s not in offline for s in known)
+        return len(known), online
 
     def run_phase(self, run_id: str) -> tuple[object, ...]:
         """Where the run stands as a whole: driven (and whether cancelled), or not (not

@@ -450,13 +450,18 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
         if len(request.page_token) > uploads.MAX_ID_CHARS:
             raise InvalidArgument(f"page_token: at most {uploads.MAX_ID_CHARS} characters")
         if request.summary_only:
-            total, online = await self.api.read(self.engine.site_counts)  # O(sites): not here
+
+            def counts() -> tuple[int, int]:  # O(sites), and reads the deny list: not here
+                return self.engine.site_counts(self.guard.revoked_sites())
+
+            total, online = await self.api.read(counts)
             return admin_pb2.ListSitesResponse(total=total, online=online)
 
         def page() -> admin_pb2.ListSitesResponse:  # built on a reader thread, not the loop
             # Counted in the same step: each hand-off to a thread and back costs the call
             # a pass of the event loop, which is long while a round's calls arrive.
-            total, online = self.engine.site_counts()
+            revoked = self.guard.revoked_sites()  # at once: offline, whatever it did last
+            total, online = self.engine.site_counts(revoked)
             found, next_token = self.engine.list_sites(
                 request.page_token, request.page_size or SITES_PAGE
             )
@@ -464,10 +469,11 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
                 admin_pb2.Site(
                     site_id=s.id,
                     tasks=list(s.tasks),
-                    online=is_online,
+                    online=is_online and s.id not in revoked,
                     registered_unix_s=s.registered_at,
                     last_seen_unix_s=last_seen,
                     version=s.version,
+                    revoked=s.id in revoked,
                 )
                 for s, is_online, last_seen in found
             ]

@@ -172,16 +172,19 @@ class LoopInbox:
         """Run ``step()`` on the loop soon (in the order put). RuntimeError if the loop
         is closed: the step will not run."""
         with self._lock:
+            if self.loop.is_closed():  # also when a drain was due: it will never run
+                raise RuntimeError("the event loop is closed")
             self._steps.append(step)
             if self._scheduled:
                 return
             self._scheduled = True
         try:
             self.loop.call_soon_threadsafe(self._drain)
-        except RuntimeError:
+        except RuntimeError:  # closed meanwhile: this step will not run (nor will any)
             with self._lock:
                 self._scheduled = False
-                self._steps.clear()
+                with suppress(ValueError):
+                    self._steps.remove(step)
             raise
 
     def _drain(self) -> None:  # on the loop
@@ -195,4 +198,7 @@ class LoopInbox:
                 step()
             except Exception:  # a step's own failure: the steps after it still run
                 log.exception("a step handed to the event loop failed")
+            except BaseException:  # the loop is being interrupted: the rest run after
+                self.loop.call_soon(self._drain)
+                raise
         self.loop.call_soon(self._drain)

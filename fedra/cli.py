@@ -488,7 +488,7 @@ def _cmd_sites(args: argparse.Namespace) -> int:
 def format_sites(sites: list[admin_pb2.Site], now: float, header: bool = True) -> str:
     lines = [f"{'site':<20} {'state':<8} {'last seen':>12}  tasks"] if header else []
     for s in sites:
-        state = "online" if s.online else "offline"
+        state = "revoked" if s.revoked else "online" if s.online else "offline"
         seen = f"{now - s.last_seen_unix_s:.1f} s ago"
         lines.append(f"{s.site_id:<20} {state:<8} {seen:>12}  {', '.join(s.tasks)}")
     return "\n".join(lines)

@@ -404,17 +404,25 @@ class DenyList:
         self._lock = threading.Lock()
         self._seen: tuple[int, int, int] | None = None
         self._serials: frozenset[int] = frozenset()
+        self._names: frozenset[tuple[str, str]] = frozenset()  # (role, name) of each entry
 
     def is_revoked(self, serial: int) -> bool:
         """True if ``serial`` is listed; raises DenyListError if the file is unreadable."""
         with self._lock:
             return serial in self._current()
 
+    def names(self, role: str) -> frozenset[str]:
+        """The names of ``role`` whose certificates are listed (as ``revoke`` recorded
+        them); raises DenyListError if the file is unreadable."""
+        with self._lock:
+            self._current()
+            return frozenset(name for r, name in self._names if r == role)
+
     def _current(self) -> frozenset[int]:
         try:
             st = self.path.stat()
         except FileNotFoundError:
-            self._seen, self._serials = None, frozenset()
+            self._seen, self._serials, self._names = None, frozenset(), frozenset()
             return self._serials
         except OSError as exc:
             raise DenyListError(f"{self.path}: {exc}") from exc
@@ -427,6 +435,9 @@ class DenyList:
             except FileNotFoundError:
                 entries = []
             self._serials = frozenset(int(e["serial"], 16) for e in entries)
+            self._names = frozenset(
+                (str(e.get("role", "")), str(e.get("name", ""))) for e in entries
+            )
             self._seen = seen
         return self._serials
 

@@ -744,3 +744,36 @@ def test_an_insecure_coordinators_state_dir_is_all_its_admin_commands_need(
     (tmp_path / "other" / "coordinator.json").write_text('{"address": "127.0.0.1:1"}')
     refused = fedra_cli("run", "list", "--state-dir", str(tmp_path / "other"))
     assert refused.returncode == 2 and "--tls-dir" in refused.stderr, refused.stderr
+
+
+def test_sites_lists_a_revoked_site_at_once_and_a_polling_site_as_seen_now(
+    cluster: LocalCluster,
+) -> None:
+    """`fedra sites` tells the truth: a site waiting in a long poll was seen now (not when
+    its poll began), and a revoked site is revoked and offline from the revoke on, not
+    once its liveness runs out."""
+    cluster.start_coordinator(flags=["--poll-timeout-s", "20", "--site-timeout-s", "20"])
+    start_synthetic_sites(cluster, n=2)
+    with cluster.admin() as admin:
+        # Not a wait for a condition: the age the sites' last call (the poll they now wait
+        # in, 20 s long) reaches. Without a task they make no other call meanwhile.
+        time.sleep(3.0)
+        now = time.time()
+        sites = {s.site_id: s for s in admin.sites()}
+        assert all(s.online and not s.revoked for s in sites.values())
+        ages = [now - s.last_seen_unix_s for s in sites.values()]
+        assert max(ages) < 1.0, f"last seen {ages} s ago while in a long poll"
+        out = fedra_cli(
+            "revoke", "--state-dir", str(cluster.state_dir),
+            str(cluster.pki_dir / "sites" / "site-1"),
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        sites = {s.site_id: s for s in admin.sites()}  # the next listing, no wait
+        assert sites["site-1"].revoked and not sites["site-1"].online
+        assert sites["site-0"].online and not sites["site-0"].revoked
+        assert admin.site_counts() == (2, 1)
+    admin_tls = {"FEDRA_TLS_DIR": str(cluster.pki_dir / "admins" / "admin")}
+    listing = fedra_cli("sites", "--state-dir", str(cluster.state_dir), env=admin_tls)
+    assert listing.returncode == 0, listing.stderr
+    rows = {line.split()[0]: line.split()[1] for line in listing.stdout.splitlines()[1:3]}
+    assert rows == {"site-0": "online", "site-1": "revoked"}

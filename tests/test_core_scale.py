@@ -156,6 +156,45 @@ def test_an_inbox_of_a_closed_loop_refuses_each_step() -> None:
         inbox.put(lambda: None)
 
 
+def test_an_inbox_whose_loop_closed_with_a_drain_due_still_refuses() -> None:
+    from fedra.coordinator.wakeups import LoopInbox
+
+    loop = asyncio.new_event_loop()
+    inbox = LoopInbox(loop)
+    inbox.put(lambda: None)  # a drain is due, and never runs: the loop closes first
+    loop.close()
+    with pytest.raises(RuntimeError):  # not queued behind a drain that will never come
+        inbox.put(lambda: None)
+
+
+def test_a_call_still_queued_when_the_front_door_closes_ends_at_once() -> None:
+    from fedra.coordinator.api import CoordinatorAPI
+
+    api = CoordinatorAPI(None, workers=1)  # type: ignore[arg-type]  # call() needs no engine
+    began, release = threading.Event(), threading.Event()
+
+    def busy() -> str:
+        began.set()
+        release.wait(10)
+        return "done"
+
+    async def main() -> tuple[str, bool]:
+        first = asyncio.ensure_future(api.call(busy))
+        await asyncio.to_thread(began.wait, 10)
+        queued = asyncio.ensure_future(api.call(lambda: "never begun"))
+        await asyncio.sleep(0)  # it is submitted, behind the busy one
+        api.close()  # the daemon stopping: what has not begun is cancelled
+        release.set()
+        try:
+            await asyncio.wait_for(queued, 5)
+            cancelled = False
+        except asyncio.CancelledError:
+            cancelled = True
+        return await asyncio.wait_for(first, 5), cancelled
+
+    assert asyncio.run(main()) == ("done", True)
+
+
 def test_closing_wakes_everyone_now_and_later() -> None:
     board = Wakeups()
 

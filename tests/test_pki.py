@@ -273,6 +273,7 @@ def test_revoke_is_seen_at_once(out: Path, tmp_path: Path) -> None:
     pki.revoke(path, b / "cert.pem")
     pki.revoke(path, (a / "cert.pem").read_bytes())  # again: no second entry
     assert deny.is_revoked(serial_b)
+    assert deny.names("site") == {"site-a", "site-b"} and deny.names("admin") == set()
     entries = json.loads(path.read_text())["revoked"]
     assert [(e["name"], e["role"], int(e["serial"], 16)) for e in entries] == [
         ("site-a", "site", serial_a),

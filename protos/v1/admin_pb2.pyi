@@ -604,11 +604,15 @@ class Site(_message.Message):
     REGISTERED_UNIX_S_FIELD_NUMBER: _builtins.int
     LAST_SEEN_UNIX_S_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
+    REVOKED_FIELD_NUMBER: _builtins.int
     site_id: _builtins.str
     online: _builtins.bool
     registered_unix_s: _builtins.float
     last_seen_unix_s: _builtins.float
+    """now while it waits in a long poll or moves bytes"""
     version: _builtins.str
+    revoked: _builtins.bool
+    """its certificate is on the deny list: refused, never online"""
     @_builtins.property
     def tasks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -620,10 +624,11 @@ class Site(_message.Message):
         registered_unix_s: _builtins.float = ...,
         last_seen_unix_s: _builtins.float = ...,
         version: _builtins.str = ...,
+        revoked: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["last_seen_unix_s", b"last_seen_unix_s", "online", b"online", "registered_unix_s", b"registered_unix_s", "site_id", b"site_id", "tasks", b"tasks", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["last_seen_unix_s", b"last_seen_unix_s", "online", b"online", "registered_unix_s", b"registered_unix_s", "revoked", b"revoked", "site_id", b"site_id", "tasks", b"tasks", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
