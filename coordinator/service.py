@@ -234,6 +234,9 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
         task = await self.api.poll(request.site_id, timeout)
         if task is None:
             return site_pb2.PollTaskResponse()
+        # Checked again: a certificate revoked while its poll waited gets no task (nor
+        # the model that goes with it).
+        self.guard.site(context, request.site_id)
         return site_pb2.PollTaskResponse(task=_task_to_proto(task), model=task.model)
 
     @mapped_stream

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -165,6 +166,22 @@ def test_a_revoked_certificate_is_refused_at_once(secure: SecureCoordinator) -> 
         "revoked",
     )
     register(secure.site("site-b"), "site-b")  # others are unaffected
+
+
+def test_a_site_revoked_while_its_poll_waits_gets_no_task(secure: SecureCoordinator) -> None:
+    stub = secure.site("site-a")
+    register(stub, "site-a")
+    poll = stub.PollTask.future(site_pb2.PollTaskRequest(site_id="site-a"), timeout=30)
+    deadline = time.monotonic() + 10
+    while secure.engine.wakeups.waiting() < 1:  # the poll is parked, admitted before the revoke
+        assert time.monotonic() < deadline and not poll.done(), "the poll never waited"
+        time.sleep(0.01)
+    pki.revoke(secure.deny_list, secure.pki / "sites" / "site-a")
+    secure.admin().SubmitRun(admin_pb2.SubmitRunRequest(spec=one_site_spec(rounds=1)), timeout=10)
+    with pytest.raises(grpc.RpcError) as info:  # its round's task wakes it: refused, not sent
+        poll.result(timeout=20)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, info.value.details()
+    assert "revoked" in (info.value.details() or "")
 
 
 def test_an_unreadable_deny_list_refuses_everyone(secure: SecureCoordinator) -> None:
