@@ -635,9 +635,37 @@ def format_status(s: admin_pb2.RunStatus) -> str:
     return "\n".join(lines)
 
 
+class _Defaults(argparse.HelpFormatter):
+    """Help that shows each option's default, unless its help already says it or it has
+    none worth showing (None, False, an empty string or list)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        default = action.default
+        if (
+            "default" in help_text
+            or default in (None, False, "", [], argparse.SUPPRESS)
+            or not action.option_strings
+        ):
+            return help_text
+        return f"{help_text} (default: %(default)s)" if help_text else "default: %(default)s"
+
+
+class _Parser(argparse.ArgumentParser):
+    """fedra's parsers, its subcommands' included (argparse makes those of the same class)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _Defaults)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fedra", description=__doc__)
-    p.add_argument("--log-level", default=os.environ.get("FEDRA_LOG_LEVEL", "info"))
+    p = _Parser(prog="fedra", description=__doc__)
+    p.add_argument(
+        "--log-level",
+        default=os.environ.get("FEDRA_LOG_LEVEL", "info"),
+        help="debug, info, warning or error (or $FEDRA_LOG_LEVEL)",
+    )
     p.add_argument(
         "--log-format",
         choices=logformat.FORMATS,
@@ -651,7 +679,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--state-dir", required=True, help="database, blobs and coordinator.json live here"
     )
-    c.add_argument("--host", default="127.0.0.1")
+    c.add_argument("--host", default="127.0.0.1", help="0.0.0.0 serves every interface")
     c.add_argument("--port", type=int, default=50051, help="0 picks a free port")
     c.add_argument("--db", help="SQLAlchemy URL (default: SQLite file in the state directory)")
     c.add_argument("--tls-dir", help="the coordinator's folder from `fedra provision` (mTLS)")
@@ -770,7 +798,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--site", action="append", default=[], help="a site id (repeat)")
     v.add_argument("--admin", action="append", default=[], help="an admin name (repeat)")
     v.add_argument("--add", action="append", help="add a participant to an existing CA (repeat)")
-    v.add_argument("--role", default="site", choices=["site", "admin", "coordinator"])
+    v.add_argument(
+        "--role", default="site", choices=["site", "admin", "coordinator"], help="of --add"
+    )
     v.set_defaults(func=_cmd_provision)
 
     k = sub.add_parser("revoke", help="refuse a certificate from the coordinator's next call on")
@@ -791,8 +821,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="coordinator + sites on localhost, digits, SQLite")
     d.add_argument("--state-dir", help="default: a temporary directory")
     d.add_argument("--out", help="write summary.json here")
-    d.add_argument("--rounds", type=int, default=10)
-    d.add_argument("--sites", type=int, default=3)
+    d.add_argument("--rounds", type=int, default=10, help="training rounds")
+    d.add_argument("--sites", type=int, default=3, help="site processes")
     d.set_defaults(func=_cmd_demo)
 
     b = sub.add_parser("bench", help="evaluation reports")

@@ -321,3 +321,34 @@ def test_coordinator_names_a_database_a_newer_fedra_wrote(tmp_path: Path) -> Non
     one_line_error(result, "--state-dir: database sqlite:///")
     assert "'9999_future' is newer than this fedra understands" in result.stderr
     assert not (state / "coordinator.json").exists()
+
+
+def test_every_command_s_help_shows_its_defaults() -> None:
+    import argparse
+
+    from fedra.cli import build_parser
+
+    def parsers(
+        parser: argparse.ArgumentParser, name: str
+    ) -> list[tuple[str, argparse.ArgumentParser]]:
+        found = [(name, parser)]
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub, child in action.choices.items():
+                    found += parsers(child, f"{name} {sub}")
+        return found
+
+    missing = []
+    for name, parser in parsers(build_parser(), "fedra"):
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            shown = action.default not in (None, False, "", [], argparse.SUPPRESS)
+            if not action.option_strings or not shown or action.help == argparse.SUPPRESS:
+                continue
+            # What --help prints for it (argparse prints nothing for an option without help).
+            printed = formatter._get_help_string(action) if action.help else ""
+            if "default" not in printed:
+                missing.append(f"{name} {action.option_strings[-1]}")
+    assert not missing, f"--help does not show these defaults: {missing}"
+    help_text = build_parser().format_help()
+    assert "(default: text)" in help_text or "$FEDRA_LOG_FORMAT or text" in help_text
