@@ -175,7 +175,8 @@ class RoundDriver:
                     break  # async: a new model needs only the buffer; never make sites wait
                 run.waiting_reason = (
                     f"round {number}: waiting for online sites serving {spec.task}: "
-                    f"{len(eligible)} eligible, want {wanted} (quorum {quorum})"
+                    f"{len(eligible)} eligible, want {wanted} (quorum {quorum}), "
+                    f"for {waited:.0f} s so far"
                 )
                 engine.changed.wait(_RECHECK_S)
                 self._gather(len(eligible))

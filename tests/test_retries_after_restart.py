@@ -8,6 +8,7 @@ between, and a failed attempt must be recorded once.
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -105,6 +106,7 @@ def test_an_attempt_that_failed_before_a_restart_is_not_failed_again(tmp_path: P
         # waits to open attempt 2.
         run = first.engine.runs[run_id]
         _wait_until(first, lambda: "waiting for online sites" in run.waiting_reason, 20)
+        assert re.search(r"want 3 \(quorum 3\), for \d+ s so far$", run.waiting_reason)
         assert len(_attempt_failures(first, run_id)) == 1
     finally:
         first.close()
