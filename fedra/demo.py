@@ -86,11 +86,14 @@ def run_demo(options: DemoOptions) -> int:
     )
     started = time.monotonic()
     with LocalCluster(state_dir) as cluster:
+        print("making a certificate authority and certificates; starting the coordinator...")
         address = cluster.start_coordinator()
-        print(f"coordinator ready on {address}; starting {len(site_ids)} sites")
+        print(f"coordinator ready on {address}; starting {len(site_ids)} sites", flush=True)
         for i, site_id in enumerate(site_ids):
             cluster.start_site(site_id, [TASK], {"partition": i, "num_partitions": options.sites})
+        print("waiting for the sites to load their data and register...", flush=True)
         cluster.wait_for_sites(site_ids)
+        print(f"all {len(site_ids)} sites online; submitting the run", flush=True)
         with cluster.admin() as admin:
             run_id = admin.submit(spec)
             print(
@@ -177,6 +180,11 @@ def _finish(
 
     samples = sum(r["samples_seen"] for r in rounds)
     steps = max(1, math.ceil(samples / spec.train.batch_size))
+    print(
+        f"\ntraining the centralised baseline: the same {int(samples)} samples "
+        f"({steps} steps) on all the sites' data pooled...",
+        flush=True,
+    )
     baseline_model = digits.train_centralised(
         0, steps, spec.train.batch_size, spec.train.learning_rate, {}
     )
@@ -188,7 +196,7 @@ def _finish(
     seconds = sum(r["seconds"] for r in timed)
     idle = sum(r["site_idle_s"] for r in timed) / seconds if seconds else 0.0
     print(
-        f"\nfinal global model: test accuracy {final['accuracy']:.3f} (loss {final['loss']:.4f})\n"
+        f"final global model: test accuracy {final['accuracy']:.3f} (loss {final['loss']:.4f})\n"
         f"centralised baseline, same {int(samples)} samples ({steps} steps) on pooled data: "
         f"test accuracy {baseline['accuracy']:.3f}\n"
         f"total {wire / 1e6:.2f} MB on the wire ({lost / 1e6:.2f} MB for work that did not "

@@ -635,6 +635,10 @@ def test_demo_writes_a_summary(tmp_path: Path) -> None:
     assert 0.5 < final["accuracy"] <= 1.0 and 0.5 < final["baseline_accuracy"] <= 1.0
     assert summary["rounds"][3]["test_accuracy"] > summary["rounds"][0]["test_accuracy"]
     assert "final global model: test accuracy" in result.stdout
+    steps = ["starting the coordinator", "waiting for the sites", "all 3 sites online",
+             "training the centralised baseline"]  # fmt: skip
+    said = [result.stdout.find(step) for step in steps]
+    assert -1 not in said and said == sorted(said), result.stdout  # each step, in order
     # Nothing failed: nothing lost; the sites did some waiting, never more than the rounds.
     wire = sum(r["bytes_down"] + r["bytes_up"] + r["cut_bytes"] for r in summary["rounds"])
     assert final["bytes_on_wire"] == wire > 0 and final["lost_bytes"] == 0
