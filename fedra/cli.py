@@ -333,6 +333,46 @@ def _state_line(status: admin_pb2.RunStatus) -> str:
     return f"run {status.run_id}: {status.state}" + (f" ({status.reason})" if status.reason else "")
 
 
+class _Progress:
+    """The open round's progress line of ``run watch``: at a terminal one line rewritten
+    in place, otherwise a plain line each time its counts change."""
+
+    def __init__(self) -> None:
+        self.live = sys.stdout.isatty()
+        self.last = ""  # what the last line said, less its clock
+        self.shown = False  # a live line is on screen (ended before anything else prints)
+
+    def update(self, r: admin_pb2.RoundStatus) -> None:
+        counts, clock = format_open_round(r, time.time())
+        if self.live:
+            print(f"\r{counts}, {clock}\033[K", end="", flush=True)
+            self.shown = True
+        elif counts != self.last:
+            print(f"{counts}, {clock}", flush=True)
+        self.last = counts
+
+    def end(self) -> None:
+        if self.shown:
+            print("\r\033[K", end="", flush=True)
+            self.shown = False
+
+
+def format_open_round(r: admin_pb2.RoundStatus, now: float) -> tuple[str, str]:
+    """An open round's progress: its sites' counts, and how long it has been open."""
+    current = [p for p in r.participations if p.attempt == r.attempt]
+    by_status = {s: sum(p.status == s for p in current) for s in ("accepted", "failed")}
+    working = sum(p.status == "downloaded" for p in current)
+    waiting = sum(p.status == "assigned" for p in current)
+    failed = f", {by_status['failed']} failed" if by_status["failed"] else ""
+    attempt = f" (attempt {r.attempt})" if r.attempt > 1 else ""
+    counts = (
+        f"open round {r.number}{attempt}: {by_status['accepted']}/{len(r.sampled_sites)} "
+        f"updates in, {working} training or uploading, {waiting} yet to start{failed}, "
+        f"{moved_bytes(r) / 1e6:.3f} MB moved"
+    )
+    return counts, f"{max(0.0, now - r.opened_unix_s):.0f} s so far"
+
+
 def _cmd_watch(args: argparse.Namespace) -> int:
     from fedra.retry import Backoff
 
@@ -346,6 +386,7 @@ def _cmd_watch(args: argparse.Namespace) -> int:
     away_since: float | None = None
     reached = False  # until the coordinator first answers, it was never "lost"
     starting = False  # its state dir says it is not serving yet: wait the whole time
+    progress = _Progress()
     while True:
         where = ""
         try:
@@ -363,14 +404,19 @@ def _cmd_watch(args: argparse.Namespace) -> int:
                     backoff.reset()
                     final = status.state in FINAL_STATES
                     if status.state != last_state and not final:  # before its rounds
+                        progress.end()
                         print(_state_line(status), flush=True)
                         last_state = status.state
                     for r in status.rounds:
                         seen[r.number] = r  # its latest: late downloads, lost tasks
                         if r.status == "committed" and r.number not in shown:
                             shown.add(r.number)
+                            progress.end()
                             print(format_round(r), flush=True)
+                        elif r.status == "open" and not final:
+                            progress.update(r)
             reached = True  # the stream ended without an error: someone answered
+            progress.end()
             if status is not None and status.state in FINAL_STATES:
                 # After the last rounds: the daemon ends the stream after the messages
                 # that hold them (a long run's rounds may span several).
@@ -385,6 +431,7 @@ def _cmd_watch(args: argparse.Namespace) -> int:
             why = exc.details() or exc.code().name
         except NotRunning as exc:  # a stopped daemon removes its readiness file
             why, starting = str(exc), True
+        progress.end()
         away_since = away_since if away_since is not None else time.monotonic()
         never = not reached and not starting  # an address that never answered: a typo?
         limit_s = min(args.reconnect_s, FIRST_CONTACT_S) if never else args.reconnect_s

@@ -352,3 +352,30 @@ def test_every_command_s_help_shows_its_defaults() -> None:
     assert not missing, f"--help does not show these defaults: {missing}"
     help_text = build_parser().format_help()
     assert "(default: text)" in help_text or "$FEDRA_LOG_FORMAT or text" in help_text
+
+
+def test_an_open_round_s_progress_counts_its_current_attempt() -> None:
+    from fedra.cli import format_open_round
+    from fedra.protos.v1 import admin_pb2
+
+    r = admin_pb2.RoundStatus(
+        number=4,
+        attempt=2,
+        status="open",
+        sampled_sites=["a", "b", "c", "d"],
+        opened_unix_s=100.0,
+        bytes_down=2_000_000,
+        participations=[
+            admin_pb2.Participation(site_id="a", attempt=1, status="failed"),  # the last try
+            admin_pb2.Participation(site_id="a", attempt=2, status="accepted"),
+            admin_pb2.Participation(site_id="b", attempt=2, status="downloaded"),
+            admin_pb2.Participation(site_id="c", attempt=2, status="assigned"),
+            admin_pb2.Participation(site_id="d", attempt=2, status="failed"),
+        ],
+    )
+    counts, clock = format_open_round(r, now=112.4)
+    assert counts == (
+        "open round 4 (attempt 2): 1/4 updates in, 1 training or uploading, 1 yet to start, "
+        "1 failed, 2.000 MB moved"
+    )
+    assert clock == "12 s so far"

@@ -428,6 +428,8 @@ def test_coordinator_sigkill_mid_run_then_restart_completes(
     running = lines.index(f"run {run_id}: running")
     assert all(not line.startswith("round") for line in lines[:running])  # before the first
     assert "reconnecting" in err.read_text() and "reconnected after" in err.read_text()
+    # The open round as it goes (plain lines: not a terminal), never taken for a commit.
+    assert any(line.startswith("open round ") and "updates in" in line for line in lines), lines
 
 
 def test_crash_between_checkpoint_and_commit_loses_nothing(cluster: LocalCluster) -> None:
