@@ -115,6 +115,8 @@ class Engine:
         self._polling: Counter[str] = Counter()
         self._moving: Counter[str] = Counter()  # transfers under way, by site
         self._left: set[str] = set()  # sites that hung up on their poll, not heard from since
+        # The sites the edge refuses (revoked certificates): set by the server (auth.Guard).
+        self.barred: Callable[[], Collection[str]] = frozenset
         # Calls waiting without a thread (long polls, stage calls, watches), by what they
         # wait for; and each run's open (round, attempt) as its sites' polls last saw it.
         self.wakeups = Wakeups()
@@ -336,6 +338,7 @@ class Engine:
             if not a.final
         }
         busy.update(run.carried)  # async: still training on an earlier round's task
+        busy.update(self.barred())  # revoked: refused at their next call, so never sampled
         return sorted(
             s
             for s, tasks in self._site_tasks.items()

@@ -214,6 +214,7 @@ def create_server(
     if tls is not None and deny_list is None:
         raise ValueError("a server with TLS needs a deny list path")
     guard = Guard(pki.DenyList(deny_list) if deny_list else None, insecure=tls is None)
+    engine.barred = guard.revoked_sites  # a revoked site is not sampled into a round
     handle = Server()
     try:
         port = handle.run(
