@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -335,21 +336,30 @@ def _state_line(status: admin_pb2.RunStatus) -> str:
 
 class _Progress:
     """The open round's progress line of ``run watch``: at a terminal one line rewritten
-    in place, otherwise a plain line each time its counts change."""
+    in place (at most 10 times a second), otherwise a plain line when its counts changed,
+    at most one every ``PLAIN_EVERY_S`` (a round of thousands of sites changes thousands
+    of times: a log file gets a line every few seconds, not one per update)."""
+
+    PLAIN_EVERY_S = 5.0
 
     def __init__(self) -> None:
         self.live = sys.stdout.isatty()
         self.last = ""  # what the last line said, less its clock
+        self.printed_at = -float("inf")
         self.shown = False  # a live line is on screen (ended before anything else prints)
 
     def update(self, r: admin_pb2.RoundStatus) -> None:
+        now = time.monotonic()
         counts, clock = format_open_round(r, time.time())
+        every_s = 0.1 if self.live else self.PLAIN_EVERY_S
+        if counts == self.last or now - self.printed_at < every_s:
+            return
         if self.live:
             print(f"\r{counts}, {clock}\033[K", end="", flush=True)
             self.shown = True
-        elif counts != self.last:
+        else:
             print(f"{counts}, {clock}", flush=True)
-        self.last = counts
+        self.last, self.printed_at = counts, now
 
     def end(self) -> None:
         if self.shown:
@@ -359,16 +369,13 @@ class _Progress:
 
 def format_open_round(r: admin_pb2.RoundStatus, now: float) -> tuple[str, str]:
     """An open round's progress: its sites' counts, and how long it has been open."""
-    current = [p for p in r.participations if p.attempt == r.attempt]
-    by_status = {s: sum(p.status == s for p in current) for s in ("accepted", "failed")}
-    working = sum(p.status == "downloaded" for p in current)
-    waiting = sum(p.status == "assigned" for p in current)
+    by_status = Counter(p.status for p in r.participations if p.attempt == r.attempt)
     failed = f", {by_status['failed']} failed" if by_status["failed"] else ""
     attempt = f" (attempt {r.attempt})" if r.attempt > 1 else ""
     counts = (
         f"open round {r.number}{attempt}: {by_status['accepted']}/{len(r.sampled_sites)} "
-        f"updates in, {working} training or uploading, {waiting} yet to start{failed}, "
-        f"{moved_bytes(r) / 1e6:.3f} MB moved"
+        f"updates in, {by_status['downloaded']} training or uploading, "
+        f"{by_status['assigned']} yet to start{failed}, {moved_bytes(r) / 1e6:.3f} MB moved"
     )
     return counts, f"{max(0.0, now - r.opened_unix_s):.0f} s so far"
 
@@ -924,8 +931,10 @@ def _rpc_error(args: argparse.Namespace, exc: grpc.RpcError) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.log_format not in logformat.FORMATS:  # from the environment: not checked above
-        parser.error(f"${logformat.ENV}: {args.log_format!r} is not one of text, json")
+    try:  # from the environment, argparse does not check it
+        logformat.check_format(args.log_format)
+    except ValueError as exc:
+        parser.error(f"${logformat.ENV}: {exc}")
     logformat.setup(args.log_level, args.log_format)
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `fedra run status --json | head` is fine
     try:

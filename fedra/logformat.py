@@ -30,19 +30,22 @@ _NOTHING: Mapping[str, object] = MappingProxyType({})
 _ABOUT: ContextVar[Mapping[str, object]] = ContextVar("fedra_log_about", default=_NOTHING)
 
 
+def _with(fields: Mapping[str, object]) -> Mapping[str, object]:
+    merged = {**_ABOUT.get(), **fields}
+    return MappingProxyType({k: v for k, v in merged.items() if v is not None})
+
+
 def set_about(**fields: object) -> None:
     """What the lines logged from here on in this thread (or asyncio task) are about;
     a field set to None is dropped."""
-    merged = {**_ABOUT.get(), **fields}
-    _ABOUT.set(MappingProxyType({k: v for k, v in merged.items() if v is not None}))
+    _ABOUT.set(_with(fields))
 
 
 @contextmanager
 def about(**fields: object) -> Iterator[None]:
     """``set_about`` for the lines logged inside the ``with`` block only."""
-    token = _ABOUT.set(_ABOUT.get())
+    token = _ABOUT.set(_with(fields))
     try:
-        set_about(**fields)
         yield
     finally:
         _ABOUT.reset(token)

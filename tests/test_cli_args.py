@@ -379,3 +379,30 @@ def test_an_open_round_s_progress_counts_its_current_attempt() -> None:
         "1 failed, 2.000 MB moved"
     )
     assert clock == "12 s so far"
+
+
+def test_watch_s_plain_progress_lines_come_at_most_every_few_seconds(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fedra import cli
+    from fedra.protos.v1 import admin_pb2
+
+    clock = [1000.0]
+    monkeypatch.setattr(cli.time, "monotonic", lambda: clock[0])
+    progress = cli._Progress()
+    progress.live = False  # a log file, not a terminal
+
+    def round_with(accepted: int) -> admin_pb2.RoundStatus:
+        parts = [admin_pb2.Participation(site_id=f"s{i}", attempt=1, status="accepted")
+                 for i in range(accepted)]  # fmt: skip
+        return admin_pb2.RoundStatus(number=1, attempt=1, status="open",
+                                     sampled_sites=["x"] * 9, participations=parts)  # fmt: skip
+
+    for accepted in range(5):  # five changes within a second: one line
+        progress.update(round_with(accepted))
+        clock[0] += 0.2
+    clock[0] += cli._Progress.PLAIN_EVERY_S
+    progress.update(round_with(5))  # a while later: the next
+    progress.update(round_with(5))  # unchanged: nothing
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[1].split("/")[0].strip() for line in lines] == ["0", "5"], lines
