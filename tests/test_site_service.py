@@ -589,6 +589,12 @@ def test_an_upload_cut_off_mid_stream_is_given_back_quietly(
 
     call = coordinator.site.UploadUpdate.future(_cut_short(), timeout=30)
     assert sent_some.wait(10)
+    # Cut off once the coordinator is receiving it: a call cancelled before its handler
+    # ran is never the coordinator's to log (a race this test would otherwise lose).
+    began = time.monotonic() + 10
+    while not coordinator.engine._moving[site]:
+        assert time.monotonic() < began and not call.done(), "the upload never began"
+        threading.Event().wait(0.01)
     call.cancel()
     # The handler's last act is one line. Which one is gRPC's race: its request stream
     # either fails as cancelled, or (the cancellation not yet seen) just ends, short.
