@@ -297,10 +297,10 @@ class CoordinatorAPI:
                 await self.call(held.begin, engine, header, check)  # opens the spool file
         except uploads.AlreadyAccepted as done:
             return done.nbytes
-        except BaseException:
+        except BaseException as exc:
             if held.ticket is not None:  # begun, then cancelled
                 engine.downloads.ended(header.task_id)
-                self.later(_give_back, engine, held)
+                await self._undo(held, exc, small)
             raise
         started()  # pending in the downloads ledger until it ends (_receive)
         await self.quick(engine.transfer, header.site_id, True)  # online while it lasts
@@ -329,9 +329,9 @@ class CoordinatorAPI:
                 del data  # not held while the next message is received
             digest = held.finish(last) if here else await self.call(held.finish, last)
             del last
-        except BaseException:  # cut off or refused: what arrived crossed the wire for nothing
+        except BaseException as exc:  # cut off or refused: it crossed the wire for nothing
             ledger.ended(task_id, received)
-            self.later(_give_back, engine, held)
+            await self._undo(held, exc, here)
             raise
         try:
             # Small, its fold quick too, and never waiting (an async run's accept may wait
@@ -351,6 +351,17 @@ class CoordinatorAPI:
             raise
         ledger.ended(task_id)
         return size
+
+    async def _undo(self, held: _Held, exc: BaseException, small: bool) -> None:
+        """Undo an upload that did not complete. A refusal's caller hears of it only once
+        the task is the site's again (a retry at once finds it so); a cancelled call's
+        clean-up is not waited for (nobody is waiting, and the server may be stopping)."""
+        if isinstance(exc, asyncio.CancelledError):
+            self.later(_give_back, self.engine, held)
+        elif small:  # in memory: nothing to unlink
+            await self.quick(_give_back, self.engine, held)
+        else:
+            await self.call(_give_back, self.engine, held)
 
     def _accept_begin(
         self, ticket: uploads.UploadTicket, digest: str, size: int

@@ -18,6 +18,7 @@ import os
 import random
 import resource
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -180,6 +181,49 @@ def test_broken_safetensors_payloads_are_refused(coordinator: Arena) -> None:
 
     attack()
     a.finish_round()
+
+
+def test_a_refused_upload_is_undone_before_the_refusal_is_sent(coordinator: Arena) -> None:
+    """A retry sent the moment a refusal arrives finds the task the site's again: the
+    give-back happens before the status goes out, not in the executor some time later.
+    Made exact by holding the engine's lock from the moment the upload has begun, so
+    that a give-back left for later could not have run when the refusal arrived."""
+    a = coordinator
+    task = a.tasks["site-a"]
+    messages = a.upload_messages("site-a", task, b"\x00" * 7, chunk=1)
+    before = a.snapshot()
+    last_chunk = threading.Event()
+
+    def stream() -> Iterator[site_pb2.UpdateChunk]:
+        yield from messages[:-1]
+        last_chunk.wait(30)
+        yield messages[-1]
+
+    def state() -> str:
+        run = a.engine.runs[task.run_id]
+        return next(x.state for x in run.assignments.values() if x.site_id == "site-a")
+
+    start = state()
+    outcome: list[grpc.StatusCode] = []
+    call = functools.partial(a.site("site-a").UploadUpdate, stream(), timeout=30)
+    caller = threading.Thread(target=lambda: outcome.append(check_refusal(call, "zeros")))
+    caller.start()
+    try:
+        deadline = time.monotonic() + 20
+        while state() == start and time.monotonic() < deadline:
+            time.sleep(0.005)  # readiness poll: until the coordinator holds the upload
+        assert state() != start, "the upload never began"
+        with a.engine.lock:
+            last_chunk.set()
+            caller.join(1.0)  # it may not answer while the give-back waits for the lock
+            if not caller.is_alive():  # answered: then it must have been undone already
+                assert a.snapshot() == before, "refused before the task was given back"
+        caller.join(30)
+    finally:
+        last_chunk.set()
+        caller.join(30)
+    assert outcome == [INVALID]
+    a.after_attack(before, "zeros")
 
 
 def _identity_attacks(a: Arena) -> dict[str, tuple[object, set[grpc.StatusCode]]]:
