@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml constraints.txt
 	@echo "Installing fedra and what it needs into $(VENV): the first time takes a few minutes."
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --progress-bar on -c constraints.txt -e '.[dev,examples]'
+	$(PY) -m pip install --progress-bar on -c constraints.txt -e '.[dev,examples,tracking]'
 	touch $(STAMP)
 
 install: $(STAMP)
