@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Callable
 from concurrent.futures import Future
 
 from fedra.storage import Store
@@ -26,8 +28,13 @@ MAX_BATCH = 1024  # writes in one transaction, at most
 class GroupCommit:
     """A writer thread for ``store``; ``write`` blocks until its write is durable."""
 
-    def __init__(self, store: Store, max_batch: int = MAX_BATCH) -> None:
-        self.store, self.max_batch = store, max_batch
+    def __init__(
+        self,
+        store: Store,
+        max_batch: int = MAX_BATCH,
+        on_commit: Callable[[float, int], None] = lambda seconds, writes: None,
+    ) -> None:
+        self.store, self.max_batch, self.on_commit = store, max_batch, on_commit
         self._cond = threading.Condition()
         self._queue: list[tuple[WriteOp, Future[None]]] = []
         self._closing = False
@@ -88,12 +95,14 @@ class GroupCommit:
                 del self._queue[: len(batch)]
                 if not batch:
                     return  # closing, and nothing left
+            began = time.perf_counter()
             try:
                 errors = self.store.write_batch([op for op, _ in batch])
             except BaseException as exc:  # nothing of the batch was written
                 for _, done in batch:
                     done.set_exception(exc)
                 continue
+            took = time.perf_counter() - began
             self.batches += 1
             self.writes += len(batch)
             for (_, done), error in zip(batch, errors, strict=True):
@@ -101,6 +110,7 @@ class GroupCommit:
                     done.set_result(None)
                 else:
                     done.set_exception(error)
+            self.on_commit(took, len(batch))  # its latency, for metrics: once all may go on
 
 
 def _log_failure(done: Future[None]) -> None:

@@ -8,6 +8,7 @@ runs one ``RoundDriver`` thread per run (see ``rounds``).
 from __future__ import annotations
 
 import bisect
+import json
 import logging
 import shutil
 import threading
@@ -24,6 +25,7 @@ from fedra.coordinator.attention import Attention
 from fedra.coordinator.commits import GroupCommit
 from fedra.coordinator.downloads import Download, DownloadLedger
 from fedra.coordinator.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from fedra.coordinator.observers import Observers, RunStarted
 from fedra.coordinator.recovery import restore_run
 from fedra.coordinator.rounds import RoundDriver
 from fedra.coordinator.state import INIT_ROUND, ActiveRun, Assignment, TaskState
@@ -83,6 +85,18 @@ class TaskView:
     model: bytes = field(default=b"", repr=False)  # the whole model, when it comes along
 
 
+@dataclass(frozen=True)
+class Gauges:
+    """The coordinator's state as numbers (``Engine.gauges``)."""
+
+    sites_registered: int
+    sites_online: int
+    runs_by_state: dict[str, int]
+    downloads_in_flight: int
+    uploads_in_flight: int
+    waiting_calls: int  # long polls, secure aggregation stages, run watches
+
+
 class Engine:
     """Runs, rounds and sites; every public method is safe to call from any thread."""
 
@@ -122,7 +136,9 @@ class Engine:
         self.wakeups = Wakeups()
         self._issued: dict[str, tuple[int | None, int, str]] = {}
         self.downloads = DownloadLedger(store, on_written=self._notify_now)
-        self.commits = GroupCommit(store)  # the writes calls wait on, batched
+        # Who hears what happened (metrics, tracking): told after the fact, outside the lock.
+        self.observers = Observers()
+        self.commits = GroupCommit(store, on_commit=self.observers.committed)  # batched writes
         self._seen_written_at = self.clock()
 
     # -- lifecycle -------------------------------------------------------------
@@ -141,7 +157,7 @@ class Engine:
                 continue
             log.info("run %s: resumed at round %d", run.run_id, run.open_round or run.next_round)
             crash_point("during_startup", run.open_round or run.next_round)
-            self._launch(run)
+            self._launch(run, resumed=True)
         self._sweep_update_data()
 
     def _sweep_update_data(self) -> None:
@@ -171,7 +187,9 @@ class Engine:
         if self._last_seen and not self.store.fenced:  # fenced: the sites are another's now
             self.store.touch_sites(dict(self._last_seen))
 
-    def _launch(self, run: ActiveRun) -> None:
+    def _launch(self, run: ActiveRun, resumed: bool = False) -> None:
+        spec = json.loads(run.spec.to_json())
+        self.observers.run_started(RunStarted(run.run_id, spec, resumed))
         with self.lock:
             self.runs[run.run_id] = run
             driver = RoundDriver(self, run)
@@ -621,6 +639,25 @@ class Engine:
         known = list(self._site_tasks)  # one atomic copy: registrations may go on
         online = sum(self.is_online(s, now) and s not in offline for s in known)
         return len(known), online
+
+    def gauges(self, offline: Collection[str] = ()) -> Gauges:
+        """How the coordinator stands this instant, for its metrics: counted in memory
+        (the runs by state from the database), without the lock."""
+        registered, online = self.site_counts(offline)
+        uploading = sum(
+            a.state == TaskState.UPLOADING
+            for run in list(self.runs.values())
+            for a in list(run.assignments.values())
+        )
+        moving = sum(list(self._moving.values()))
+        return Gauges(
+            sites_registered=registered,
+            sites_online=online,
+            runs_by_state=self.store.count_runs_by_state(),
+            downloads_in_flight=max(0, moving - uploading),
+            uploads_in_flight=uploading,
+            waiting_calls=self.waiting_calls(),
+        )
 
     def run_phase(self, run_id: str) -> tuple[object, ...]:
         """Where the run stands as a whole: driven (and whether cancelled), or not (not

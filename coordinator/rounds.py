@@ -14,7 +14,7 @@ import random
 import time
 import uuid
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,6 +22,7 @@ from fedra import logformat
 from fedra.coordinator.aggregation import ServerOptimizer
 from fedra.coordinator.aggregators import AggregationError, Attempt
 from fedra.coordinator.folding import fold_ready, fold_remaining, has_turn
+from fedra.coordinator.observers import RoundEnded, RunEnded
 from fedra.coordinator.state import ATTEMPT_FAILED, INIT_ROUND, ActiveRun, TaskState
 from fedra.coordinator.storage_faults import StorageFaults
 from fedra.faults import crash_point
@@ -324,7 +325,7 @@ class RoundDriver:
 
     def _commit(self) -> bool:
         run, engine, spec = self.run_state, self.engine, self.run_state.spec
-        number = run.open_round
+        number, attempt, opened = run.open_round, run.attempt, run.opened_at
         assert number is not None
         started = time.perf_counter()
         delta_sha, residual = "", dict[str, torch.Tensor]()
@@ -407,8 +408,15 @@ class RoundDriver:
             engine.notify()
         self._drop_round_updates(number)
         log.info("%s round %d: committed, %s", self.tag, number, _summary(parts, metrics))
+        accepted = [p for p in parts if p.state == "accepted"]
+        engine.observers.round_ended(_ended(
+            run.run_id, number, attempt, "committed", opened, now, parts,
+            checkpoint_bytes=ckpt.model_bytes, idle_s=idle_s(opened, now, accepted),
+            stages=stages, metrics=metrics,
+        ))  # fmt: skip
         if final:
             log.info("%s: completed after %d rounds", self.tag, number)
+            engine.observers.run_ended(RunEnded(run.run_id, "completed"))
             self._forget()
             return False
         return True
@@ -485,7 +493,13 @@ class RoundDriver:
         )
         crash_point("after_attempt_failed", number)
         log.warning("%s: %s", self.tag, reason)
-        if attempt >= spec.max_round_attempts:
+        gives_up = attempt >= spec.max_round_attempts
+        parts = engine.store.list_participations(run.run_id, number, attempt)
+        engine.observers.round_ended(_ended(
+            run.run_id, number, attempt, "failed" if gives_up else "retried", run.opened_at,
+            now, parts, reason=reason,
+        ))  # fmt: skip
+        if gives_up:
             self._finish("failed", f"{reason}; gave up after {attempt} attempts")
             return False
         with engine.lock:
@@ -524,6 +538,7 @@ class RoundDriver:
         engine.store.set_run_state(run.run_id, state, reason, now)
         engine.store.add_event(run.run_id, state, reason, now, run.open_round)
         log.info("%s: %s: %s", self.tag, state, reason)
+        engine.observers.run_ended(RunEnded(run.run_id, state, reason))
         self._forget()
         with engine.lock:
             run.drop_aggregate()  # spill files of a robust round, if any
@@ -601,6 +616,39 @@ def ledger(accepted: list[ParticipationRecord], aggregate_s: float) -> dict[str,
         "transfer_s": max((p.upload_s for p in accepted), default=0.0),
         "aggregate_s": aggregate_s,
     }
+
+
+def idle_s(opened_at: float, closed_at: float, accepted: list[ParticipationRecord]) -> float:
+    """The mean, over the sites whose updates a round accepted, of the time from their
+    task to the round's commit less their own download, compute and upload (the site's
+    measures where it sent them). That is the time each sat idle: waiting for its task
+    once the round opened, for slower sites, for the aggregate and the checkpoint. (An
+    async task carried in from an earlier round counts from its own assignment.)"""
+    idle = [max(0.0, closed_at - min(opened_at, p.assigned_at) - _busy_s(p)) for p in accepted]
+    return sum(idle) / len(idle) if idle else 0.0
+
+
+def _busy_s(p: ParticipationRecord) -> float:
+    download_s = p.metrics.get("download_s", p.download_s)
+    return download_s + p.metrics.get("compute_s", 0.0) + p.upload_s
+
+
+def _ended(
+    run_id: str, number: int, attempt: int, outcome: str, opened_at: float, closed_at: float,
+    parts: list[ParticipationRecord], **more: Any,
+) -> RoundEnded:  # fmt: skip
+    """The event of an attempt's close, its bytes counted from its tasks."""
+    counts = outcome == "committed"
+    return RoundEnded(
+        run_id, number, attempt, outcome, max(0.0, closed_at - opened_at),
+        updates=sum(p.state == "accepted" for p in parts) if counts else 0,
+        bytes_down=sum(p.bytes_down for p in parts),
+        bytes_up=sum(p.bytes_up for p in parts),
+        lost_bytes=sum(p.bytes_cut for p in parts) + sum(
+            p.bytes_down + p.bytes_up for p in parts if not counts or p.state != "accepted"
+        ),
+        **more,
+    )  # fmt: skip
 
 
 def _shorten(text: str, limit: int = 200) -> str:

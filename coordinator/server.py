@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import functools
 import gc
 import json
 import logging
@@ -29,6 +30,7 @@ from fedra.coordinator.auth import Guard
 from fedra.coordinator.engine import Engine, EngineSettings
 from fedra.coordinator.limits import CallLimiter, EdgeLimits
 from fedra.coordinator.service import AdminService, SiteService, refuse
+from fedra.coordinator.telemetry import HttpEndpoint, Telemetry, check_http_address
 from fedra.files import LockHeld, ProcessLock
 from fedra.protos import wire
 from fedra.protos.v1 import admin_pb2, admin_pb2_grpc, site_pb2, site_pb2_grpc
@@ -65,6 +67,7 @@ class CoordinatorConfig:
     limits: EdgeLimits = field(default_factory=EdgeLimits)  # calls per caller, idle streams
     tls_dir: Path | None = None  # the coordinator's folder from `fedra provision`
     insecure: bool = False  # plaintext, no identities: localhost development only
+    http: str = ""  # HOST:PORT of /metrics (telemetry.HttpEndpoint); empty: none
 
     def __post_init__(self) -> None:
         if (self.tls_dir is None) == (not self.insecure):
@@ -76,6 +79,8 @@ class CoordinatorConfig:
             raise ConfigError(
                 f"--workers: must be from {MIN_WORKERS} to {MAX_WORKERS}, got {self.max_workers}"
             )
+        if self.http:
+            check_http_address(self.http)
         window = self.stream_window_mb
         if not (math.isfinite(window) and 0 <= window <= MAX_STREAM_WINDOW_MB):
             raise ConfigError(
@@ -238,7 +243,8 @@ async def _build(
 ) -> int:
     api = handle.api = CoordinatorAPI(engine, max_workers)
     handle.admin = AdminService(api, guard)
-    limiter = CallLimiter(guard, engine, limits or EdgeLimits(), refuse)
+    told = functools.partial(refuse, told=engine.observers)  # refusals are counted
+    limiter = CallLimiter(guard, engine, limits or EdgeLimits(), told)
     server = grpc.aio.server(
         interceptors=[limiter],
         options=server_options(engine.settings.chunk_bytes, stream_window_mb),
@@ -374,7 +380,12 @@ def _serve(config: CoordinatorConfig, tls: pki.TlsFiles | None) -> None:
     except InUseError as exc:
         raise ConfigError(f"--db {_redact(config.database_url)}: {exc}") from None
     server: Server | None = None
+    endpoint: HttpEndpoint | None = None
     try:
+        if config.http:  # bound first too: a port in use fails the start
+            telemetry = Telemetry(lambda: engine.gauges(engine.barred()))
+            engine.observers.add(telemetry)
+            endpoint = HttpEndpoint(config.http, telemetry)
         address = f"{config.host}:{config.port}"
         # Bound before the engine starts: a port in use fails the start before any run moves.
         server, port = create_server(
@@ -384,7 +395,11 @@ def _serve(config: CoordinatorConfig, tls: pki.TlsFiles | None) -> None:
         _quieter_gc()  # before the runs are resumed: what a run holds may be let go
         engine.start()
         server.start()
+        if endpoint is not None:
+            endpoint.start()
     except BaseException:  # nothing may drive runs, or hold the database, after this
+        if endpoint is not None:
+            endpoint.stop()
         if server is not None:
             server.stop(0)
         engine.stop()
@@ -401,8 +416,11 @@ def _serve(config: CoordinatorConfig, tls: pki.TlsFiles | None) -> None:
             "database": _redact(config.database_url),
             "started_unix_s": time.time(),
             "insecure": config.insecure,
+            **({"http_address": endpoint.address} if endpoint is not None else {}),
         },
     )
+    if endpoint is not None:
+        log.info("metrics at http://%s/metrics", endpoint.address)
     if config.insecure:
         log.warning("serving on %s:%d WITHOUT TLS: for localhost development only", host, port)
     else:
@@ -424,6 +442,8 @@ def _serve(config: CoordinatorConfig, tls: pki.TlsFiles | None) -> None:
     log.info("stopping: finishing in-flight calls (grace %.0f s)", grace_s)
     ready.unlink(missing_ok=True)
     shutdown(server, engine, grace_s)
+    if endpoint is not None:
+        endpoint.stop()
     log.info("stopped")
     if lost:
         raise ConfigError(
@@ -439,6 +459,7 @@ def shutdown(server: Server, engine: Engine, grace_s: float) -> None:
         engine.notify()  # waiting calls return at once
     server.stop(grace_s).wait()
     engine.stop()
+    engine.observers.close()
     engine.store.close()
 
 

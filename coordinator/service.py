@@ -28,6 +28,7 @@ from fedra.coordinator.errors import (
     Unauthenticated,
     Unavailable,
 )
+from fedra.coordinator.observers import Observers
 from fedra.coordinator.status import (
     PAGE_BYTES,
     FinalRounds,
@@ -105,10 +106,15 @@ def _status(exc: BaseException, peer: str) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, "internal coordinator error (see the coordinator log)"
 
 
-async def refuse(context: grpc.aio.ServicerContext[Any, Any], exc: Exception) -> None:
+async def refuse(
+    context: grpc.aio.ServicerContext[Any, Any], exc: Exception, told: Observers | None = None
+) -> None:
     """End the call with the status ``exc`` maps to (it raises, as context.abort does);
-    also for checks made before a handler runs (fedra.coordinator.limits)."""
+    also for checks made before a handler runs (fedra.coordinator.limits). ``told``
+    hear of the refusal (metrics count them by status)."""
     code, message = _status(exc, context.peer())
+    if told is not None:
+        told.refused(code.name)
     await context.abort(code, message)
 
 
@@ -122,7 +128,7 @@ def mapped(method: F) -> F:
         except Exception as exc:
             if _aborted(exc):
                 raise
-            await refuse(context, exc)
+            await refuse(context, exc, self.api.engine.observers)
 
     return wrapper  # type: ignore[return-value]
 
@@ -138,7 +144,7 @@ def mapped_stream(method: F) -> F:
         except Exception as exc:
             if _aborted(exc):
                 raise
-            await refuse(context, exc)
+            await refuse(context, exc, self.api.engine.observers)
 
     return wrapper  # type: ignore[return-value]
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from fedra.coordinator.engine import Engine
 from fedra.coordinator.errors import NotFound, ResourceExhausted
+from fedra.coordinator.rounds import idle_s
 from fedra.protos import wire
 from fedra.protos.serde import runspec_to_proto
 from fedra.protos.v1 import admin_pb2
@@ -488,26 +489,12 @@ def _lost(r: RoundRecord, p: ParticipationRecord) -> bool:
 
 
 def site_idle_s(r: RoundRecord, parts: list[ParticipationRecord]) -> float:
-    """A committed round: the mean, over the sites whose updates it accepted, of the time
-    from their task to the round's commit less their own download, compute and upload
-    (the site's measures where it sent them). That is the time each sat idle: waiting
-    for its task once the round opened, for slower sites, for the aggregate and the
-    checkpoint. (An async task carried in from an earlier round counts from its own
-    assignment.)"""
+    """A committed round: the mean time a site whose update it accepted sat idle
+    (``rounds.idle_s``); 0 for any other round."""
     if r.state != "committed" or not r.closed_at:
         return 0.0
-    closed = r.closed_at
-    idle = [
-        max(0.0, closed - min(r.opened_at, p.assigned_at) - _busy_s(p))
-        for p in parts
-        if p.attempt == r.attempt and p.state == "accepted"
-    ]
-    return sum(idle) / len(idle) if idle else 0.0
-
-
-def _busy_s(p: ParticipationRecord) -> float:
-    download_s = p.metrics.get("download_s", p.download_s)
-    return download_s + p.metrics.get("compute_s", 0.0) + p.upload_s
+    accepted = [p for p in parts if p.attempt == r.attempt and p.state == "accepted"]
+    return idle_s(r.opened_at, r.closed_at, accepted)
 
 
 def _participation(p: ParticipationRecord) -> admin_pb2.Participation:

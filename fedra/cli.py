@@ -120,6 +120,7 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
         ),
         tls_dir=Path(args.tls_dir) if args.tls_dir else None,
         insecure=args.insecure,
+        http=args.http or "",
         **window,
     )
     made_state_dir = not config.state_dir.exists()
@@ -789,6 +790,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="an upload stream on which nothing arrives this long is ended (raise it for "
         "links slower than a chunk per this many seconds)",
     )
+    c.add_argument(
+        "--http", metavar="HOST:PORT",
+        help="serve Prometheus metrics at /metrics of this address (a loopback one; port 0: "
+        "a free port, written to coordinator.json as http_address)",
+    )  # fmt: skip
     c.set_defaults(func=_cmd_coordinator)
 
     s = sub.add_parser("site", help="run a site agent")

@@ -630,6 +630,13 @@ class Store:
                 q = q.where(m.Run.state.in_(list(states)))
             return [rows.run_record(r) for r in s.scalars(q).all()]
 
+    def count_runs_by_state(self) -> dict[str, int]:
+        """How many runs are in each state (one grouped count, for metrics)."""
+        t = m.Run.__table__.c
+        query = select(t.state, func.count()).group_by(t.state)
+        with self._read() as s:
+            return {str(state): int(n) for state, n in s.execute(query)}
+
     def set_run_state(self, run_id: str, state: str, reason: str, now: float) -> None:
         """Set the run's state; a run that ends failed or cancelled ends its open round
         too (the round then shows that state, closed now), in the same transaction."""

@@ -1,0 +1,217 @@
+"""The coordinator's Prometheus metrics, served at ``/metrics`` of ``--http``.
+
+Counters and histograms are fed by the engine's events (``observers``); gauges are read
+from the engine at each scrape (``Engine.gauges``, without its lock). Labels are bounded:
+a run id, a status or a stage, never a site (per-site figures are in ``fedra run
+status``). Each coordinator has a registry of its own, never the process-wide one.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
+
+from fedra import __version__
+from fedra.config import ConfigError
+from fedra.coordinator.engine import Gauges
+from fedra.coordinator.observers import Observer, RoundEnded, RunEnded
+
+log = logging.getLogger("fedra.coordinator")
+
+# Seconds: a round of a tiny model takes well under a second, a large one an hour.
+ROUND_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
+STAGE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+COMMIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5)
+
+
+class Telemetry(Observer):
+    """The metrics of one coordinator; ``gauges`` says how it stands at a scrape."""
+
+    def __init__(self, gauges: Callable[[], Gauges]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.rounds = Counter(
+            "fedra_rounds", "Round attempts closed, by run and outcome "
+            "(committed, retried: another attempt follows, failed: the run gave up)",
+            ["run", "outcome"], registry=r,
+        )  # fmt: skip
+        self.round_seconds = Histogram(
+            "fedra_round_duration_seconds", "Committed rounds, opening to commit, by run",
+            ["run"], buckets=ROUND_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.stage_seconds = Histogram(
+            "fedra_round_stage_seconds", "Each stage of committed rounds (distribute, "
+            "compute, transfer, aggregate, checkpoint: the round's ledger)",
+            ["stage"], buckets=STAGE_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.idle_seconds = Histogram(
+            "fedra_site_idle_seconds", "Per committed round, the mean time a site whose "
+            "update counted sat idle", buckets=STAGE_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.bytes = Counter(
+            "fedra_bytes", "Bytes of closed round attempts' tasks, by run and direction "
+            "(down: models to sites, up: updates)", ["run", "direction"], registry=r,
+        )  # fmt: skip
+        self.lost = Counter(
+            "fedra_lost_bytes", "Of those, bytes that could not count (failed or expired "
+            "tasks, transfers cut off, attempts that failed), by run", ["run"], registry=r,
+        )  # fmt: skip
+        self.checkpoints = Counter(
+            "fedra_checkpoint_bytes", "Bytes of committed global models written, by run",
+            ["run"], registry=r,
+        )  # fmt: skip
+        self.runs_ended = Counter(
+            "fedra_runs_ended", "Runs that ended, by state", ["state"], registry=r
+        )
+        self.refusals = Counter(
+            "fedra_refusals", "Calls refused, by gRPC status", ["status"], registry=r
+        )
+        self.commit_seconds = Histogram(
+            "fedra_db_commit_seconds", "Group commits (one synced transaction each)",
+            buckets=COMMIT_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.commit_writes = Counter("fedra_db_writes", "Writes in group commits", registry=r)
+        r.register(_Now(gauges))
+
+    def round_ended(self, event: RoundEnded) -> None:
+        self.rounds.labels(event.run_id, event.outcome).inc()
+        self.bytes.labels(event.run_id, "down").inc(event.bytes_down)
+        self.bytes.labels(event.run_id, "up").inc(event.bytes_up)
+        self.lost.labels(event.run_id).inc(event.lost_bytes)
+        if event.outcome != "committed":
+            return
+        self.round_seconds.labels(event.run_id).observe(event.duration_s)
+        self.checkpoints.labels(event.run_id).inc(event.checkpoint_bytes)
+        if event.number > 0:  # the initial model's round has no sites' work to weigh
+            self.idle_seconds.observe(event.idle_s)
+            for stage, seconds in event.stages.items():
+                if stage != "round_s":  # that is the round's duration, above
+                    self.stage_seconds.labels(stage.removesuffix("_s")).observe(seconds)
+
+    def run_ended(self, event: RunEnded) -> None:
+        self.runs_ended.labels(event.state).inc()
+
+    def refused(self, status: str) -> None:
+        self.refusals.labels(status).inc()
+
+    def committed(self, seconds: float, writes: int) -> None:
+        self.commit_seconds.observe(seconds)
+        self.commit_writes.inc(writes)
+
+    def exposition(self) -> bytes:
+        """The metrics in the Prometheus text format."""
+        return generate_latest(self.registry)
+
+
+class _Now(Collector):
+    """Gauges read from the engine when scraped."""
+
+    def __init__(self, gauges: Callable[[], Gauges]) -> None:
+        self.gauges = gauges
+
+    def describe(self) -> list[Metric]:
+        return []  # read at each collect: nothing to describe ahead of it
+
+    def collect(self) -> Iterator[Metric]:
+        g = self.gauges()
+        info = InfoMetricFamily("fedra_coordinator", "This coordinator")
+        info.add_metric([], {"version": __version__})
+        yield info
+        yield GaugeMetricFamily(
+            "fedra_sites_registered", "Sites known to this coordinator", g.sites_registered
+        )
+        yield GaugeMetricFamily(
+            "fedra_sites_online", "Of them, online now (revoked ones never)", g.sites_online
+        )
+        runs = GaugeMetricFamily("fedra_runs", "Runs by state", labels=["state"])
+        for state in ("pending", "running", "completed", "failed", "cancelled"):
+            runs.add_metric([state], g.runs_by_state.get(state, 0))
+        yield runs
+        transfers = GaugeMetricFamily(
+            "fedra_transfers_in_flight", "Downloads and uploads under way", labels=["direction"]
+        )
+        transfers.add_metric(["down"], g.downloads_in_flight)
+        transfers.add_metric(["up"], g.uploads_in_flight)
+        yield transfers
+        yield GaugeMetricFamily(
+            "fedra_waiting_calls", "Calls waiting (long polls, stage calls, watches)",
+            g.waiting_calls,
+        )  # fmt: skip
+
+
+class HttpEndpoint:
+    """``/metrics`` over HTTP on ``address`` (port 0: a free one), on threads of its own:
+    a scrape never waits for a round, nor a round for a scrape."""
+
+    def __init__(self, address: str, telemetry: Telemetry) -> None:
+        host, port = check_http_address(address)
+        try:
+            self._server = ThreadingHTTPServer((host, port), _handler(telemetry))
+        except OSError as exc:
+            raise ConfigError(f"--http {address}: cannot listen there: {exc.strerror}") from None
+        self._server.daemon_threads = True
+        self.address = f"{_bracketed(host)}:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, name="http", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._server.shutdown()
+        self._server.server_close()
+
+
+def check_http_address(address: str) -> tuple[str, int]:
+    """(host, port) of ``--http``; ConfigError naming what is wrong. Only a loopback
+    host: the endpoint has no TLS, so it is reachable from this machine alone."""
+    host, sep, port = address.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f"--http {address!r}: expected HOST:PORT, e.g. 127.0.0.1:9100")
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if not loopback:
+        raise ConfigError(
+            f"--http {address!r}: the metrics endpoint serves without TLS, so it binds a "
+            "loopback address only (127.0.0.1, ::1, localhost); scrape it from this machine "
+            "or through a TLS proxy"
+        )
+    return host, int(port)
+
+
+def _bracketed(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _handler(telemetry: Telemetry) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        server_version = f"fedra/{__version__}"
+
+        def do_GET(self) -> None:
+            if self.path.split("?", 1)[0] != "/metrics":
+                self._reply(404, b"not found: this address serves /metrics\n", "text/plain")
+                return
+            self._reply(200, telemetry.exposition(), CONTENT_TYPE_LATEST)
+
+        def _reply(self, code: int, body: bytes, kind: str) -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:
+            log.debug("http: " + format, *args)
+
+    return Handler
