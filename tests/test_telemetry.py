@@ -147,7 +147,7 @@ def test_a_coordinator_s_metrics_follow_its_rounds(tmp_path: Path) -> None:
             run_id = admin.submit(synthetic_spec(rounds=2, sites_per_round=2, min_sites=2))
             status = wait_until(admin, run_id, finished)
             assert status.state == "completed", status.reason
-            with pytest.raises(Exception, match="NOT_FOUND|no run"):
+            with pytest.raises(Exception, match=r"NOT_FOUND|no run"):
                 admin.status("no-such-run")
         after = scrape(address)
         cluster.stop()
