@@ -31,6 +31,7 @@ from fedra.coordinator.engine import Engine, EngineSettings
 from fedra.coordinator.limits import CallLimiter, EdgeLimits
 from fedra.coordinator.service import AdminService, SiteService, refuse
 from fedra.coordinator.telemetry import HttpEndpoint, Telemetry, check_http_address
+from fedra.coordinator.web import StatusPages
 from fedra.files import LockHeld, ProcessLock
 from fedra.protos import wire
 from fedra.protos.v1 import admin_pb2, admin_pb2_grpc, site_pb2, site_pb2_grpc
@@ -385,7 +386,8 @@ def _serve(config: CoordinatorConfig, tls: pki.TlsFiles | None) -> None:
         if config.http:  # bound first too: a port in use fails the start
             telemetry = Telemetry(lambda: engine.gauges(engine.barred()))
             engine.observers.add(telemetry)
-            endpoint = HttpEndpoint(config.http, telemetry)
+            pages = StatusPages(engine, config.insecure)
+            endpoint = HttpEndpoint(config.http, telemetry, pages)
         address = f"{config.host}:{config.port}"
         # Bound before the engine starts: a port in use fails the start before any run moves.
         server, port = create_server(

@@ -9,10 +9,13 @@ status``). Each coordinator has a registry of its own, never the process-wide on
 from __future__ import annotations
 
 import ipaddress
+import json
 import logging
 import threading
+import urllib.parse
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
@@ -22,7 +25,9 @@ from prometheus_client.registry import Collector
 from fedra import __version__
 from fedra.config import ConfigError
 from fedra.coordinator.engine import Gauges
+from fedra.coordinator.errors import NotFound
 from fedra.coordinator.observers import Observer, RoundEnded, RunEnded
+from fedra.coordinator.web import StatusPages
 
 log = logging.getLogger("fedra.coordinator")
 
@@ -148,13 +153,16 @@ class _Now(Collector):
 
 
 class HttpEndpoint:
-    """``/metrics`` over HTTP on ``address`` (port 0: a free one), on threads of its own:
-    a scrape never waits for a round, nor a round for a scrape."""
+    """``/metrics`` over HTTP on ``address`` (port 0: a free one), and with ``pages`` the
+    status page at ``/`` and its data under ``/api``; on threads of its own: a scrape or
+    a page never waits for a round, nor a round for them. Read-only: GET alone."""
 
-    def __init__(self, address: str, telemetry: Telemetry) -> None:
+    def __init__(
+        self, address: str, telemetry: Telemetry, pages: StatusPages | None = None
+    ) -> None:
         host, port = check_http_address(address)
         try:
-            self._server = ThreadingHTTPServer((host, port), _handler(telemetry))
+            self._server = ThreadingHTTPServer((host, port), _handler(telemetry, pages))
         except OSError as exc:
             raise ConfigError(f"--http {address}: cannot listen there: {exc.strerror}") from None
         self._server.daemon_threads = True
@@ -194,20 +202,39 @@ def _bracketed(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def _handler(telemetry: Telemetry) -> type[BaseHTTPRequestHandler]:
+def _handler(telemetry: Telemetry, pages: StatusPages | None) -> type[BaseHTTPRequestHandler]:
+    page = (Path(__file__).parent / "status_page.html").read_bytes() if pages else b""
+
     class Handler(BaseHTTPRequestHandler):
         server_version = f"fedra/{__version__}"
 
         def do_GET(self) -> None:
-            if self.path.split("?", 1)[0] != "/metrics":
+            path = urllib.parse.urlsplit(self.path).path
+            if path == "/metrics":
+                self._reply(200, telemetry.exposition(), CONTENT_TYPE_LATEST)
+            elif pages is None:
                 self._reply(404, b"not found: this address serves /metrics\n", "text/plain")
-                return
-            self._reply(200, telemetry.exposition(), CONTENT_TYPE_LATEST)
+            elif path == "/":
+                self._reply(200, page, "text/html; charset=utf-8")
+            elif path == "/api/runs":
+                self._json(200, pages.runs())
+            elif path.startswith("/api/runs/"):
+                run_id = urllib.parse.unquote(path.removeprefix("/api/runs/"))
+                try:
+                    self._json(200, pages.run(run_id))
+                except NotFound as exc:
+                    self._json(404, {"error": str(exc)})
+            else:
+                self._json(404, {"error": f"no page {path!r}: /, /api/runs, /metrics"})
+
+        def _json(self, code: int, doc: object) -> None:
+            self._reply(code, json.dumps(doc).encode(), "application/json")
 
         def _reply(self, code: int, body: bytes, kind: str) -> None:
             self.send_response(code)
             self.send_header("Content-Type", kind)
             self.send_header("Content-Length", str(len(body)))
+            self.send_header("Cache-Control", "no-store")
             self.end_headers()
             self.wfile.write(body)
 

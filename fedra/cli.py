@@ -792,8 +792,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument(
         "--http", metavar="HOST:PORT",
-        help="serve Prometheus metrics at /metrics of this address (a loopback one; port 0: "
-        "a free port, written to coordinator.json as http_address)",
+        help="serve Prometheus metrics at /metrics and the status page at / of this address "
+        "(a loopback one; port 0: a free port, written to coordinator.json as http_address)",
     )  # fmt: skip
     c.set_defaults(func=_cmd_coordinator)
 
