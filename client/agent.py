@@ -22,6 +22,7 @@ from fedra import logformat, pki
 from fedra.client.config import SiteConfig
 from fedra.client.connection import TRANSIENT, Assignment, Connection, Session, new_nonce
 from fedra.client.executor import Executor, LocalExecutor, WorldBroken
+from fedra.client.metrics import RoundMeasures, SiteMetrics, world_restarts, write_site_file
 from fedra.client.pending import PendingUpdate, PendingUpdates
 from fedra.client.task import FitSettings, ParallelTask, Task, load_task
 from fedra.config import ConfigError
@@ -101,6 +102,9 @@ class SiteAgent:
         self.tag = f"site {config.site_id}"
         self.rounds_done = 0
         self.registered = False  # once it has, the coordinator is "lost", not misconfigured
+        # Always kept (a registry of its own costs little); served with [metrics] http.
+        self.metrics = SiteMetrics(config.site_id, world_restarts())
+        self._downloaded = 0  # bytes the current task's global model took to come here
 
     def shutdown(self, reason: str = "") -> None:
         """Stop serving: report a task in flight as failed, cancel a long poll.
@@ -114,8 +118,27 @@ class SiteAgent:
         self.conn.close()
 
     def run(self) -> None:
-        """Serve until ``stop`` is set."""
+        """Serve until ``stop`` is set; the metrics endpoint, if any, for as long."""
         logformat.set_about(site=self.config.site_id)  # this thread serves this site alone
+        self._serve_metrics()
+        try:
+            self._run()
+        finally:
+            self.metrics.close()
+
+    def _serve_metrics(self) -> None:
+        """Start ``/metrics`` if [metrics] http asks, and say where (port 0: the one bound)."""
+        if not self.config.metrics.http:
+            return
+        try:
+            address = self.metrics.serve(self.config.metrics.http)
+        except ConfigError as exc:
+            raise ConfigError(f"{_in(self.config)}{exc}") from None
+        if self.config.state_dir is not None:
+            write_site_file(self.config.state_dir, self.config.site_id, address)
+        log.info("%s: metrics at http://%s/metrics", self.tag, address)
+
+    def _run(self) -> None:
         while not self.stop.is_set():
             try:
                 session = self.conn.register(list(self.config.allowed_tasks))
@@ -153,6 +176,7 @@ class SiteAgent:
     def _run_task(self, task: Assignment, session: Session) -> None:
         tag = f"{self.tag} run {task.run_id} round {task.round}"
         if task.entry_point not in self.tasks:  # the coordinator should never ask; refuse anyway
+            self.metrics.round_failed(task.run_id, "not_allowed")
             self.conn.report_failure(task.task_id, f"task {task.entry_point!r} is not allowed here")
             return
         beat = _Heartbeat(self.conn, task.task_id, session.heartbeat_interval_s)
@@ -168,13 +192,16 @@ class SiteAgent:
                 raise  # reconnect, or (revoked, not who we say) stop for good
             # The coordinator refused this update (e.g. INVALID_ARGUMENT): say so, keep serving.
             log.error("%s: update refused: %s: %s", tag, exc.code().name, exc.details())
+            self.metrics.round_failed(task.run_id, "refused")
             self._report(task, f"update refused: {exc.code().name}: {exc.details()}")
         except WorldBroken:  # a rank failed mid-collective: exit, the local world restarts
             log.exception("%s: the local world failed", tag)
+            self.metrics.round_failed(task.run_id, "world")
             self._report(task, "a local rank failed; the site's local world is restarting")
             raise
         except Exception as exc:  # the task's own code failed: say so, keep serving
             log.exception("%s: training failed", tag)
+            self.metrics.round_failed(task.run_id, "task")
             self._report(task, f"{type(exc).__name__}: {exc}")
         finally:
             self.current = None
@@ -192,6 +219,7 @@ class SiteAgent:
         params = task.train.params
         started = time.monotonic()
         masker = None
+        self._downloaded = len(task.model)  # sent with the task; _global_model adds downloads
         if not task.init and self._settle(task):
             return  # this very task's update was sent before a restart, and is in
         if task.init:
@@ -221,10 +249,12 @@ class SiteAgent:
                 raise ValueError(f"the update's tensor {name!r} has non-finite values")
         if masker is not None and task.secagg is not None:
             wire = {MASKED: to_wire_u32(_masked(masker, task.secagg, payload))}
-            self._upload(task, wire, num_samples, metrics, new_nonce())
+            sending = time.monotonic()
+            sent = self._upload(task, wire, num_samples, metrics, new_nonce())
+            upload_s = time.monotonic() - sending
             crash_point("after_upload", task.round)
             self._secagg_reveal(task, masker)
-            self.rounds_done += 1
+            self._round_done(task, num_samples, metrics, sent, upload_s)
             log.info("%s: masked update accepted and unmasking shares revealed", tag)
             return
         compressor = self._compressor(task)
@@ -236,12 +266,36 @@ class SiteAgent:
             after = compressor.residual
             self._compressors[task.run_id] = Compressor(task.codec, before or None)
             self._pending.hold(PendingUpdate(task, nonce, num_samples, dict(metrics), wire, after))
-        self._upload(task, wire, num_samples, metrics, nonce)
-        self.rounds_done += 1
+        sending = time.monotonic()
+        sent = self._upload(task, wire, num_samples, metrics, nonce)
+        self._round_done(task, num_samples, metrics, sent, time.monotonic() - sending)
         log.info(
             "%s: update accepted (%s)",
             tag,
             ", ".join(f"{k} {v:.4g}" for k, v in sorted(metrics.items())),
+        )
+
+    def _round_done(
+        self,
+        task: Assignment,
+        num_samples: int,
+        metrics: Mapping[str, float],
+        upload_bytes: int,
+        upload_s: float,
+    ) -> None:
+        """Count a delivered update, with the timings the coordinator is sent too."""
+        self.rounds_done += 1
+        self.metrics.round_done(
+            RoundMeasures(
+                run_id=task.run_id,
+                compute_s=metrics.get("compute_s", 0.0),
+                samples=0.0 if task.init else metrics.get("samples_seen", float(num_samples)),
+                tokens=metrics.get("tokens", 0.0),
+                download_bytes=self._downloaded,
+                download_s=metrics.get("download_s", 0.0),
+                upload_bytes=upload_bytes,
+                upload_s=upload_s,
+            )
         )
 
     def _train(
@@ -293,6 +347,7 @@ class SiteAgent:
                 log.info("%s: rebuilt the initial model from the run's seed", self.tag)
         if model is None and task.delta_sha256 and held is not None and held[0] == task.base_sha256:
             step = self.conn.download(task, timeout_s=timeout_s, delta=True)
+            self._downloaded += task.delta_bytes
             model = apply_step(held[1], step, task.codec)
             if digest_and_size(model)[0] != task.model_sha256:  # never train on a near miss
                 log.warning("%s: the rebuilt model does not match; downloading it whole", self.tag)
@@ -303,6 +358,7 @@ class SiteAgent:
             self._globals = {}
             reuse = held[1] if held is not None else None
             model = self.conn.download(task, timeout_s=timeout_s, reuse=reuse)
+            self._downloaded += task.model_bytes
         self._globals = {task.run_id: (task.model_sha256, model)}  # one run's model at a time
         return model
 
@@ -415,6 +471,7 @@ class SiteAgent:
         if same:  # its attempt is still open: keep it pending
             log.info("%s: the update sent before a restart is in", self.tag)
             self.rounds_done += 1
+            self.metrics.round_done(RoundMeasures(run_id=task.run_id))  # measured before it
             return True
         compressor = Compressor(p.task.codec, p.residual or None)
         self._save_residual(p.task, compressor)
@@ -430,12 +487,14 @@ class SiteAgent:
         metrics: dict[str, float],
         nonce: bytes,
         header_only: bool = False,
-    ) -> None:
+    ) -> int:
+        """Send an update, retrying transient failures; the bytes the coordinator received."""
         retry = Backoff(cap_s=self.config.reconnect_max_s)
         while True:
             try:
-                self.conn.upload(task, payload, num_samples, metrics, nonce, 600.0, header_only)
-                return
+                return self.conn.upload(
+                    task, payload, num_samples, metrics, nonce, 600.0, header_only
+                )
             except grpc.RpcError as exc:
                 if exc.code() not in TRANSIENT or self.stop.is_set():
                     raise

@@ -17,14 +17,16 @@ from fedra.config import (
     load_toml,
     require,
 )
+from fedra.httpserve import parse_address
 
 _KEYS = {
     "site_id", "coordinator", "allowed_tasks", "data", "reconnect_max_s", "threads", "parallel",
-    "tls_dir", "insecure", "state_dir",
+    "tls_dir", "insecure", "state_dir", "metrics",
 }  # fmt: skip
 _PARALLEL_KEYS = {
     "nproc", "plan", "backend", "tp_size", "pp_size", "pp_schedule", "microbatches", "max_restarts",
 }  # fmt: skip
+_METRICS_KEYS = {"http"}
 PLAN_NAMES = ("none", "dp", "fsdp", "tp", "fsdp+tp", "pp", "pp+dp", "ep")
 _TWO_D = {"fsdp+tp": "tp_size", "pp+dp": "pp_size"}
 
@@ -99,6 +101,35 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    """The site's own Prometheus endpoint: the ``[metrics]`` table."""
+
+    http: str = ""  # host:port of /metrics (port 0: a free one); "": none
+
+    @staticmethod
+    def from_toml(t: dict[str, Any]) -> MetricsConfig:
+        check_keys(t, _METRICS_KEYS, "metrics")
+        http = get(t, "http", str, "metrics", "")
+        if http:
+            check_metrics_address(http)
+        return MetricsConfig(http=http)
+
+
+def check_metrics_address(address: str) -> tuple[str, int]:
+    """(host, port) of ``[metrics] http``, or ConfigError naming it. A loopback host only:
+    the endpoint has no TLS, and a site opens no port that others can reach."""
+    host, port, loopback = parse_address(address, "metrics.http")
+    require(
+        loopback,
+        "metrics.http",
+        "must be a loopback address (127.0.0.1, [::1] or localhost): the endpoint has no "
+        "TLS; scrape it from this machine or through a TLS proxy",
+        address,
+    )
+    return host, port
+
+
+@dataclass(frozen=True)
 class SiteConfig:
     site_id: str
     coordinator: str  # host:port
@@ -110,6 +141,7 @@ class SiteConfig:
     tls_dir: Path | None = None  # this site's folder from `fedra provision`
     insecure: bool = False  # plaintext to an --insecure coordinator: development only
     state_dir: Path | None = None  # keeps top-k error feedback across restarts
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     path: Path | None = None  # the site.toml it was read from, for errors found later
 
     @staticmethod
@@ -154,6 +186,7 @@ class SiteConfig:
             tls_dir=Path(tls_dir) if tls_dir else None,
             insecure=insecure,
             state_dir=Path(state_dir) if state_dir else None,
+            metrics=MetricsConfig.from_toml(get(doc, "metrics", dict, "", {})),
         )
 
     @staticmethod

@@ -30,7 +30,12 @@ class Guard:
         """The verified caller, or None in insecure mode; Unauthenticated otherwise."""
         if self.insecure:
             return None
-        who = pki.peer_identity(context)
+        return self.checked(pki.peer_identity(context))
+
+    def checked(self, who: pki.Identity | None) -> pki.Identity:
+        """``who`` (from a certificate verified against the project CA) if it is not
+        revoked; Unauthenticated without one, or revoked; Unavailable while the deny list
+        cannot be read (fail closed)."""
         if who is None:
             raise Unauthenticated("no verified client certificate")
         assert self.deny_list is not None
@@ -44,6 +49,16 @@ class Guard:
             raise Unavailable("the coordinator cannot check revocations right now") from exc
         if revoked:
             raise Unauthenticated(f"the certificate of {who.role} {who.name!r} is revoked")
+        return who
+
+    def admin_certificate(self, cert_pem: bytes | None) -> pki.Identity:
+        """The admin a verified client certificate (PEM, from a TLS edge other than gRPC,
+        e.g. the status page) names; refused as the admin calls are refused."""
+        who = self.checked(pki.identity_of(cert_pem) if cert_pem else None)
+        if who.role != "admin":
+            raise PermissionDenied(
+                f"this endpoint needs an admin certificate; {who.role} {who.name!r} has none"
+            )
         return who
 
     def revoked_sites(self) -> frozenset[str]:

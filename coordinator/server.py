@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import signal
+import ssl
 import sys
 import threading
 import time
@@ -33,6 +34,7 @@ from fedra.coordinator.service import AdminService, SiteService, refuse
 from fedra.coordinator.telemetry import HttpEndpoint, Telemetry, check_http_address
 from fedra.coordinator.web import StatusPages
 from fedra.files import LockHeld, ProcessLock
+from fedra.httpserve import tls_context
 from fedra.protos import wire
 from fedra.protos.v1 import admin_pb2, admin_pb2_grpc, site_pb2, site_pb2_grpc
 from fedra.storage import BlobStore, Store
@@ -68,7 +70,9 @@ class CoordinatorConfig:
     limits: EdgeLimits = field(default_factory=EdgeLimits)  # calls per caller, idle streams
     tls_dir: Path | None = None  # the coordinator's folder from `fedra provision`
     insecure: bool = False  # plaintext, no identities: localhost development only
-    http: str = ""  # HOST:PORT of /metrics (telemetry.HttpEndpoint); empty: none
+    # HOST:PORT of /metrics and the status page (telemetry.HttpEndpoint); empty: none.
+    # Off loopback: TLS with the coordinator's certificate, admin client certificates only.
+    http: str = ""
 
     def __post_init__(self) -> None:
         if (self.tls_dir is None) == (not self.insecure):
@@ -81,7 +85,7 @@ class CoordinatorConfig:
                 f"--workers: must be from {MIN_WORKERS} to {MAX_WORKERS}, got {self.max_workers}"
             )
         if self.http:
-            check_http_address(self.http)
+            check_http_address(self.http, tls=self.tls_dir is not None)
         window = self.stream_window_mb
         if not (math.isfinite(window) and 0 <= window <= MAX_STREAM_WINDOW_MB):
             raise ConfigError(
@@ -359,6 +363,24 @@ def serve(config: CoordinatorConfig) -> None:
         state_lock.release()
 
 
+def _http_endpoint(
+    config: CoordinatorConfig, telemetry: Telemetry, pages: StatusPages
+) -> HttpEndpoint:
+    """``--http``: plain on loopback; elsewhere TLS with the coordinator's own certificate,
+    to callers with an admin certificate of the project CA that is not revoked."""
+    _, _, loopback = check_http_address(config.http, tls=config.tls_dir is not None)
+    if loopback or config.tls_dir is None:
+        return HttpEndpoint(config.http, telemetry, pages)
+    guard = Guard(pki.DenyList(config.deny_list_path))
+    try:
+        tls = tls_context(config.tls_dir)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(
+            f"--http: cannot serve TLS from --tls-dir {config.tls_dir}: {exc}"
+        ) from None
+    return HttpEndpoint(config.http, telemetry, pages, tls, guard.admin_certificate)
+
+
 def claim_state_dir(state_dir: Path) -> ProcessLock:
     """Hold ``state_dir`` for this process: a second coordinator on it (which would drive
     the same runs, clear the first's temporary files and take its readiness file) fails
@@ -387,7 +409,7 @@ def _serve(config: CoordinatorConfig, tls: pki.TlsFiles | None) -> None:
             telemetry = Telemetry(lambda: engine.gauges(engine.barred()))
             engine.observers.add(telemetry)
             pages = StatusPages(engine, config.insecure)
-            endpoint = HttpEndpoint(config.http, telemetry, pages)
+            endpoint = _http_endpoint(config, telemetry, pages)
         address = f"{config.host}:{config.port}"
         # Bound before the engine starts: a port in use fails the start before any run moves.
         server, port = create_server(
@@ -418,11 +440,19 @@ def _serve(config: CoordinatorConfig, tls: pki.TlsFiles | None) -> None:
             "database": _redact(config.database_url),
             "started_unix_s": time.time(),
             "insecure": config.insecure,
-            **({"http_address": endpoint.address} if endpoint is not None else {}),
+            **(
+                {
+                    "http_address": endpoint.address,
+                    "http_url": f"{endpoint.scheme}://{endpoint.address}/",
+                }
+                if endpoint is not None
+                else {}
+            ),
         },
     )
     if endpoint is not None:
-        log.info("metrics at http://%s/metrics", endpoint.address)
+        url = f"{endpoint.scheme}://{endpoint.address}/"
+        log.info("status page at %s, metrics at %smetrics", url, url)
     if config.insecure:
         log.warning("serving on %s:%d WITHOUT TLS: for localhost development only", host, port)
     else:

@@ -8,13 +8,12 @@ status``). Each coordinator has a registry of its own, never the process-wide on
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import logging
-import threading
+import ssl
 import urllib.parse
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -25,15 +24,19 @@ from prometheus_client.registry import Collector
 from fedra import __version__
 from fedra.config import ConfigError
 from fedra.coordinator.engine import Gauges
-from fedra.coordinator.errors import NotFound
+from fedra.coordinator.errors import FedraError, NotFound, Unauthenticated, Unavailable
 from fedra.coordinator.observers import Observer, RoundEnded, RunEnded
 from fedra.coordinator.web import StatusPages
+from fedra.httpserve import HttpServer, Replies, parse_address
 
 log = logging.getLogger("fedra.coordinator")
 
 # Seconds: a round of a tiny model takes well under a second, a large one an hour.
 ROUND_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 STAGE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+# A refused caller's reply: no certificate or a revoked one, a deny list unreadable now;
+# anything else (a site's or another role's certificate) is forbidden.
+_HTTP_STATUS: dict[type[FedraError], int] = {Unauthenticated: 401, Unavailable: 503}
 COMMIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5)
 
 
@@ -155,67 +158,71 @@ class _Now(Collector):
 class HttpEndpoint:
     """``/metrics`` over HTTP on ``address`` (port 0: a free one), and with ``pages`` the
     status page at ``/`` and its data under ``/api``; on threads of its own: a scrape or
-    a page never waits for a round, nor a round for them. Read-only: GET alone."""
+    a page never waits for a round, nor a round for them. Read-only: GET alone.
+
+    On a loopback address it serves plain HTTP to anyone on this machine. Elsewhere it
+    needs ``tls`` (the coordinator's own certificate and CA) and ``admit``, which checks
+    each caller's client certificate as the admin commands are checked (an admin of the
+    project CA, not revoked) and raises a FedraError otherwise."""
 
     def __init__(
-        self, address: str, telemetry: Telemetry, pages: StatusPages | None = None
+        self,
+        address: str,
+        telemetry: Telemetry,
+        pages: StatusPages | None = None,
+        tls: ssl.SSLContext | None = None,
+        admit: Callable[[bytes | None], object] | None = None,
     ) -> None:
-        host, port = check_http_address(address)
-        try:
-            self._server = ThreadingHTTPServer((host, port), _handler(telemetry, pages))
-        except OSError as exc:
-            raise ConfigError(f"--http {address}: cannot listen there: {exc.strerror}") from None
-        self._server.daemon_threads = True
-        self.address = f"{_bracketed(host)}:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever, name="http", daemon=True)
+        check_http_address(address, tls=tls is not None)
+        if tls is not None and admit is None:
+            raise ValueError("a TLS endpoint needs a check of its callers")
+        self._http = HttpServer(address, "--http", _handler(telemetry, pages, admit), tls)
+        self.address, self.scheme = self._http.address, self._http.scheme
 
     def start(self) -> None:
-        self._thread.start()
+        self._http.start()
 
     def stop(self) -> None:
-        if self._thread.is_alive():
-            self._server.shutdown()
-        self._server.server_close()
+        self._http.stop()
 
 
-def check_http_address(address: str) -> tuple[str, int]:
-    """(host, port) of ``--http``; ConfigError naming what is wrong. Only a loopback
-    host: the endpoint has no TLS, so it is reachable from this machine alone."""
-    host, sep, port = address.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise ConfigError(f"--http {address!r}: expected HOST:PORT, e.g. 127.0.0.1:9100")
-    try:
-        loopback = ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = host == "localhost"
-    if not loopback:
+def check_http_address(address: str, tls: bool = False) -> tuple[str, int, bool]:
+    """(host, port, loopback) of ``--http``; ConfigError naming what is wrong. Without
+    ``tls`` only a loopback host: plain HTTP is for this machine alone."""
+    host, port, loopback = parse_address(address, "--http")
+    if not loopback and not tls:
         raise ConfigError(
-            f"--http {address!r}: the metrics endpoint serves without TLS, so it binds a "
-            "loopback address only (127.0.0.1, ::1, localhost); scrape it from this machine "
-            "or through a TLS proxy"
+            f"--http {address!r}: off a loopback address (127.0.0.1, [::1], localhost) the "
+            "endpoint serves TLS to admin certificates only: give --tls-dir, not --insecure, "
+            "or bind 127.0.0.1"
         )
-    return host, int(port)
+    return host, port, loopback
 
 
-def _bracketed(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
-
-
-def _handler(telemetry: Telemetry, pages: StatusPages | None) -> type[BaseHTTPRequestHandler]:
+def _handler(
+    telemetry: Telemetry,
+    pages: StatusPages | None,
+    admit: Callable[[bytes | None], object] | None,
+) -> type[BaseHTTPRequestHandler]:
     page = (Path(__file__).parent / "status_page.html").read_bytes() if pages else b""
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(Replies):
         server_version = f"fedra/{__version__}"
 
-        def do_GET(self) -> None:
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            if admit is not None:
+                try:
+                    admit(self.peer_pem())
+                except FedraError as exc:
+                    self._json(_HTTP_STATUS.get(type(exc), 403), {"error": str(exc)})
+                    return
             path = urllib.parse.urlsplit(self.path).path
             if path == "/metrics":
-                self._reply(200, telemetry.exposition(), CONTENT_TYPE_LATEST)
+                self.reply(200, telemetry.exposition(), CONTENT_TYPE_LATEST)
             elif pages is None:
-                self._reply(404, b"not found: this address serves /metrics\n", "text/plain")
+                self.reply(404, b"not found: this address serves /metrics\n", "text/plain")
             elif path == "/":
-                self._reply(200, page, "text/html; charset=utf-8")
+                self.reply(200, page, "text/html; charset=utf-8")
             elif path == "/api/runs":
                 self._json(200, pages.runs())
             elif path.startswith("/api/runs/"):
@@ -228,17 +235,6 @@ def _handler(telemetry: Telemetry, pages: StatusPages | None) -> type[BaseHTTPRe
                 self._json(404, {"error": f"no page {path!r}: /, /api/runs, /metrics"})
 
         def _json(self, code: int, doc: object) -> None:
-            self._reply(code, json.dumps(doc).encode(), "application/json")
-
-        def _reply(self, code: int, body: bytes, kind: str) -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", kind)
-            self.send_header("Content-Length", str(len(body)))
-            self.send_header("Cache-Control", "no-store")
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: object) -> None:
-            log.debug("http: " + format, *args)
+            self.reply(code, json.dumps(doc).encode(), "application/json")
 
     return Handler

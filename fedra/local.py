@@ -76,12 +76,15 @@ def write_site_config(
     site: Mapping[str, Any],
     data: Mapping[str, Any],
     parallel: Mapping[str, Any] | None = None,
+    tables: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Path:
-    """Write a site.toml: top-level keys ``site``, a ``[data]`` and a ``[parallel]`` table."""
+    """Write a site.toml: top-level keys ``site``, a ``[data]`` and a ``[parallel]`` table,
+    and any other ``tables`` (e.g. ``{"metrics": {"http": "127.0.0.1:0"}}``)."""
     lines = [f"{k} = {_toml_value(v)}" for k, v in site.items()]
-    lines += ["", "[data]"] + [f"{k} = {_toml_value(v)}" for k, v in data.items()]
-    if parallel:
-        lines += ["", "[parallel]"] + [f"{k} = {_toml_value(v)}" for k, v in parallel.items()]
+    every = {"data": data, "parallel": parallel or {}, **(tables or {})}
+    for name, table in every.items():
+        if table or name == "data":
+            lines += ["", f"[{name}]"] + [f"{k} = {_toml_value(v)}" for k, v in table.items()]
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -139,7 +142,7 @@ class LocalCluster:
             args += ["--db", db_url]
         proc = self._spawn("coordinator", args, extra_env)
         self.coordinator = proc
-        info = self._wait(
+        info = self.wait_for(
             lambda: _read_ready(ready, proc.pid), proc, timeout_s, "write coordinator.json"
         )
         self.address = str(info["address"])
@@ -155,8 +158,10 @@ class LocalCluster:
         reconnect_max_s: float = 2.0,
         parallel: Mapping[str, Any] | None = None,
         coordinator: str | None = None,
+        tables: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> ManagedProcess:
-        """Write ``<site_id>.toml`` (with an optional ``[parallel]`` table) and start it."""
+        """Write ``<site_id>.toml`` (with optional ``[parallel]`` and other ``tables``) and
+        start it."""
         site = {
             "site_id": site_id,
             "coordinator": coordinator or self.address,  # e.g. a WAN-emulating proxy
@@ -169,7 +174,8 @@ class LocalCluster:
             site["tls_dir"] = str(self._pki_folder("site", site_id))
         else:
             site["insecure"] = True
-        config = write_site_config(self.state_dir / f"{site_id}.toml", site, data, parallel)
+        path = self.state_dir / f"{site_id}.toml"
+        config = write_site_config(path, site, data, parallel, tables)
         proc = self._spawn(site_id, ["site", "--config", str(config)], extra_env)
         self.sites[site_id] = proc
         return proc
@@ -212,9 +218,11 @@ class LocalCluster:
                         raise ClusterError(f"site {sid} exited:\n{self.sites[sid].log_tail()}")
                 return wanted <= {s.site_id for s in admin.sites() if s.online}
 
-            self._wait(online, self.coordinator, timeout_s, f"see sites {sorted(wanted)} online")
+            self.wait_for(online, self.coordinator, timeout_s, f"see sites {sorted(wanted)} online")
 
-    def _wait(self, probe: Any, proc: ManagedProcess, timeout_s: float, what: str) -> Any:
+    def wait_for(self, probe: Any, proc: ManagedProcess, timeout_s: float, what: str) -> Any:
+        """``probe()`` once it is truthy; ClusterError (with ``proc``'s log) if ``proc``
+        exits first or ``timeout_s`` passes, saying what it did not ``what``."""
         deadline = time.monotonic() + timeout_s
         delay = 0.05
         while True:

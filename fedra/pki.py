@@ -359,6 +359,12 @@ def _identity_from_pem(pem: bytes) -> Identity | None:
     return Identity(name=str(names[0].value), role=str(roles[0].value), serial=cert.serial_number)
 
 
+def identity_of(cert_pem: bytes) -> Identity | None:
+    """Who a certificate (PEM) names, or None if it is not a fedra participant's. Says
+    nothing of its validity: only for a certificate a TLS handshake has verified."""
+    return _identity_from_pem(cert_pem)
+
+
 def peer_identity(context: grpc.ServicerContext) -> Identity | None:
     """The caller's identity from its certificate, or None without one.
 

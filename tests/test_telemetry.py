@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import http.client
 import json
+import socket
+import ssl
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -10,11 +13,14 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from fedra import pki
 from fedra.config import READY_FILE, ConfigError
+from fedra.coordinator.auth import Guard
 from fedra.coordinator.engine import Gauges
 from fedra.coordinator.observers import Observers, RoundEnded, RunEnded
 from fedra.coordinator.telemetry import HttpEndpoint, Telemetry, check_http_address
-from fedra.local import LocalCluster
+from fedra.httpserve import tls_context
+from fedra.local import ClusterError, LocalCluster
 from tests.test_cluster import FAST, finished, start_synthetic_sites, synthetic_spec, wait_until
 
 NOW = Gauges(
@@ -99,12 +105,13 @@ def test_a_failing_observer_fails_nothing_else() -> None:
 @pytest.mark.parametrize(
     ("address", "why"),
     [
-        ("9100", "expected HOST:PORT"),
-        ("127.0.0.1:", "expected HOST:PORT"),
-        ("127.0.0.1:99999", "expected HOST:PORT"),
-        ("0.0.0.0:9100", "loopback address only"),
-        ("10.1.2.3:9100", "loopback address only"),
-        ("metrics.example.org:9100", "loopback address only"),
+        ("9100", "must be host:port"),
+        ("127.0.0.1:", "must be host:port"),
+        ("127.0.0.1:99999", "must be host:port"),
+        ("::1:9100", "IPv6 host in brackets"),
+        ("0.0.0.0:9100", "admin certificates only: give --tls-dir"),
+        ("10.1.2.3:9100", "admin certificates only"),
+        ("metrics.example.org:9100", "admin certificates only"),
     ],
 )
 def test_a_bad_or_exposed_http_address_is_refused(address: str, why: str) -> None:
@@ -113,9 +120,11 @@ def test_a_bad_or_exposed_http_address_is_refused(address: str, why: str) -> Non
 
 
 def test_loopback_addresses_are_accepted() -> None:
-    assert check_http_address("127.0.0.1:0") == ("127.0.0.1", 0)
-    assert check_http_address("localhost:9100") == ("localhost", 9100)
-    assert check_http_address("[::1]:9100") == ("::1", 9100)
+    assert check_http_address("127.0.0.1:0") == ("127.0.0.1", 0, True)
+    assert check_http_address("localhost:9100") == ("localhost", 9100, True)
+    assert check_http_address("[::1]:9100") == ("::1", 9100, True)
+    # Off loopback only with TLS (the coordinator's --tls-dir): admin certificates then.
+    assert check_http_address("0.0.0.0:9100", tls=True) == ("0.0.0.0", 9100, False)
 
 
 def test_the_endpoint_serves_metrics_and_nothing_else() -> None:
@@ -164,3 +173,101 @@ def test_a_coordinator_s_metrics_follow_its_rounds(tmp_path: Path) -> None:
     assert after[("fedra_sites_registered", ())] == 2
     assert after[("fedra_db_commit_seconds_count", ())] >= 1
     assert after[("fedra_refusals_total", (("status", "NOT_FOUND"),))] >= 1
+
+
+# -- off loopback: TLS, admin certificates only ------------------------------------------
+
+
+def _client(pki_dir: Path, who: Path | None) -> ssl.SSLContext:
+    """A client trusting the project CA, presenting ``who``'s certificate if given."""
+    ctx = ssl.create_default_context(cafile=str(pki_dir / "ca" / "ca.pem"))
+    if who is not None:
+        ctx.load_cert_chain(who / "cert.pem", who / "key.pem")
+    return ctx
+
+
+def _get(url: str, ctx: ssl.SSLContext) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=10, context=ctx) as reply:
+            return reply.status, reply.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+@pytest.fixture(scope="module")
+def federation(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("pki")
+    pki.provision(out, coordinator_hosts=["127.0.0.1"], sites=["s1"], admins=["ops", "gone"])
+    return out
+
+
+def test_off_loopback_only_an_admin_certificate_of_the_ca_is_served(
+    federation: Path, tmp_path: Path
+) -> None:
+    deny = tmp_path / "deny.json"
+    guard = Guard(pki.DenyList(deny))
+    tls = tls_context(federation / "coordinator")
+    endpoint = HttpEndpoint(
+        "0.0.0.0:0", Telemetry(lambda: NOW), tls=tls, admit=guard.admin_certificate
+    )
+    endpoint.start()
+    try:
+        assert endpoint.scheme == "https"
+        port = int(endpoint.address.rpartition(":")[2])
+        url = f"https://127.0.0.1:{port}/metrics"
+        admin = federation / "admins" / "ops"
+        code, body = _get(url, _client(federation, admin))
+        assert code == 200 and samples(body.decode())[("fedra_sites_online", ())] == 3
+        # A site's certificate is the project's, but not an admin's.
+        code, body = _get(url, _client(federation, federation / "sites" / "s1"))
+        assert code == 403 and b"needs an admin certificate" in body
+        # A revoked admin is refused from its next request on.
+        pki.revoke(deny, federation / "admins" / "gone")
+        code, body = _get(url, _client(federation, federation / "admins" / "gone"))
+        assert code == 401 and b"revoked" in body
+        assert _get(url, _client(federation, admin))[0] == 200
+        # No client certificate, or one of another CA: no TLS session at all.
+        with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError)):
+            _get(url, _client(federation, None))
+        other = tmp_path / "other"
+        pki.provision(other, coordinator_hosts=["127.0.0.1"], sites=[], admins=["ops"])
+        foreign = _client(federation, None)
+        foreign.load_cert_chain(
+            other / "admins" / "ops" / "cert.pem", other / "admins" / "ops" / "key.pem"
+        )
+        with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError)):
+            _get(url, foreign)
+        # Plain HTTP to the TLS port answers nothing.
+        with pytest.raises((urllib.error.URLError, ConnectionError, http.client.HTTPException)):
+            urllib.request.urlopen(url.replace("https", "http"), timeout=10)
+        # A stalled handshake holds its own thread only: others are served meanwhile.
+        with socket.create_connection(("127.0.0.1", port)):
+            assert _get(url, _client(federation, admin))[0] == 200
+    finally:
+        endpoint.stop()
+
+
+@pytest.mark.multiprocess
+def test_a_secure_daemon_serves_its_page_off_loopback_to_admins(tmp_path: Path) -> None:
+    with LocalCluster(tmp_path / "cluster") as cluster:  # mTLS, as in production
+        cluster.start_coordinator(flags=[*FAST, "--http", "0.0.0.0:0"])
+        ready = json.loads((cluster.state_dir / READY_FILE).read_text())
+        assert ready["http_url"].startswith("https://0.0.0.0:")
+        port = ready["http_address"].rpartition(":")[2]
+        admin = cluster.pki_dir / "admins" / "admin"
+        code, body = _get(f"https://127.0.0.1:{port}/api/runs", _client(cluster.pki_dir, admin))
+        assert code == 200 and json.loads(body) == []
+        with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError)):
+            _get(f"https://127.0.0.1:{port}/", _client(cluster.pki_dir, None))
+        cluster.stop()
+        log = cluster.coordinator.log_path.read_text() if cluster.coordinator else ""
+    assert f"status page at https://0.0.0.0:{port}/" in log
+
+
+@pytest.mark.multiprocess
+def test_an_insecure_daemon_refuses_to_serve_off_loopback(tmp_path: Path) -> None:
+    with (
+        LocalCluster(tmp_path / "cluster", secure=False) as cluster,
+        pytest.raises(ClusterError, match=r"--http '0\.0\.0\.0:0'.*give --tls-dir"),
+    ):
+        cluster.start_coordinator(flags=[*FAST, "--http", "0.0.0.0:0"], timeout_s=30)
