@@ -3,7 +3,7 @@
 The engine and its round drivers report what happened as typed events to an
 ``Observers`` fan-out, after the fact and outside the engine's lock. An observer is
 anything with the methods of ``Observer`` (``coordinator.telemetry``'s Prometheus
-metrics, ``fedra.tracking``'s TensorBoard and MLflow writers); one that fails or is slow
+metrics, ``fedra.coordinator.tracking``'s TensorBoard and MLflow writers); one that fails or is slow
 must not fail or slow a round, so each is called guarded, and one that does I/O hands
 the event to a thread of its own.
 """

@@ -32,6 +32,7 @@ from fedra.coordinator.engine import Engine, EngineSettings
 from fedra.coordinator.limits import CallLimiter, EdgeLimits
 from fedra.coordinator.service import AdminService, SiteService, refuse
 from fedra.coordinator.telemetry import HttpEndpoint, Telemetry, check_http_address
+from fedra.coordinator.tracking import check_track, parse_track
 from fedra.coordinator.web import StatusPages
 from fedra.files import LockHeld, ProcessLock
 from fedra.httpserve import tls_context
@@ -73,6 +74,7 @@ class CoordinatorConfig:
     # HOST:PORT of /metrics and the status page (telemetry.HttpEndpoint); empty: none.
     # Off loopback: TLS with the coordinator's certificate, admin client certificates only.
     http: str = ""
+    track: tuple[str, ...] = ()  # --track: tensorboard[=DIR], mlflow[=URI] (tracking.py)
 
     def __post_init__(self) -> None:
         if (self.tls_dir is None) == (not self.insecure):
@@ -86,6 +88,7 @@ class CoordinatorConfig:
             )
         if self.http:
             check_http_address(self.http, tls=self.tls_dir is not None)
+        check_track(self.track)
         window = self.stream_window_mb
         if not (math.isfinite(window) and 0 <= window <= MAX_STREAM_WINDOW_MB):
             raise ConfigError(
@@ -405,6 +408,10 @@ def _serve(config: CoordinatorConfig, tls: pki.TlsFiles | None) -> None:
     server: Server | None = None
     endpoint: HttpEndpoint | None = None
     try:
+        # Before the engine starts: resumed runs are told to the trackers as started again.
+        tracker = parse_track(config.track, config.state_dir)
+        if tracker is not None:
+            engine.observers.add(tracker)
         if config.http:  # bound first too: a port in use fails the start
             telemetry = Telemetry(lambda: engine.gauges(engine.barred()))
             engine.observers.add(telemetry)
@@ -427,6 +434,7 @@ def _serve(config: CoordinatorConfig, tls: pki.TlsFiles | None) -> None:
         if server is not None:
             server.stop(0)
         engine.stop()
+        engine.observers.close()  # a tracker's writer thread, its files
         engine.store.close()
         raise
     ready = config.state_dir / READY_FILE

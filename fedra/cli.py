@@ -121,6 +121,7 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
         tls_dir=Path(args.tls_dir) if args.tls_dir else None,
         insecure=args.insecure,
         http=args.http or "",
+        track=tuple(args.track),
         **window,
     )
     made_state_dir = not config.state_dir.exists()
@@ -793,7 +794,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--http", metavar="HOST:PORT",
         help="serve Prometheus metrics at /metrics and the status page at / of this address "
-        "(a loopback one; port 0: a free port, written to coordinator.json as http_address)",
+        "(plain HTTP on loopback; elsewhere TLS for admin certificates, needs --tls-dir; "
+        "port 0: a free port, written to coordinator.json as http_address)",
+    )  # fmt: skip
+    c.add_argument(
+        "--track", action="append", default=[], metavar="BACKEND[=WHERE]",
+        help="write each run's spec and committed rounds to tensorboard[=DIR] (default "
+        "STATE_DIR/tensorboard) or mlflow[=URI] (default sqlite:///STATE_DIR/mlruns/mlflow.db); "
+        "repeat for both; needs the tracking extra (default: none)",
     )  # fmt: skip
     c.set_defaults(func=_cmd_coordinator)
 

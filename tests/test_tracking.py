@@ -18,7 +18,7 @@ from tensorboard.backend.event_processing.event_accumulator import (  # type: ig
 
 from fedra.config import ConfigError
 from fedra.coordinator.observers import RoundEnded, RunEnded, RunStarted
-from fedra.tracking import (
+from fedra.coordinator.tracking import (
     FAILED_ATTEMPTS,
     MAX_PARAM_CHARS,
     RUN_TAG,
@@ -30,6 +30,8 @@ from fedra.tracking import (
     round_scalars,
     safe_key,
 )
+from fedra.local import ClusterError, LocalCluster
+from tests.test_cluster import FAST, finished, start_synthetic_sites, synthetic_spec, wait_until
 
 # mlflow's SQL store trips SQLAlchemy 2.1's deprecation of its own loader option.
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -390,3 +392,46 @@ def test_flatten_params() -> None:
     assert flatten_params(spec) == {
         "a.b.c": "1", "a.d": "[1, 2]", "e": "true", "f": "text", "g": "{}",
     }  # fmt: skip
+
+
+# -- a real daemon ---------------------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_a_daemon_with_track_writes_each_round_of_a_real_run(tmp_path: Path) -> None:
+    """``fedra coordinator --track tensorboard --track mlflow``: what run status says of
+    each committed round is what TensorBoard and MLflow read back, in the defaults'
+    places in the state directory."""
+    with LocalCluster(tmp_path / "cluster", secure=False) as cluster:
+        cluster.start_coordinator(flags=[*FAST, "--track", "tensorboard", "--track", "mlflow"])
+        start_synthetic_sites(cluster, n=2)
+        with cluster.admin() as admin:
+            run_id = admin.submit(synthetic_spec(rounds=2, sites_per_round=2, min_sites=2))
+            status = wait_until(admin, run_id, finished)
+        assert status.state == "completed", status.reason
+        cluster.stop()  # closes the trackers: everything queued is written
+        state = cluster.state_dir
+    rounds = {r.number: r for r in status.rounds if r.status == "committed"}
+    assert len(rounds) == 3  # the initial model's round and two trained
+    scalars = tensorboard_scalars(state / "tensorboard" / run_id)
+    assert sorted(scalars["duration_s"]) == sorted(rounds)
+    for number, r in rounds.items():
+        assert scalars["bytes_up"][number] == [pytest.approx(r.bytes_up)]
+        for name, value in r.metrics.items():
+            assert scalars[safe_key(name)][number] == [pytest.approx(value, rel=1e-6)], name
+    assert "eval_loss" in rounds[2].metrics and "train_loss" in rounds[2].metrics
+    client = MlflowClient(f"sqlite:///{state / 'mlruns' / 'mlflow.db'}")
+    run = mlflow_run(client, run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["rounds"] == "2"
+    assert_close_scalars(mlflow_scalars(client, run.info.run_id), scalars)
+
+
+@pytest.mark.multiprocess
+def test_a_bad_track_value_stops_the_daemon_at_start(tmp_path: Path) -> None:
+    with (
+        LocalCluster(tmp_path / "cluster", secure=False) as cluster,
+        pytest.raises(ClusterError, match=r"--track 'wandb': unknown backend"),
+    ):
+        cluster.start_coordinator(flags=["--track", "wandb"], timeout_s=30)

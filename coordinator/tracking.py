@@ -399,9 +399,11 @@ BACKENDS: dict[str, _Backend] = {
 ACCEPTED = "tensorboard[=DIR] or mlflow[=URI]"
 
 
-def parse_track(values: list[str], state_dir: Path) -> Tracker | None:
-    """The Tracker the repeated ``--track`` flag asks for (None if it was not given)."""
-    sinks: dict[str, Sink] = {}
+def check_track(values: Sequence[str]) -> list[tuple[str, str]]:
+    """(backend, location) for each ``--track`` value, location "" for the default; a
+    ConfigError naming the value for an unknown or repeated backend, an empty location,
+    or a backend whose package is not installed. Builds nothing."""
+    wanted: dict[str, str] = {}
     for value in values:
         kind, has_location, location = value.partition("=")
         backend = BACKENDS.get(kind)
@@ -409,12 +411,18 @@ def parse_track(values: list[str], state_dir: Path) -> Tracker | None:
             raise ConfigError(f"--track {value!r}: unknown backend (expected {ACCEPTED})")
         if has_location and not location.strip():
             raise ConfigError(f"--track {value!r}: empty location (expected {ACCEPTED})")
-        if kind in sinks:
+        if kind in wanted:
             raise ConfigError(f"--track {value!r}: {kind} given twice (each backend once)")
         if importlib.util.find_spec(backend.module) is None:
             raise ConfigError(
                 f"--track {kind}: the {backend.module} package is not installed: "
                 "pip install 'fedra[tracking]'"
             )
-        sinks[kind] = backend.make(location.strip(), state_dir)
-    return Tracker(list(sinks.values())) if sinks else None
+        wanted[kind] = location.strip()
+    return list(wanted.items())
+
+
+def parse_track(values: Sequence[str], state_dir: Path) -> Tracker | None:
+    """The Tracker the repeated ``--track`` flag asks for (None if it was not given)."""
+    sinks = [BACKENDS[kind].make(location, state_dir) for kind, location in check_track(values)]
+    return Tracker(sinks) if sinks else None
