@@ -14,10 +14,15 @@ from pathlib import Path
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from fedra.client.config import SiteConfig
+from fedra.httpserve import HttpServer, Replies
 
 
 def launch_world(config: SiteConfig, config_path: Path) -> None:
     """Run the local world until it stops (returns) or exhausts its restarts (raises)."""
+    if config.metrics.http:
+        # Rank 0 serves it; a port in use would fail every restart of the world in turn.
+        # Said once, here, before any worker starts (ConfigError naming the key).
+        HttpServer(config.metrics.http, "metrics.http", Replies).stop()
     launch = LaunchConfig(
         min_nodes=1,
         max_nodes=1,

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -28,7 +30,7 @@ from fedra.client.executor import LocalExecutor
 from fedra.client.metrics import MAX_RUNS, SITE_FILE, RoundMeasures, SiteMetrics
 from fedra.config import ConfigError
 from fedra.examples.synthetic import SyntheticTask
-from fedra.local import LocalCluster
+from fedra.local import LocalCluster, write_site_config
 from fedra.runspec import CodecSpec, TrainSpec
 from tests.test_cluster import FAST, SYNTHETIC, finished, synthetic_spec, wait_until
 
@@ -388,3 +390,28 @@ def test_a_real_site_serves_the_rounds_it_did(tmp_path: Path) -> None:
         cluster.stop()
         assert proc.popen.returncode == 0, proc.log_tail()
     assert "metrics at http://" + address in proc.log_path.read_text()
+
+
+@pytest.mark.multiprocess
+def test_a_parallel_site_with_its_port_in_use_stops_before_its_world_starts(
+    tmp_path: Path,
+) -> None:
+    """Not once per restart of the local world: at once, naming the key, no worker run."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        site = {**BASE, "allowed_tasks": [SYNTHETIC], "state_dir": str(tmp_path / "state")}
+        toml = write_site_config(
+            tmp_path / "site.toml", site, {"samples": 64},
+            parallel={"nproc": 2, "plan": "dp", "max_restarts": 3},
+            tables={"metrics": {"http": address}},
+        )  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-m", "fedra", "site", "--config", str(toml)],
+            check=False, capture_output=True, text=True, timeout=120,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+    assert done.returncode != 0
+    assert f"metrics.http {address}: cannot listen there" in done.stderr
+    assert "fedra.client.worker" not in done.stderr and "restart" not in done.stderr.lower()
