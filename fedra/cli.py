@@ -9,6 +9,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import sys
 import threading
@@ -337,12 +338,15 @@ def _state_line(status: admin_pb2.RunStatus) -> str:
 
 
 class _Progress:
-    """The open round's progress line of ``run watch``: at a terminal one line rewritten
-    in place (at most 10 times a second), otherwise a plain line when its counts changed,
-    at most one every ``PLAIN_EVERY_S`` (a round of thousands of sites changes thousands
-    of times: a log file gets a line every few seconds, not one per update)."""
+    """The open round's progress of ``run watch``: at a terminal one line rewritten in
+    place (at most 10 times a second) with a bar of the updates in, otherwise a plain
+    line when its counts changed, at most one every ``PLAIN_EVERY_S`` (a round of
+    thousands of sites changes thousands of times: a log file gets a line every few
+    seconds, not one per update). A run waiting for sites to open its round says so the
+    same way, with how long it has waited."""
 
     PLAIN_EVERY_S = 5.0
+    BAR = 24  # characters of the bar
 
     def __init__(self) -> None:
         self.live = sys.stdout.isatty()
@@ -351,17 +355,31 @@ class _Progress:
         self.shown = False  # a live line is on screen (ended before anything else prints)
 
     def update(self, r: admin_pb2.RoundStatus) -> None:
-        now = time.monotonic()
         counts, clock = format_open_round(r, time.time())
+        done = sum(p.status == "accepted" for p in r.participations if p.attempt == r.attempt)
+        self._show(counts, clock, progress_bar(done, len(r.sampled_sites), self.BAR))
+
+    def waiting(self, reason: str) -> None:
+        """The run's reason while no round is open (e.g. waiting for sites)."""
+        words, _, clock = reason.rpartition(", for ")  # its clock changes every second
+        # "next round 3: waiting ...": never read as a committed round's "round 3 ..." line
+        text = f"next {words or reason}" if reason.startswith("round ") else words or reason
+        self._show(text, f"for {clock}" if words else "", "")
+
+    def _show(self, text: str, clock: str, bar: str) -> None:
+        now = time.monotonic()
         every_s = 0.1 if self.live else self.PLAIN_EVERY_S
-        if counts == self.last or now - self.printed_at < every_s:
+        if text == self.last or now - self.printed_at < every_s:
             return
+        line = ", ".join(x for x in (text, clock) if x)
         if self.live:
-            print(f"\r{counts}, {clock}\033[K", end="", flush=True)
+            width = shutil.get_terminal_size().columns - 1  # a wrapped line is not rewritten
+            print(f"\r{(bar + ' ' if bar else '') + line:.{max(width, 20)}}\033[K", end="")
+            sys.stdout.flush()
             self.shown = True
         else:
-            print(f"{counts}, {clock}", flush=True)
-        self.last, self.printed_at = counts, now
+            print(line, flush=True)
+        self.last, self.printed_at = text, now
 
     def end(self) -> None:
         if self.shown:
@@ -369,17 +387,27 @@ class _Progress:
             self.shown = False
 
 
+def progress_bar(done: int, total: int, width: int) -> str:
+    """``[#####-----]  5/10``: ``done`` of ``total`` in ``width`` characters, plain ASCII."""
+    filled = min(width, round(width * done / total)) if total > 0 else 0
+    return f"[{'#' * filled}{'-' * (width - filled)}] {done:>{len(str(total))}}/{total}"
+
+
 def format_open_round(r: admin_pb2.RoundStatus, now: float) -> tuple[str, str]:
-    """An open round's progress: its sites' counts, and how long it has been open."""
+    """An open round's progress: its sites' counts and bytes, and how long it has been
+    open with the rate its bytes moved at."""
     by_status = Counter(p.status for p in r.participations if p.attempt == r.attempt)
     failed = f", {by_status['failed']} failed" if by_status["failed"] else ""
     attempt = f" (attempt {r.attempt})" if r.attempt > 1 else ""
+    moved = moved_bytes(r)
     counts = (
         f"open round {r.number}{attempt}: {by_status['accepted']}/{len(r.sampled_sites)} "
         f"updates in, {by_status['downloaded']} training or uploading, "
-        f"{by_status['assigned']} yet to start{failed}, {moved_bytes(r) / 1e6:.3f} MB moved"
+        f"{by_status['assigned']} yet to start{failed}, {moved / 1e6:.3f} MB moved"
     )
-    return counts, f"{max(0.0, now - r.opened_unix_s):.0f} s so far"
+    open_s = max(0.0, now - r.opened_unix_s)
+    rate = f" ({moved / 1e6 / open_s:.2f} MB/s)" if open_s >= 1 and moved else ""
+    return counts, f"{open_s:.0f} s so far{rate}"
 
 
 def _cmd_watch(args: argparse.Namespace) -> int:
@@ -416,6 +444,8 @@ def _cmd_watch(args: argparse.Namespace) -> int:
                         progress.end()
                         print(_state_line(status), flush=True)
                         last_state = status.state
+                    elif status.state == "running" and status.reason:
+                        progress.waiting(status.reason)  # no round open: why, for how long
                     for r in status.rounds:
                         seen[r.number] = r  # its latest: late downloads, lost tasks
                         if r.status == "committed" and r.number not in shown:

@@ -378,7 +378,56 @@ def test_an_open_round_s_progress_counts_its_current_attempt() -> None:
         "open round 4 (attempt 2): 1/4 updates in, 1 training or uploading, 1 yet to start, "
         "1 failed, 2.000 MB moved"
     )
-    assert clock == "12 s so far"
+    assert clock == "12 s so far (0.16 MB/s)"
+    assert format_open_round(r, now=100.5)[1] == "0 s so far"  # no rate from half a second
+
+
+def test_the_progress_bar() -> None:
+    from fedra.cli import progress_bar
+
+    assert progress_bar(0, 40, 10) == "[----------]  0/40"
+    assert progress_bar(12, 40, 10) == "[###-------] 12/40"
+    assert progress_bar(40, 40, 10) == "[##########] 40/40"
+    assert progress_bar(0, 0, 4) == "[----] 0/0"
+
+
+def test_watch_at_a_terminal_rewrites_one_line_with_a_bar(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fedra import cli
+    from fedra.protos.v1 import admin_pb2
+
+    progress = cli._Progress()
+    progress.live = True
+    parts = [admin_pb2.Participation(site_id="a", attempt=1, status="accepted")]
+    r = admin_pb2.RoundStatus(
+        number=2, attempt=1, status="open", sampled_sites=["a", "b"], participations=parts
+    )
+    progress.update(r)
+    progress.end()
+    out = capsys.readouterr().out
+    assert out.startswith("\r[" + "#" * 12 + "-" * 12 + "] 1/2 open round 2: 1/2 updates in")
+    assert out.endswith("\r\033[K")  # the line is cleared before anything else prints
+
+
+def test_watch_says_how_long_a_run_has_waited_for_sites(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fedra import cli
+
+    clock = [1000.0]
+    monkeypatch.setattr(cli.time, "monotonic", lambda: clock[0])
+    progress = cli._Progress()
+    progress.live = False
+    why = "round 3: waiting for online sites serving t: 1 eligible, want 3 (quorum 2)"
+    for waited in range(0, 12):  # the coordinator's reason changes every second
+        progress.waiting(f"{why}, for {waited} s so far")
+        clock[0] += 1.0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [f"next {why}, for 0 s so far"]  # same words: not again, whatever the clock
+    more = why.replace("1 eligible", "2 eligible")
+    progress.waiting(f"{more}, for 12 s so far")
+    assert capsys.readouterr().out == f"next {more}, for 12 s so far\n"
 
 
 def test_watch_s_plain_progress_lines_come_at_most_every_few_seconds(
