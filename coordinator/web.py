@@ -47,8 +47,12 @@ class StatusPages:
             first = page.rounds[-1].number + 1
         assert header is not None
         revoked = self.engine.barred()
+        presence = self.engine.presence(sites)
         for site_id, row in sites.items():
-            row["revoked"] = site_id in revoked
+            row["revoked"] = site_id in revoked  # offline then, whatever it did last
+            online, seen = presence.get(site_id, (False, 0.0))
+            row["online"] = online and not row["revoked"]
+            row["last_seen_unix_s"] = seen  # now while it waits in a long poll
         out = _run(header)
         out["rounds"] = rounds
         out["sites"] = sorted(sites.values(), key=lambda s: s["site_id"])
@@ -92,14 +96,21 @@ def _round(r: admin_pb2.RoundStatus) -> dict[str, Any]:
 def _count(sites: dict[str, dict[str, Any]], r: admin_pb2.RoundStatus, p: Any) -> None:
     row = sites.setdefault(p.site_id, {
         "site_id": p.site_id, "rounds": 0, "accepted": 0, "failed": 0, "bytes": 0,
-        "busy_s": 0.0, "failures": [], "state": "",
+        "busy_s": 0.0, "idle_s": 0.0, "counted_s": 0.0, "failures": [], "state": "",
     })  # fmt: skip
+    busy_s = p.metrics.get("download_s", p.download_s) + p.metrics.get("compute_s", 0.0)
+    busy_s += p.upload_s
     row["rounds"] += 1
     row["bytes"] += p.bytes_down + p.bytes_up + p.bytes_cut
-    row["busy_s"] += p.metrics.get("compute_s", 0.0) + p.download_s + p.upload_s
+    row["busy_s"] += busy_s
     row["state"] = p.status  # its latest task's
     if p.status == "accepted":
         row["accepted"] += 1
+        if r.status == "committed" and r.duration_s > 0:
+            # As the round's idle share counts it: from the opening to the commit, less its
+            # own download, compute and upload (``counted_s``: those rounds' time).
+            row["idle_s"] += max(0.0, r.duration_s - busy_s)
+            row["counted_s"] += r.duration_s
     elif p.status in ("failed", "expired"):
         row["failed"] += 1
         if p.error and len(row["failures"]) < 5:

@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import subprocess
+import time
 import urllib.error
 import urllib.request
 from html.parser import HTMLParser
@@ -82,6 +83,9 @@ def test_the_page_s_data_has_the_run_its_rounds_and_sites(federation: Any) -> No
     assert all(r["bytes_up"] > 0 for r in trained)
     assert {s["site_id"] for s in doc["sites"]} == set(sites)
     assert all(s["accepted"] >= 3 and not s["revoked"] for s in doc["sites"])
+    # Still connected, each in a long poll: online, and seen now rather than at its last call.
+    assert all(s["online"] and s["last_seen_unix_s"] > time.time() - 5 for s in doc["sites"])
+    assert all(0 < s["idle_s"] < s["counted_s"] for s in doc["sites"])
     with pytest.raises(urllib.error.HTTPError) as missing:
         get(address, "/api/runs/no-such-run")
     assert missing.value.code == 404
@@ -108,11 +112,13 @@ def test_the_page_shows_the_run_in_a_real_browser(federation: Any, tmp_path: Pat
     page.feed(dom)
     assert page.count.get("tr.round") == 4, dom[-2000:]  # rounds 0 to 3
     assert page.count.get("tr.site") == len(sites)
+    assert page.count.get("td.seen") == len(sites)
     assert page.count.get("svg#timeline") == 1
     assert page.count.get("rect.stage", 0) == 3 * 5  # three trained rounds, five stages each
     assert page.count.get("polyline", 0) >= 2  # the loss and the bytes at least
     text = " ".join(page.text)
     assert f"Run {run_id}" in text and "completed, 3 of 3 rounds" in text
+    assert text.count("online") >= len(sites) and "s ago" in text
     artefacts = Path(os.environ.get("FEDRA_TEST_ARTEFACTS", tmp_path))
     artefacts.mkdir(parents=True, exist_ok=True)
     shot = artefacts / "status-page.png"
