@@ -52,6 +52,10 @@ class Sink(Protocol):
 
     name: str
 
+    def open(self) -> None:
+        """Get ready before the first event (import the library, reach the store): the
+        writer's first job, run while the coordinator starts, not at a round's commit."""
+
     def start_run(self, run_id: str, params: Mapping[str, str], resumed: bool) -> None:
         """Open (or, ``resumed``, reopen) the run's record and write its configuration."""
 
@@ -87,6 +91,8 @@ class Tracker(Observer):
         self._failing: set[str] = set()  # sinks whose failure was logged with a traceback
         self._thread = threading.Thread(target=self._write, name="fedra-tracking", daemon=True)
         self._thread.start()
+        for sink in self.sinks:  # seconds of imports: before the first round, not in it
+            self._put(partial(self._guarded, sink, "-", sink.open))
 
     def run_started(self, event: RunStarted) -> None:
         self._put(partial(self._start, event))
@@ -220,6 +226,9 @@ class TensorBoardSink:
         self.flush_s = flush_s
         self._writers: dict[str, SummaryWriter] = {}
 
+    def open(self) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # noqa: F401, PLC0415 - the extra
+
     def start_run(self, run_id: str, params: Mapping[str, str], resumed: bool) -> None:
         directory = self.run_dir(run_id)
         had_records = directory.is_dir() and any(directory.iterdir())
@@ -279,6 +288,12 @@ class MLflowSink:
         self._client: MlflowClient | None = None
         self._experiment_id = ""
         self._runs: dict[str, str] = {}  # fedra run id -> MLflow run id
+
+    def open(self) -> None:
+        import mlflow  # noqa: F401, PLC0415 - the extra: seconds of imports
+
+        if self.tracking_uri.startswith("sqlite:"):  # a local store: make its tables now
+            self._mlflow()  # (a server is not dialled before there is something to send)
 
     def start_run(self, run_id: str, params: Mapping[str, str], resumed: bool) -> None:
         from mlflow.entities import Param  # noqa: PLC0415 - the extra

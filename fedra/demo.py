@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fedra.config import ConfigError
+from fedra.config import READY_FILE, ConfigError
 from fedra.local import LocalCluster
 from fedra.protos.v1 import admin_pb2
 from fedra.runspec import RunSpec, TrainSpec
@@ -68,6 +68,15 @@ def demo_spec(rounds: int, sites: int) -> RunSpec:
     ).validate()
 
 
+def tracking_flags() -> list[str]:
+    """``--track`` for TensorBoard and MLflow where the tracking extra is installed
+    (``make install`` installs it), into the state directory's defaults; none otherwise."""
+    import importlib.util  # noqa: PLC0415
+
+    wanted = (("tensorboard", "tensorboard"), ("mlflow", "mlflow"))
+    return [f for kind, mod in wanted if importlib.util.find_spec(mod) for f in ("--track", kind)]
+
+
 def run_demo(options: DemoOptions) -> int:
     """Run the demo; returns the process exit code."""
     options.validate()  # and the spec: both before a directory is made
@@ -87,7 +96,9 @@ def run_demo(options: DemoOptions) -> int:
     started = time.monotonic()
     with LocalCluster(state_dir) as cluster:
         print("making a certificate authority and certificates; starting the coordinator...")
-        address = cluster.start_coordinator()
+        track = tracking_flags()
+        address = cluster.start_coordinator(flags=["--http", "127.0.0.1:0", *track])
+        page = json.loads((state_dir / READY_FILE).read_text())["http_url"]
         print(f"coordinator ready on {address}; starting {len(site_ids)} sites", flush=True)
         for i, site_id in enumerate(site_ids):
             cluster.start_site(site_id, [TASK], {"partition": i, "num_partitions": options.sites})
@@ -99,6 +110,7 @@ def run_demo(options: DemoOptions) -> int:
             print(
                 f"run {run_id}: {spec.rounds} rounds of {spec.strategy}, "
                 f"{options.sites} sites, label-skewed data\n"
+                f"watch it at {page}?run={run_id} (metrics: {page}metrics)\n"
             )
             print(
                 f"{'round':>5}  {'sites':>5}  {'test loss':>9}  {'test acc':>8}  "
@@ -128,6 +140,17 @@ def run_demo(options: DemoOptions) -> int:
             cut_bytes=r.cut_bytes,
             lost_bytes=r.lost_bytes,
             site_idle_s=r.site_idle_s,
+        )
+    if track:  # written out by now: the coordinator closes its trackers as it stops
+        print(
+            f"the run in TensorBoard: tensorboard --logdir {state_dir / 'tensorboard'}"
+            if "tensorboard" in track
+            else "",
+            f"\nthe run in MLflow: sqlite:///{state_dir / 'mlruns' / 'mlflow.db'} (experiment "
+            "'fedra'; `mlflow ui --backend-store-uri` it with the full mlflow package)"
+            if "mlflow" in track
+            else "",
+            sep="",
         )
     return _finish(options, spec, run_id, rounds, _score(model, x_test, y_test), started)
 

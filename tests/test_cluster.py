@@ -7,6 +7,7 @@ exit); every process is stopped by the ``cluster`` fixture, even when a test fai
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -647,6 +648,14 @@ def test_demo_writes_a_summary(tmp_path: Path) -> None:
     assert all(0 <= r["site_idle_s"] <= r["seconds"] for r in summary["rounds"])
     assert 0 < final["site_idle_fraction"] < 1
     assert "sites idle" in result.stdout
+    # Watchable while it runs; its rounds in TensorBoard and MLflow once it ends.
+    assert re.search(
+        r"watch it at http://127\.0\.0\.1:\d+/\?run=" + summary["run_id"], result.stdout
+    )
+    board = tmp_path / "demo" / "tensorboard" / summary["run_id"]
+    assert list(board.glob("events.out.tfevents.*")), result.stdout
+    assert f"tensorboard --logdir {tmp_path / 'demo' / 'tensorboard'}" in result.stdout
+    assert (tmp_path / "demo" / "mlruns" / "mlflow.db").stat().st_size > 0
 
 
 @pytest.mark.parametrize("codec", ["int8", "topk"])
