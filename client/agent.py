@@ -18,7 +18,8 @@ from typing import Any
 import grpc
 import torch
 
-from fedra import logformat, pki
+from fedra import __version__, logformat, pki
+from fedra.audit import AUDIT_FILE, AuditLog
 from fedra.client.config import SiteConfig
 from fedra.client.connection import TRANSIENT, Assignment, Connection, Session, new_nonce
 from fedra.client.executor import Executor, LocalExecutor, WorldBroken
@@ -105,6 +106,8 @@ class SiteAgent:
         # Always kept (a registry of its own costs little); served with [metrics] http.
         self.metrics = SiteMetrics(config.site_id, world_restarts())
         self._downloaded = 0  # bytes the current task's global model took to come here
+        # What this site accepted, declined and sent, chained (fedra.audit): in state_dir.
+        self.audit = AuditLog(config.state_dir / AUDIT_FILE) if config.state_dir else None
 
     def shutdown(self, reason: str = "") -> None:
         """Stop serving: report a task in flight as failed, cancel a long poll.
@@ -121,6 +124,13 @@ class SiteAgent:
         """Serve until ``stop`` is set; the metrics endpoint, if any, for as long."""
         logformat.set_about(site=self.config.site_id)  # this thread serves this site alone
         self._serve_metrics()
+        if self.audit is not None:
+            path = self.config.path
+            self.audit.record(
+                "site.start", f"site {self.config.site_id}", version=__version__,
+                allowed_tasks=sorted(self.config.allowed_tasks),
+                config_sha256=hashlib.sha256(path.read_bytes()).hexdigest() if path else "",
+            )  # fmt: skip
         try:
             self._run()
         finally:
@@ -173,12 +183,22 @@ class SiteAgent:
             if task is not None:
                 self._run_task(task, session)
 
+    def _audit(self, event: str, task: Assignment, **data: Any) -> None:
+        if self.audit is not None:
+            self.audit.record(
+                event, f"site {self.config.site_id}", run=task.run_id, round=task.round,
+                task_id=task.task_id, task=task.entry_point, **data,
+            )  # fmt: skip
+
     def _run_task(self, task: Assignment, session: Session) -> None:
         tag = f"{self.tag} run {task.run_id} round {task.round}"
         if task.entry_point not in self.tasks:  # the coordinator should never ask; refuse anyway
+            why = f"task {task.entry_point!r} is not allowed here"
+            self._audit("task.decline", task, reason=why)
             self.metrics.round_failed(task.run_id, "not_allowed")
-            self.conn.report_failure(task.task_id, f"task {task.entry_point!r} is not allowed here")
+            self.conn.report_failure(task.task_id, why)
             return
+        self._audit("task.accept", task)
         beat = _Heartbeat(self.conn, task.task_id, session.heartbeat_interval_s)
         self.current = task
         try:
@@ -488,13 +508,19 @@ class SiteAgent:
         nonce: bytes,
         header_only: bool = False,
     ) -> int:
-        """Send an update, retrying transient failures; the bytes the coordinator received."""
+        """Send an update, retrying transient failures; the bytes the coordinator received.
+        What left the site is audited: the payload's digest and size."""
         retry = Backoff(cap_s=self.config.reconnect_max_s)
         while True:
             try:
-                return self.conn.upload(
+                sent = self.conn.upload(
                     task, payload, num_samples, metrics, nonce, 600.0, header_only
                 )
+                self._audit(
+                    "update.sent", task, update_sha256=sent.sha256, num_samples=num_samples,
+                    payload_bytes=sent.payload_bytes, bytes_received=sent.bytes_received,
+                )  # fmt: skip
+                return sent.bytes_received
             except grpc.RpcError as exc:
                 if exc.code() not in TRANSIENT or self.stop.is_set():
                     raise

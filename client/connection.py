@@ -58,6 +58,16 @@ def reconnect_options(reconnect_max_s: float) -> list[tuple[str, int]]:
 
 
 @dataclass(frozen=True)
+class Sent:
+    """An upload's outcome: the bytes the coordinator says it received, and the digest
+    and size of the payload that left the site (0 for a header alone)."""
+
+    bytes_received: int
+    sha256: str
+    payload_bytes: int
+
+
+@dataclass(frozen=True)
 class Assignment:
     """A task the coordinator gave this site."""
 
@@ -243,8 +253,9 @@ class Connection:
         nonce: bytes,
         timeout_s: float,
         header_only: bool = False,
-    ) -> int:
-        """Stream an update up: a header with the payload's SHA-256, then the chunks.
+    ) -> Sent:
+        """Stream an update up: a header with the payload's SHA-256, then the chunks;
+        what the coordinator received, and the payload's digest and size.
 
         ``header_only``: ask whether an update sent before counted; the coordinator
         answers that from the header alone (fedra.client.pending)."""
@@ -285,7 +296,7 @@ class Connection:
 
         with self._transfer():
             reply = self._upload_update(messages(), timeout=timeout_s)
-        return int(reply.bytes_received)
+        return Sent(int(reply.bytes_received), sha256, 0 if header_only else size)
 
     def report_failure(self, task_id: str, reason: str, timeout_s: float = 10.0) -> None:
         request = site_pb2.ReportFailureRequest(

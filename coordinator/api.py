@@ -485,11 +485,11 @@ class CoordinatorAPI:
 
     # -- admin -----------------------------------------------------------------
 
-    async def submit(self, spec: RunSpec) -> tuple[str, list[str]]:
-        return await self.call(self.engine.submit, spec)
+    async def submit(self, spec: RunSpec, who: str) -> tuple[str, list[str]]:
+        return await self.call(self.engine.submit, spec, who)
 
-    async def cancel(self, run_id: str) -> str:
-        return await self.call(self.engine.cancel, run_id)
+    async def cancel(self, run_id: str, who: str) -> str:
+        return await self.call(self.engine.cancel, run_id, who)
 
     async def changes(self, run_id: str, interval_s: float, gap_s: float) -> AsyncIterator[None]:
         """Yields when the run may have changed: at once, then after each change (at most

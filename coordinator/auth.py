@@ -10,21 +10,33 @@ everything), and an upload must be signed by the site's key. In insecure mode
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from fedra import pki
+from fedra.coordinator.audit import who_of
 from fedra.coordinator.errors import PermissionDenied, Unauthenticated, Unavailable
 
 log = logging.getLogger("fedra.coordinator")
 
 
 class Guard:
-    def __init__(self, deny_list: pki.DenyList | None, insecure: bool = False) -> None:
+    def __init__(
+        self,
+        deny_list: pki.DenyList | None,
+        insecure: bool = False,
+        on_refused: Callable[[str, str], None] | None = None,
+    ) -> None:
         if deny_list is None and not insecure:
             raise ValueError("a secure coordinator needs a deny list")
         self.deny_list = deny_list
         self.insecure = insecure
         self._site_serials: dict[str, int] = {}  # the certificate each site last called with
+        # Told (who, why) of each identity refused: the audit trail (AuditTrail).
+        self.on_refused = on_refused or (lambda who, why: None)
+
+    def _refuse(self, who: pki.Identity | None, why: str) -> None:
+        self.on_refused("unknown" if who is None else who_of(who), why)
 
     def identity(self, context: Any) -> pki.Identity | None:
         """The verified caller, or None in insecure mode; Unauthenticated otherwise."""
@@ -37,6 +49,7 @@ class Guard:
         revoked; Unauthenticated without one, or revoked; Unavailable while the deny list
         cannot be read (fail closed)."""
         if who is None:
+            self._refuse(None, "no verified client certificate")
             raise Unauthenticated("no verified client certificate")
         assert self.deny_list is not None
         if who.role == "site":
@@ -48,6 +61,7 @@ class Guard:
             # UNAVAILABLE: sites retry with backoff instead of giving up for good.
             raise Unavailable("the coordinator cannot check revocations right now") from exc
         if revoked:
+            self._refuse(who, "revoked")
             raise Unauthenticated(f"the certificate of {who.role} {who.name!r} is revoked")
         return who
 
@@ -56,6 +70,7 @@ class Guard:
         e.g. the status page) names; refused as the admin calls are refused."""
         who = self.checked(pki.identity_of(cert_pem) if cert_pem else None)
         if who.role != "admin":
+            self._refuse(who, "not an admin")
             raise PermissionDenied(
                 f"this endpoint needs an admin certificate; {who.role} {who.name!r} has none"
             )
@@ -84,6 +99,7 @@ class Guard:
         before its request is read (which site it claims to be is checked after)."""
         who = self.identity(context)
         if who is not None and who.role != "site":
+            self._refuse(who, "not a site")
             raise PermissionDenied(f"{who.role} {who.name!r} is not a site")
 
     def site(self, context: Any, site_id: str) -> None:
@@ -92,16 +108,21 @@ class Guard:
         if who is None:
             return
         if who.role != "site":
+            self._refuse(who, "not a site")
             raise PermissionDenied(f"{who.role} {who.name!r} is not a site")
         if who.name != site_id:
+            self._refuse(who, "acting as another site")
             raise PermissionDenied(f"site {who.name!r} may only act as itself, not as {site_id!r}")
 
-    def admin(self, context: Any) -> None:
+    def admin(self, context: Any) -> str:
+        """The caller must be an admin; returns how the audit log names it."""
         who = self.identity(context)
         if who is not None and who.role != "admin":
+            self._refuse(who, "not an admin")
             raise PermissionDenied(
                 f"admin calls need an admin certificate; {who.role} {who.name!r} has none"
             )
+        return who_of(who)
 
     def signed(self, context: Any, message: bytes, signature: bytes, what: str) -> bytes:
         """The caller's certificate (PEM), once ``signature`` over ``message`` checks out
@@ -110,6 +131,7 @@ class Guard:
             return b""
         certs = context.auth_context().get("x509_pem_cert") or []
         if not certs or not signature or not pki.verify(certs[0], signature, message):
+            self._refuse(pki.peer_identity(context), f"bad {what} signature")
             raise Unauthenticated(f"the {what} signature does not match the site's certificate")
         return bytes(certs[0])
 
@@ -119,4 +141,5 @@ class Guard:
             return
         certs = context.auth_context().get("x509_pem_cert") or []
         if not certs or not signature or not pki.verify(certs[0], signature, message):
+            self._refuse(pki.peer_identity(context), "bad update signature")
             raise Unauthenticated("the update's signature does not match the site's certificate")

@@ -8,6 +8,7 @@ runs one ``RoundDriver`` thread per run (see ``rounds``).
 from __future__ import annotations
 
 import bisect
+import hashlib
 import json
 import logging
 import shutil
@@ -22,6 +23,7 @@ from fedra import logsafe
 from fedra.config import SITE_ID_RULE, is_valid_site_id
 from fedra.coordinator.aggregation import ServerOptimizer
 from fedra.coordinator.attention import Attention
+from fedra.coordinator.audit import AuditTrail
 from fedra.coordinator.commits import GroupCommit
 from fedra.coordinator.downloads import Download, DownloadLedger
 from fedra.coordinator.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
@@ -107,6 +109,7 @@ class Engine:
         updates: BlobStore,
         settings: EngineSettings | None = None,
         clock: Callable[[], float] = time.time,
+        audit: AuditTrail | None = None,
     ) -> None:
         self.store, self.models = store, models
         self.settings = settings or EngineSettings()
@@ -138,6 +141,9 @@ class Engine:
         self.downloads = DownloadLedger(store, on_written=self._notify_now)
         # Who hears what happened (metrics, tracking): told after the fact, outside the lock.
         self.observers = Observers()
+        # Who did what (admin actions, commits, refused identities): audit.AuditTrail.
+        self.audit = audit or AuditTrail(None)
+        self.observers.add(self.audit)
         self.commits = GroupCommit(store, on_commit=self.observers.committed)  # batched writes
         self._seen_written_at = self.clock()
 
@@ -549,9 +555,9 @@ class Engine:
 
     # -- admin -----------------------------------------------------------------
 
-    def submit(self, spec: RunSpec) -> tuple[str, list[str]]:
+    def submit(self, spec: RunSpec, who: str = "") -> tuple[str, list[str]]:
         """Validate and persist a run, then start driving it; returns its id and why it
-        cannot start yet, if so (``submit_warnings``)."""
+        cannot start yet, if so (``submit_warnings``). ``who``: the admin, audited."""
         try:
             spec.validate()
         except ValueError as exc:
@@ -562,6 +568,10 @@ class Engine:
         self.store.add_event(run_id, "submitted", f"task {spec.task}, {spec.rounds} rounds", now)
         task = logsafe.safe(spec.task)  # the admin's text, free-form after its colon
         log.info("run %s: submitted (%s, %d rounds, %s)", run_id, task, spec.rounds, spec.strategy)
+        self.audit.record(
+            "run.submit", who, run=run_id, name=spec.name, task=spec.task,
+            spec_sha256=hashlib.sha256(spec.to_json().encode()).hexdigest(),
+        )  # fmt: skip
         warnings = self.submit_warnings(spec)
         for warning in warnings:
             log.warning("run %s: %s", run_id, logsafe.safe(warning, logsafe.MESSAGE_CHARS))
@@ -586,7 +596,7 @@ class Engine:
             ]
         return []
 
-    def cancel(self, run_id: str) -> str:
+    def cancel(self, run_id: str, who: str = "") -> str:
         record = self.get_run_record(run_id)
         with self.lock:
             run = self.runs.get(run_id)
@@ -595,6 +605,7 @@ class Engine:
             run.cancelled = True
             run.closing = True  # no upload is accepted from here on
             self.notify()
+        self.audit.record("run.cancel", who, run=run_id)
         return "cancelled"
 
     def get_run_record(self, run_id: str) -> RunRecord:
@@ -677,8 +688,11 @@ class Engine:
         run = self.runs.get(run_id)
         return ("not driven",) if run is None else ("driven", run.cancelled)
 
-    def export_checkpoint(self, run_id: str, round_number: int | None) -> CheckpointRecord:
-        """The checkpoint of ``round_number`` (or the latest)."""
+    def export_checkpoint(
+        self, run_id: str, round_number: int | None, who: str = ""
+    ) -> CheckpointRecord:
+        """The checkpoint of ``round_number`` (or the latest); with ``who`` (an admin's
+        export), audited."""
         self.get_run_record(run_id)
         if round_number is None:
             ckpt = self.store.latest_checkpoint(run_id)
@@ -687,6 +701,14 @@ class Engine:
         if ckpt is None:
             which = "any round" if round_number is None else f"round {round_number}"
             raise NotFound(f"run {run_id} has no committed checkpoint for {which}")
+        if who:
+            self.audit.record(
+                "model.export",
+                who,
+                run=run_id,
+                round=ckpt.round_number,
+                model_sha256=ckpt.model_sha256,
+            )
         return ckpt
 
     def wait_for_stop(self, timeout_s: float) -> None:

@@ -50,6 +50,7 @@ class RoundEnded:
     stages: Mapping[str, float] = field(default_factory=dict)
     metrics: Mapping[str, float] = field(default_factory=dict)
     reason: str = ""
+    model_sha256: str = ""  # the committed model's digest (committed only)
 
 
 @dataclass(frozen=True)

@@ -412,7 +412,7 @@ class RoundDriver:
         engine.observers.round_ended(_ended(
             run.run_id, number, attempt, "committed", opened, now, parts,
             checkpoint_bytes=ckpt.model_bytes, idle_s=idle_s(opened, now, accepted),
-            stages=stages, metrics=metrics,
+            stages=stages, metrics=metrics, model_sha256=model_sha,
         ))  # fmt: skip
         if final:
             log.info("%s: completed after %d rounds", self.tag, number)

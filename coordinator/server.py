@@ -25,8 +25,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from fedra import pki
+from fedra.audit import AUDIT_FILE, AuditLog
 from fedra.config import READY_FILE, ConfigError
 from fedra.coordinator.api import CoordinatorAPI
+from fedra.coordinator.audit import AuditTrail
 from fedra.coordinator.auth import Guard
 from fedra.coordinator.engine import Engine, EngineSettings
 from fedra.coordinator.limits import CallLimiter, EdgeLimits
@@ -122,6 +124,7 @@ def build_engine(config: CoordinatorConfig, claim: bool = False) -> Engine:
         models=BlobStore(config.state_dir / "blobs"),
         updates=BlobStore(config.state_dir / "updates"),
         settings=config.engine,
+        audit=AuditTrail(AuditLog(config.state_dir / AUDIT_FILE)),
     )
 
 
@@ -226,7 +229,11 @@ def create_server(
     """
     if tls is not None and deny_list is None:
         raise ValueError("a server with TLS needs a deny list path")
-    guard = Guard(pki.DenyList(deny_list) if deny_list else None, insecure=tls is None)
+    guard = Guard(
+        pki.DenyList(deny_list) if deny_list else None,
+        insecure=tls is None,
+        on_refused=engine.audit.identity_refused,
+    )
     engine.barred = guard.revoked_sites  # a revoked site is not sampled into a round
     handle = Server()
     try:
@@ -367,14 +374,14 @@ def serve(config: CoordinatorConfig) -> None:
 
 
 def _http_endpoint(
-    config: CoordinatorConfig, telemetry: Telemetry, pages: StatusPages
+    config: CoordinatorConfig, telemetry: Telemetry, pages: StatusPages, audit: AuditTrail
 ) -> HttpEndpoint:
     """``--http``: plain on loopback; elsewhere TLS with the coordinator's own certificate,
     to callers with an admin certificate of the project CA that is not revoked."""
     _, _, loopback = check_http_address(config.http, tls=config.tls_dir is not None)
     if loopback or config.tls_dir is None:
         return HttpEndpoint(config.http, telemetry, pages)
-    guard = Guard(pki.DenyList(config.deny_list_path))
+    guard = Guard(pki.DenyList(config.deny_list_path), on_refused=audit.identity_refused)
     try:
         tls = tls_context(config.tls_dir)
     except (OSError, ssl.SSLError) as exc:
@@ -416,7 +423,7 @@ def _serve(config: CoordinatorConfig, tls: pki.TlsFiles | None) -> None:
             telemetry = Telemetry(lambda: engine.gauges(engine.barred()))
             engine.observers.add(telemetry)
             pages = StatusPages(engine, config.insecure)
-            endpoint = _http_endpoint(config, telemetry, pages)
+            endpoint = _http_endpoint(config, telemetry, pages, engine.audit)
         address = f"{config.host}:{config.port}"
         # Bound before the engine starts: a port in use fails the start before any run moves.
         server, port = create_server(

@@ -392,14 +392,14 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
     async def SubmitRun(
         self, request: admin_pb2.SubmitRunRequest, context: Any
     ) -> admin_pb2.SubmitRunResponse:
-        self.guard.admin(context)
+        who = self.guard.admin(context)
         if not request.HasField("spec"):
             raise InvalidArgument("spec: required")
         try:
             spec = runspec_from_proto(request.spec)
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from exc
-        run_id, warnings = await self.api.submit(spec)
+        run_id, warnings = await self.api.submit(spec, who)
         return admin_pb2.SubmitRunResponse(run_id=run_id, warnings=warnings)
 
     @mapped
@@ -448,8 +448,8 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
     async def CancelRun(
         self, request: admin_pb2.CancelRunRequest, context: Any
     ) -> admin_pb2.CancelRunResponse:
-        self.guard.admin(context)
-        return admin_pb2.CancelRunResponse(state=await self.api.cancel(request.run_id))
+        who = self.guard.admin(context)
+        return admin_pb2.CancelRunResponse(state=await self.api.cancel(request.run_id, who))
 
     @mapped
     async def ListSites(
@@ -496,9 +496,9 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
     async def ExportModel(  # type: ignore[override]  # framed ModelChunks: see server.py
         self, request: admin_pb2.ExportModelRequest, context: Any
     ) -> AsyncIterator[bytes]:
-        self.guard.admin(context)
+        who = self.guard.admin(context)
         round_number = None if request.latest else request.round
-        ckpt = await self.api.call(self.engine.export_checkpoint, request.run_id, round_number)
+        ckpt = await self.api.call(self.engine.export_checkpoint, request.run_id, round_number, who)
         chunks = self.api.read_model(ckpt.model_sha256, ckpt.model_bytes, wire.model_chunk_frame)
         async for chunk in chunks:
             yield chunk

@@ -293,12 +293,58 @@ def _cmd_provision(args: argparse.Namespace) -> int:
 
 
 def _cmd_revoke(args: argparse.Namespace) -> int:
+    import getpass
+
     from fedra import pki
+    from fedra.audit import AUDIT_FILE, AuditLog
     from fedra.coordinator.server import DENY_LIST
 
-    path = Path(args.state_dir) / DENY_LIST
-    pki.revoke(path, Path(args.cert))
+    state_dir = Path(args.state_dir)
+    path = state_dir / DENY_LIST
+    cert = Path(args.cert)
+    pem = (cert / "cert.pem" if cert.is_dir() else cert).read_bytes()
+    serial = pki.revoke(path, pem)
+    who = pki.identity_of(pem)
+    AuditLog(state_dir / AUDIT_FILE).append(
+        "cert.revoke", f"operator {getpass.getuser()}", serial=format(serial, "x"),
+        role=who.role if who else "", name=who.name if who else "",
+    )  # fmt: skip
     print(f"revoked {args.cert}: the coordinator refuses it from its next call ({path})")
+    return 0
+
+
+def _cmd_audit(args: argparse.Namespace) -> int:
+    from fedra import audit
+
+    if (args.state_dir is None) == (args.config is None):
+        raise ConfigError("give --state-dir (a coordinator's) or --config (a site's site.toml)")
+    if args.head and not args.verify:
+        raise ConfigError("--head: only with --verify")
+    if args.config is not None:
+        from fedra.client.config import SiteConfig
+
+        site = SiteConfig.load(args.config)
+        if site.state_dir is None:
+            raise ConfigError(f"{args.config}: state_dir: not set, so this site keeps no audit log")
+        path = site.state_dir / audit.AUDIT_FILE
+    else:
+        path = Path(args.state_dir) / audit.AUDIT_FILE
+    try:
+        entries = audit.verify(path, args.head) if args.verify else audit.read(path)
+    except audit.AuditError as exc:
+        print(f"fedra audit: {path}: broken: {exc}", file=sys.stderr)
+        return 1
+    for e in entries:
+        if args.json:
+            print(json.dumps(e.as_dict(), sort_keys=True))
+        else:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(e.time))
+            data = " ".join(f"{k}={v}" for k, v in e.data.items())
+            print(f"{e.seq:>6}  {when}Z  {e.event:<16}  {e.who or '-':<20}  {data}")
+    if args.verify:
+        seq, head = audit.head_of(entries)
+        print(f"{path}: {len(entries)} entries, chain intact; head seq {seq} hash {head}",
+              file=sys.stderr if args.json else sys.stdout)  # fmt: skip
     return 0
 
 
@@ -905,6 +951,18 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--state-dir", required=True, help="the coordinator's state directory")
     k.add_argument("cert", help="the certificate (cert.pem) or participant folder to revoke")
     k.set_defaults(func=_cmd_revoke)
+
+    u = sub.add_parser("audit", help="print and check an audit log (a coordinator's or a site's)")
+    u.add_argument("--state-dir", help="a coordinator's state directory")
+    u.add_argument("--config", help="a site's site.toml (its state_dir holds its log)")
+    u.add_argument("--json", action="store_true", help="one JSON object per entry")
+    u.add_argument(
+        "--verify", action="store_true",
+        help="check the chain: exit 1 naming the first bad entry if one was edited, deleted, "
+        "reordered or cut off the end",
+    )  # fmt: skip
+    u.add_argument("--head", metavar="HASH", help="with --verify: a head hash kept elsewhere")
+    u.set_defaults(func=_cmd_audit)
 
     w = sub.add_parser("wan", help="emulate a slow, distant link in front of a coordinator")
     w.add_argument("--target", required=True, help="the coordinator's host:port")

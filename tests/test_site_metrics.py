@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from fedra import __version__
 from fedra.client.agent import SiteAgent, _Heartbeat
 from fedra.client.config import MetricsConfig, SiteConfig
-from fedra.client.connection import Assignment, Session
+from fedra.client.connection import Assignment, Sent, Session
 from fedra.client.executor import LocalExecutor
 from fedra.client.metrics import MAX_RUNS, SITE_FILE, RoundMeasures, SiteMetrics
 from fedra.config import ConfigError
@@ -247,9 +247,9 @@ def test_a_round_s_own_measures_are_what_the_agent_records() -> None:
         nonce: bytes,
         timeout_s: float,
         header_only: bool = False,
-    ) -> int:
+    ) -> Sent:
         sent.update(metrics)
-        return 4321
+        return Sent(4321, "0" * 64, 4000)
 
     agent.conn.download = download  # type: ignore[method-assign]
     agent.conn.upload = upload  # type: ignore[method-assign]
