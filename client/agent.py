@@ -25,6 +25,7 @@ from fedra.client.connection import TRANSIENT, Assignment, Connection, Session, 
 from fedra.client.executor import Executor, LocalExecutor, WorldBroken
 from fedra.client.metrics import RoundMeasures, SiteMetrics, world_restarts, write_site_file
 from fedra.client.pending import PendingUpdate, PendingUpdates
+from fedra.client.policy import Policy
 from fedra.client.task import FitSettings, ParallelTask, Task, load_task
 from fedra.config import ConfigError
 from fedra.faults import attack, crash_point
@@ -108,6 +109,7 @@ class SiteAgent:
         self._downloaded = 0  # bytes the current task's global model took to come here
         # What this site accepted, declined and sent, chained (fedra.audit): in state_dir.
         self.audit = AuditLog(config.state_dir / AUDIT_FILE) if config.state_dir else None
+        self.policy = Policy(config.policy, config.state_dir)  # what this site agrees to
 
     def shutdown(self, reason: str = "") -> None:
         """Stop serving: report a task in flight as failed, cancel a long poll.
@@ -197,6 +199,13 @@ class SiteAgent:
             self._audit("task.decline", task, reason=why)
             self.metrics.round_failed(task.run_id, "not_allowed")
             self.conn.report_failure(task.task_id, why)
+            return
+        declined = self.policy.decline_reason(task)
+        if declined is not None:  # this site's [policy]: a decline, not a failure
+            log.info("%s: declined: %s", tag, declined)
+            self._audit("task.decline", task, reason=declined)
+            self.metrics.round_failed(task.run_id, "declined")
+            self.conn.report_failure(task.task_id, declined, declined=True)
             return
         self._audit("task.accept", task)
         beat = _Heartbeat(self.conn, task.task_id, session.heartbeat_interval_s)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from fedra.client.policy import PolicyConfig
 from fedra.config import (
     SITE_ID_RULE,
     ConfigError,
@@ -21,7 +22,7 @@ from fedra.httpserve import parse_address
 
 _KEYS = {
     "site_id", "coordinator", "allowed_tasks", "data", "reconnect_max_s", "threads", "parallel",
-    "tls_dir", "insecure", "state_dir", "metrics",
+    "tls_dir", "insecure", "state_dir", "metrics", "policy",
 }  # fmt: skip
 _PARALLEL_KEYS = {
     "nproc", "plan", "backend", "tp_size", "pp_size", "pp_schedule", "microbatches", "max_restarts",
@@ -142,6 +143,7 @@ class SiteConfig:
     insecure: bool = False  # plaintext to an --insecure coordinator: development only
     state_dir: Path | None = None  # keeps top-k error feedback across restarts
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)  # what this site agrees to
     path: Path | None = None  # the site.toml it was read from, for errors found later
 
     @staticmethod
@@ -175,6 +177,11 @@ class SiteConfig:
             "--insecure coordinator (not both)",
             tls_dir,
         )
+        policy = PolicyConfig.from_toml(get(doc, "policy", dict, "", {}))
+        require(
+            policy.approve != "manual" or bool(state_dir), "policy.approve",
+            '"manual" needs a state_dir, where the runs to approve are kept', policy.approve,
+        )  # fmt: skip
         return SiteConfig(
             site_id=site_id,
             coordinator=coordinator,
@@ -187,6 +194,7 @@ class SiteConfig:
             insecure=insecure,
             state_dir=Path(state_dir) if state_dir else None,
             metrics=MetricsConfig.from_toml(get(doc, "metrics", dict, "", {})),
+            policy=policy,
         )
 
     @staticmethod

@@ -298,9 +298,13 @@ class Connection:
             reply = self._upload_update(messages(), timeout=timeout_s)
         return Sent(int(reply.bytes_received), sha256, 0 if header_only else size)
 
-    def report_failure(self, task_id: str, reason: str, timeout_s: float = 10.0) -> None:
+    def report_failure(
+        self, task_id: str, reason: str, timeout_s: float = 10.0, declined: bool = False
+    ) -> None:
+        """The task will not be done: it failed, or (``declined``) this site's policy
+        refuses it."""
         request = site_pb2.ReportFailureRequest(
-            site_id=self.site_id, task_id=task_id, reason=reason
+            site_id=self.site_id, task_id=task_id, reason=reason, declined=declined
         )
         self.stub.ReportFailure(request, timeout=timeout_s)
 

@@ -30,8 +30,8 @@ SITE_FILE = "site.json"
 # Runs whose series are kept: a site serving run after run for months keeps a bounded set.
 MAX_RUNS = 8
 # Why a round failed here: the coordinator refused the update, a local rank died, the
-# task's own code raised, or the task is not allowed here.
-FAILURE_REASONS = ("refused", "world", "task", "not_allowed")
+# task's own code raised, the task is not allowed here, or this site's policy declined it.
+FAILURE_REASONS = ("refused", "world", "task", "not_allowed", "declined")
 
 
 @dataclass(frozen=True)

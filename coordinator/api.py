@@ -429,8 +429,10 @@ class CoordinatorAPI:
         except RuntimeError:
             fn(*args)
 
-    async def report_failure(self, site_id: str, task_id: str, reason: str) -> None:
-        await self.call(self.engine.report_failure, site_id, task_id, reason)
+    async def report_failure(
+        self, site_id: str, task_id: str, reason: str, declined: bool = False
+    ) -> None:
+        await self.call(self.engine.report_failure, site_id, task_id, reason, declined)
 
     # -- secure aggregation: each stage call posts, then waits for the stage to close -----
 

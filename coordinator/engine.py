@@ -43,6 +43,10 @@ from fedra.storage.spool import SMALL_UPDATE_BYTES, UpdateSpool
 log = logging.getLogger("fedra.coordinator")
 _CARRY_GRACE_S = 30.0  # beyond join_timeout_s, how long a carried task's call waits
 REASON_CHARS = 500  # of a failure reason a site reports, as stored
+# A task a site's policy declined is stored failed with its reason after this: run status
+# shows it as "declined", not as a failure. The site is not sampled again for the run
+# for EngineSettings.decline_hold_s (an operator may approve the run, or its hours come).
+DECLINED = "site declined: "
 MAX_SITE_TASKS, MAX_VERSION_CHARS = 64, 64  # what a site may register, as stored
 LIVENESS_WRITE_S = 10.0  # how often sites' last-heard times are written, at most
 SITES_PAGE, MAX_SITES_PAGE = 1000, 5000  # sites in one ListSites reply: default, most
@@ -62,6 +66,8 @@ class EngineSettings:
     # An update of at most this many bytes is kept in its participation row, durable with
     # its accept's commit, instead of as a file (storage.spool). 0: every update a file.
     small_update_bytes: int = SMALL_UPDATE_BYTES
+    # A site whose policy declined a run's task is left out of the run's sampling so long.
+    decline_hold_s: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -363,6 +369,8 @@ class Engine:
         }
         busy.update(run.carried)  # async: still training on an earlier round's task
         busy.update(self.barred())  # revoked: refused at their next call, so never sampled
+        hold_s = self.settings.decline_hold_s
+        busy.update(s for s, at in run.declined.items() if now - at < hold_s)
         return sorted(
             s
             for s, tasks in self._site_tasks.items()
@@ -534,24 +542,31 @@ class Engine:
                 found[1].base_round = base
             self.notify()
 
-    def report_failure(self, site_id: str, task_id: str, reason: str) -> None:
+    def report_failure(
+        self, site_id: str, task_id: str, reason: str, declined: bool = False
+    ) -> None:
+        """The site's task will not count: it failed, or (``declined``) the site's own
+        policy refused it, which leaves the site out of the run's sampling for a while."""
         with self.lock:
             run, a = self.current_task(site_id, task_id)
             if not a.pending:
                 raise FailedPrecondition(f"task {task_id!r} is {a.state}; nothing to report")
             # Escaped where it enters: the reason reaches the round's and the run's log
             # lines, and the operator's terminal through the status.
-            stored = f"site reported: {logsafe.safe(reason, REASON_CHARS)}"
-            self.store.fail_participation(task_id, stored, self.clock())
+            said = logsafe.safe(reason, REASON_CHARS)
+            stored = f"{DECLINED}{said}" if declined else f"site reported: {said}"
+            now = self.clock()
+            self.store.fail_participation(task_id, stored, now)
             a.move(TaskState.FAILED)
+            if declined:
+                run.declined[site_id] = now
             self.notify()
-        log.warning(
-            "run %s round %s: site %s failed its task: %s",
-            run.run_id,
-            run.open_round,
-            site_id,
-            logsafe.safe(reason),
-        )
+        what = "declined the task" if declined else "failed its task"
+        log.log(
+            logging.INFO if declined else logging.WARNING,
+            "run %s round %s: site %s %s: %s",
+            run.run_id, run.open_round, site_id, what, logsafe.safe(reason),
+        )  # fmt: skip
 
     # -- admin -----------------------------------------------------------------
 

@@ -299,7 +299,9 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
     ) -> site_pb2.ReportFailureResponse:
         self.guard.site(context, request.site_id)
         self.api.touch(request.site_id)
-        await self.api.report_failure(request.site_id, request.task_id, request.reason)
+        await self.api.report_failure(
+            request.site_id, request.task_id, request.reason, request.declined
+        )
         return site_pb2.ReportFailureResponse()
 
     @mapped

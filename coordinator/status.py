@@ -10,7 +10,7 @@ from collections.abc import Callable, Collection
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 
-from fedra.coordinator.engine import Engine
+from fedra.coordinator.engine import DECLINED, Engine
 from fedra.coordinator.errors import NotFound, ResourceExhausted
 from fedra.coordinator.rounds import idle_s
 from fedra.protos import wire
@@ -501,7 +501,8 @@ def _participation(p: ParticipationRecord) -> admin_pb2.Participation:
     return admin_pb2.Participation(
         site_id=p.site_id,
         attempt=p.attempt,
-        status=p.state,
+        # A task the site's policy declined is not a failure of the site: said as such.
+        status="declined" if p.state == "failed" and p.error.startswith(DECLINED) else p.state,
         num_samples=p.num_samples,
         bytes_down=p.bytes_down,
         bytes_up=p.bytes_up,

@@ -95,7 +95,7 @@ def _round(r: admin_pb2.RoundStatus) -> dict[str, Any]:
 
 def _count(sites: dict[str, dict[str, Any]], r: admin_pb2.RoundStatus, p: Any) -> None:
     row = sites.setdefault(p.site_id, {
-        "site_id": p.site_id, "rounds": 0, "accepted": 0, "failed": 0, "bytes": 0,
+        "site_id": p.site_id, "rounds": 0, "accepted": 0, "failed": 0, "declined": 0, "bytes": 0,
         "busy_s": 0.0, "idle_s": 0.0, "counted_s": 0.0, "failures": [], "state": "",
     })  # fmt: skip
     busy_s = p.metrics.get("download_s", p.download_s) + p.metrics.get("compute_s", 0.0)
@@ -111,6 +111,10 @@ def _count(sites: dict[str, dict[str, Any]], r: admin_pb2.RoundStatus, p: Any) -
             # own download, compute and upload (``counted_s``: those rounds' time).
             row["idle_s"] += max(0.0, r.duration_s - busy_s)
             row["counted_s"] += r.duration_s
+    elif p.status == "declined":  # the site's policy: not a failure
+        row["declined"] += 1
+        if p.error and len(row["failures"]) < 5:
+            row["failures"].append(f"round {r.number}: {p.error}")
     elif p.status in ("failed", "expired"):
         row["failed"] += 1
         if p.error and len(row["failures"]) < 5:

@@ -84,7 +84,7 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
     # The flags first: the daemon's modules take seconds to import.
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port: must be from 0 to 65535 (0 picks a free port), got {args.port}")
-    for flag in ("heartbeat_s", "site_timeout_s", "poll_timeout_s"):
+    for flag in ("heartbeat_s", "site_timeout_s", "poll_timeout_s", "decline_hold_s"):
         value = getattr(args, flag)
         if not (math.isfinite(value) and value > 0):
             raise ConfigError(
@@ -105,6 +105,7 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
         poll_timeout_s=args.poll_timeout_s,
         inline_model_bytes=args.inline_model_bytes,
         small_update_bytes=args.small_update_bytes,
+        decline_hold_s=args.decline_hold_s,
     )
     window = {} if args.stream_window_mb is None else {"stream_window_mb": args.stream_window_mb}
     config = CoordinatorConfig(
@@ -148,7 +149,60 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
     return 0
 
 
+def _site_config(args: argparse.Namespace) -> Any:
+    from fedra.client.config import SiteConfig
+
+    path = getattr(args, "sub_config", None) or args.config
+    if not path:
+        raise ConfigError("--config: required (the site's site.toml)")
+    config = SiteConfig.load(path)
+    if config.state_dir is None:
+        raise ConfigError(f"{path}: state_dir: not set, so this site keeps no runs")
+    return config
+
+
+def _cmd_site_runs(args: argparse.Namespace) -> int:
+    from fedra.client.policy import list_runs
+
+    config = _site_config(args)
+    runs = list_runs(config.state_dir)
+    if args.json:
+        from dataclasses import asdict
+
+        print(json.dumps([{**asdict(r), "approved": ok} for r, ok in runs], indent=2))
+        return 0
+    if not runs:
+        print(f"no run has asked {config.site_id} for work yet")
+        return 0
+    print(f"{'run':<14} {'state':<9} {'task':<32} asks")
+    for r, ok in runs:
+        train = ", ".join(f"{k} {v}" for k, v in r.train.items() if k != "params" and v)
+        asks = f"{train}; codec {r.codec}; {'secagg' if r.secagg else 'no secagg'}"
+        print(f"{r.run_id:<14} {'approved' if ok else 'pending':<9} {r.task:<32} {asks}")
+    print(f"(approve mode: {config.policy.approve}; `fedra site approve RUN_ID` approves one)")
+    return 0
+
+
+def _cmd_site_approve(args: argparse.Namespace) -> int:
+    import getpass
+
+    from fedra.audit import AUDIT_FILE, AuditLog
+    from fedra.client.policy import approve
+
+    config = _site_config(args)
+    who = f"operator {getpass.getuser()}"
+    request = approve(config.state_dir, args.run_id, who)
+    AuditLog(config.state_dir / AUDIT_FILE).append(
+        "run.approve", who, run=request.run_id, task=request.task
+    )
+    print(f"approved run {request.run_id} ({request.task}) at {config.site_id}: its next "
+          "task here is taken")  # fmt: skip
+    return 0
+
+
 def _cmd_site(args: argparse.Namespace) -> int:
+    if not args.config:
+        raise ConfigError("--config: required (the site's site.toml)")
     if args.coordinator:
         check_host_port(args.coordinator, "--coordinator")
     import torch
@@ -444,6 +498,8 @@ def format_open_round(r: admin_pb2.RoundStatus, now: float) -> tuple[str, str]:
     open with the rate its bytes moved at."""
     by_status = Counter(p.status for p in r.participations if p.attempt == r.attempt)
     failed = f", {by_status['failed']} failed" if by_status["failed"] else ""
+    if by_status["declined"]:  # by the sites' own policies
+        failed += f", {by_status['declined']} declined"
     attempt = f" (attempt {r.attempt})" if r.attempt > 1 else ""
     moved = moved_bytes(r)
     counts = (
@@ -824,6 +880,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--poll-timeout-s", type=float, default=20.0, help="longest long poll")
     c.add_argument(
+        "--decline-hold-s", type=float, default=60.0,
+        help="a site whose policy declined a run's task is not asked again for that run "
+        "for this long",
+    )  # fmt: skip
+    c.add_argument(
         "--inline-model-bytes", type=_bytes_count, default=64 * 1024,  # EngineSettings'
         help="a model this small goes out with its task in the poll's reply: no download "
         "call (0: sites always download)",
@@ -881,10 +942,21 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     c.set_defaults(func=_cmd_coordinator)
 
-    s = sub.add_parser("site", help="run a site agent")
-    s.add_argument("--config", required=True, help="site.toml")
+    s = sub.add_parser(
+        "site", help="run a site agent; or list (runs) and approve (approve) the runs asking it"
+    )
+    s.add_argument("--config", help="site.toml (required)")
     s.add_argument("--coordinator", help="override the config's coordinator address")
     s.set_defaults(func=_cmd_site)
+    site_sub = s.add_subparsers(dest="site_command", metavar="[runs | approve]")
+    sr = site_sub.add_parser("runs", help="the runs that asked this site, pending or approved")
+    sr.add_argument("--config", dest="sub_config", help="site.toml (required)")
+    sr.add_argument("--json", action="store_true", help="as JSON")
+    sr.set_defaults(func=_cmd_site_runs)
+    sa = site_sub.add_parser("approve", help='approve a run ([policy] approve = "manual")')
+    sa.add_argument("run_id", metavar="RUN_ID")
+    sa.add_argument("--config", dest="sub_config", help="site.toml (required)")
+    sa.set_defaults(func=_cmd_site_approve)
 
     def admin_args(q: argparse.ArgumentParser) -> None:
         q.add_argument(

@@ -459,19 +459,26 @@ class ReportFailureRequest(_message.Message):
     SITE_ID_FIELD_NUMBER: _builtins.int
     TASK_ID_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    DECLINED_FIELD_NUMBER: _builtins.int
     site_id: _builtins.str
     task_id: _builtins.str
     reason: _builtins.str
+    declined: _builtins.bool
+    """The site's own policy declines this run's task (not approved, over a cap, too little
+    privacy): not a failure; the coordinator leaves the site out of the run's next rounds
+    for a while and samples others.
+    """
     def __init__(
         self,
         *,
         site_id: _builtins.str = ...,
         task_id: _builtins.str = ...,
         reason: _builtins.str = ...,
+        declined: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "site_id", b"site_id", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["declined", b"declined", "reason", b"reason", "site_id", b"site_id", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
