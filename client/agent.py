@@ -20,6 +20,7 @@ import torch
 
 from fedra import __version__, logformat, pki
 from fedra.audit import AUDIT_FILE, AuditLog
+from fedra.client import provenance
 from fedra.client.config import SiteConfig
 from fedra.client.connection import TRANSIENT, Assignment, Connection, Session, new_nonce
 from fedra.client.executor import Executor, LocalExecutor, WorldBroken
@@ -110,6 +111,11 @@ class SiteAgent:
         # What this site accepted, declined and sent, chained (fedra.audit): in state_dir.
         self.audit = AuditLog(config.state_dir / AUDIT_FILE) if config.state_dir else None
         self.policy = Policy(config.policy, config.state_dir)  # what this site agrees to
+        # Per task, what its results come from: told to the coordinator at registration.
+        self.provenance = [
+            provenance.of_task(ep, impl, config.data, config.path)
+            for ep, impl in self.tasks.items()
+        ]
 
     def shutdown(self, reason: str = "") -> None:
         """Stop serving: report a task in flight as failed, cancel a long poll.
@@ -153,7 +159,9 @@ class SiteAgent:
     def _run(self) -> None:
         while not self.stop.is_set():
             try:
-                session = self.conn.register(list(self.config.allowed_tasks))
+                session = self.conn.register(
+                    list(self.config.allowed_tasks), provenance=self.provenance
+                )
                 log.info("%s: registered with %s", self.tag, self.config.coordinator)
                 self.registered = True
                 self.backoff.reset()

@@ -6,7 +6,7 @@ import hashlib
 import os
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -25,8 +25,10 @@ from fedra.protos.codec import (
     transfer_chunk_bytes,
 )
 from fedra.protos.serde import (
+    Provenance,
     SecAggRound,
     codec_from_proto,
+    provenance_to_proto,
     secagg_round_from_proto,
     train_from_proto,
 )
@@ -190,8 +192,14 @@ class Connection:
             self.channel.unsubscribe(on_change)
         return ready.is_set()
 
-    def register(self, tasks: list[str], timeout_s: float = 10.0) -> Session:
-        request = site_pb2.RegisterRequest(site_id=self.site_id, tasks=tasks, version=__version__)
+    def register(
+        self, tasks: list[str], timeout_s: float = 10.0, provenance: Sequence[Provenance] = ()
+    ) -> Session:
+        """Announce the site, its tasks and (per task) what its results come from."""
+        request = site_pb2.RegisterRequest(
+            site_id=self.site_id, tasks=tasks, version=__version__,
+            provenance=[provenance_to_proto(p) for p in provenance],
+        )  # fmt: skip
         r = self.stub.Register(request, timeout=timeout_s)
         self.chunk_bytes = min(self.chunk_bytes, r.chunk_bytes or self.chunk_bytes)
         return Session(r.heartbeat_interval_s, r.poll_timeout_s, self.chunk_bytes)

@@ -33,6 +33,7 @@ from fedra.coordinator.errors import FedraError
 from fedra.coordinator.wakeups import LoopInbox, Ticket, run_key, site_key, stage_key
 from fedra.faults import crash_point
 from fedra.protos.codec import Buffer, transfer_chunk_bytes
+from fedra.protos.serde import Provenance
 from fedra.runspec import RunSpec
 from fedra.storage.blobs import BlobCorruptError
 
@@ -123,8 +124,10 @@ class CoordinatorAPI:
 
     # -- sites -----------------------------------------------------------------
 
-    async def register(self, site_id: str, tasks: list[str], version: str) -> None:
-        await self.call(self.engine.register, site_id, tasks, version)
+    async def register(
+        self, site_id: str, tasks: list[str], version: str, provenance: list[Provenance]
+    ) -> None:
+        await self.call(self.engine.register, site_id, tasks, version, provenance)
 
     def touch(self, site_id: str) -> None:
         """A call of the site's arrived (liveness, before anything waits: ``Engine.touch``)."""

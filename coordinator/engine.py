@@ -8,6 +8,7 @@ runs one ``RoundDriver`` thread per run (see ``rounds``).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import hashlib
 import json
 import logging
@@ -16,10 +17,10 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from fedra import logsafe
+from fedra import __version__, logsafe
 from fedra.config import SITE_ID_RULE, is_valid_site_id
 from fedra.coordinator.aggregation import ServerOptimizer
 from fedra.coordinator.attention import Attention
@@ -34,7 +35,7 @@ from fedra.coordinator.state import INIT_ROUND, ActiveRun, Assignment, TaskState
 from fedra.coordinator.wakeups import Wakeups, run_key, site_key, stage_key
 from fedra.faults import crash_point
 from fedra.protos.codec import DEFAULT_CHUNK_BYTES
-from fedra.protos.serde import SecAggRound
+from fedra.protos.serde import Provenance, SecAggRound
 from fedra.runspec import MAX_TASK_CHARS, CodecSpec, RunSpec, TrainSpec
 from fedra.storage import BlobStore, Store
 from fedra.storage.records import CheckpointRecord, RunRecord, SiteRecord
@@ -47,6 +48,8 @@ REASON_CHARS = 500  # of a failure reason a site reports, as stored
 # shows it as "declined", not as a failure. The site is not sampled again for the run
 # for EngineSettings.decline_hold_s (an operator may approve the run, or its hours come).
 DECLINED = "site declined: "
+PROVENANCE_EVENT = "site_provenance"  # the ledger's record of what a site's updates come from
+RUN_PROVENANCE_EVENT = "run_provenance"  # the coordinator's version, at submit and resume
 MAX_SITE_TASKS, MAX_VERSION_CHARS = 64, 64  # what a site may register, as stored
 LIVENESS_WRITE_S = 10.0  # how often sites' last-heard times are written, at most
 SITES_PAGE, MAX_SITES_PAGE = 1000, 5000  # sites in one ListSites reply: default, most
@@ -128,6 +131,7 @@ class Engine:
         self.stopping = False
         self._drivers: dict[str, threading.Thread] = {}
         self._site_tasks: dict[str, tuple[str, ...]] = {}
+        self._provenance: dict[str, dict[str, Provenance]] = {}  # by site, by task, as told
         self._last_seen: dict[str, float] = {}
         # The registered sites as stored (kept with each registration), how many ids were
         # added, and the ids in order as of that many, for listings.
@@ -201,6 +205,10 @@ class Engine:
 
     def _launch(self, run: ActiveRun, resumed: bool = False) -> None:
         spec = json.loads(run.spec.to_json())
+        self.commits.write_later(self.store.add_event_op(
+            run.run_id, RUN_PROVENANCE_EVENT, f"driven by fedra {__version__}", self.clock(),
+            data={"coordinator_version": __version__, "resumed": int(resumed)},
+        ))  # fmt: skip
         self.observers.run_started(RunStarted(run.run_id, spec, resumed))
         with self.lock:
             self.runs[run.run_id] = run
@@ -257,8 +265,19 @@ class Engine:
 
     # -- sites -----------------------------------------------------------------
 
-    def register(self, site_id: str, tasks: list[str], version: str) -> None:
+    def register(
+        self,
+        site_id: str,
+        tasks: list[str],
+        version: str,
+        provenance: Sequence[Provenance] = (),
+    ) -> None:
+        """A site says who it is, the tasks it serves and (per task) what its results
+        come from, recorded for each run at its first accepted update (``provenance``)."""
         _check_site_id(site_id)
+        told = {p.entry_point: p for p in provenance}
+        if len(told) != len(provenance) or not told.keys() <= set(tasks):
+            raise InvalidArgument("provenance: at most one per task, each of a task served")
         if not tasks:
             raise InvalidArgument("tasks: a site must serve at least one task")
         if len(tasks) > MAX_SITE_TASKS or any(len(t) > MAX_TASK_CHARS for t in tasks):
@@ -283,6 +302,7 @@ class Engine:
             if known is None:
                 self._sites_added += 1  # a new id: the sorted listing is built again
             self._site_tasks[site_id] = tuple(tasks)
+            self._provenance[site_id] = told
             self._last_seen[site_id] = now
             self._left.discard(site_id)
             self.notify()
@@ -567,6 +587,27 @@ class Engine:
             "run %s round %s: site %s %s: %s",
             run.run_id, run.open_round, site_id, what, logsafe.safe(reason),
         )  # fmt: skip
+
+    def note_provenance(self, run: ActiveRun, site_id: str, round_number: int) -> None:
+        """An update of ``site_id`` counts for ``run``: record what it comes from, the first
+        time and whenever it changes (a site restarted with other code or data), in the
+        next group commit. Under the lock."""
+        told = self._provenance.get(site_id, {}).get(run.spec.task)
+        if told is None:
+            return
+        digest = told.digest()
+        if run.provenance.get(site_id) == digest:
+            return
+        run.provenance[site_id] = digest
+        data: dict[str, float | int | str] = {
+            "site": site_id, "digest": digest, **{
+                k: v for k, v in dataclasses.asdict(told).items() if isinstance(v, str)
+            }, "versions": json.dumps(dict(told.versions), sort_keys=True),
+        }  # fmt: skip
+        self.commits.write_later(self.store.add_event_op(
+            run.run_id, PROVENANCE_EVENT, f"site {site_id}: {told.entry_point}", self.clock(),
+            round_number, data,
+        ))  # fmt: skip
 
     # -- admin -----------------------------------------------------------------
 

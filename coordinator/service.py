@@ -42,6 +42,7 @@ from fedra.protos import wire
 from fedra.protos.codec import Buffer
 from fedra.protos.serde import (
     codec_to_proto,
+    provenance_from_proto,
     runspec_from_proto,
     secagg_round_to_proto,
     train_to_proto,
@@ -212,7 +213,13 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
     ) -> site_pb2.RegisterResponse:
         self.guard.site(context, request.site_id)
         self.api.touch(request.site_id)
-        await self.api.register(request.site_id, list(request.tasks), request.version)
+        if len(request.provenance) > len(request.tasks):
+            raise InvalidArgument("provenance: at most one per task")
+        try:
+            told = [provenance_from_proto(p) for p in request.provenance]
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+        await self.api.register(request.site_id, list(request.tasks), request.version, told)
         s = self.api.settings
         return site_pb2.RegisterResponse(
             heartbeat_interval_s=s.heartbeat_interval_s,

@@ -127,6 +127,8 @@ class ActiveRun:
     # Sites whose policy declined this run's task, and when: left out of its sampling
     # for EngineSettings.decline_hold_s (the site may approve it, or its hours come).
     declined: dict[str, float] = field(default_factory=dict)
+    # The digest of each site's provenance as last recorded for this run (engine).
+    provenance: dict[str, str] = field(default_factory=dict)
     broken: str = ""  # why this attempt's running sum cannot be trusted; it is retried
     aggregate_s: float = 0.0  # time spent folding this attempt's updates into the sum
     # Updates are folded outside the engine's lock, one at a time under fold_lock; the

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import threading
 import time
@@ -10,7 +12,12 @@ from collections.abc import Callable, Collection
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 
-from fedra.coordinator.engine import DECLINED, Engine
+from fedra.coordinator.engine import (
+    DECLINED,
+    PROVENANCE_EVENT,
+    RUN_PROVENANCE_EVENT,
+    Engine,
+)
 from fedra.coordinator.errors import NotFound, ResourceExhausted
 from fedra.coordinator.rounds import idle_s
 from fedra.protos import wire
@@ -29,6 +36,7 @@ def run_status(
     them, as stored; fails with RESOURCE_EXHAUSTED if that is more than one reply holds."""
     view = read_run(engine, run_id, first_round)
     status = run_header(engine, view.run, insecure)
+    status.provenance.CopyFrom(run_provenance(engine, view.run))
     status.rounds.extend(round_statuses(view)[0].values())
     size = status.ByteSize()
     if size > wire.MAX_STATUS_BYTES:
@@ -286,6 +294,8 @@ def run_page(
         view = read_run(engine, run_id, since, batch)
         if status is None:
             status = run_header(engine, view.run, insecure)
+            if first_round == 0:  # the first page says what the run's results come from
+                status.provenance.CopyFrom(run_provenance(engine, view.run))
             for r in cached:
                 if status.rounds and size + r.ByteSize() > page_bytes:
                     status.more_rounds_follow = True
@@ -397,6 +407,33 @@ def _with_rounds(
     status.rounds.extend(rounds)
     status.more_rounds_follow = more_rounds_follow
     return status
+
+
+def run_provenance(engine: Engine, record: RunRecord) -> admin_pb2.RunProvenance:
+    """What the run's results come from: its spec's digest, the fedra that drove it, and
+    each site's provenance as of its latest accepted update (flagged ``changed`` if it
+    differs from the site's earlier ones), from the run's ledger."""
+    out = admin_pb2.RunProvenance(spec_sha256=hashlib.sha256(record.spec_json.encode()).hexdigest())
+    sites: dict[str, admin_pb2.SiteProvenance] = {}
+    digests: dict[str, set[str]] = {}
+    for e in engine.store.list_events(record.id, (PROVENANCE_EVENT, RUN_PROVENANCE_EVENT)):
+        d = e.data
+        if e.kind == RUN_PROVENANCE_EVENT:
+            out.coordinator_version = str(d.get("coordinator_version", ""))
+            continue
+        site = str(d.get("site", ""))
+        seen = digests.setdefault(site, set())
+        seen.add(str(d.get("digest", "")))
+        p = admin_pb2.SiteProvenance(
+            site_id=site, changed=len(seen) > 1, since_round=e.round_number or 0
+        )
+        for key in ("entry_point", "task_version", "task_source_sha256", "data_fingerprint",
+                    "config_sha256", "device"):  # fmt: skip
+            setattr(p.provenance, key, str(d.get(key, "")))
+        p.provenance.versions.update(json.loads(str(d.get("versions", "{}"))))
+        sites[site] = p
+    out.sites.extend(sites[s] for s in sorted(sites))
+    return out
 
 
 def run_header(

@@ -392,6 +392,7 @@ def accept_begin(engine: Engine, ticket: UploadTicket, digest: str, nbytes: int)
         if run.spec.asynchronous is not None:
             metrics["staleness"] = float(run.staleness(a))
         run.folding += 1  # the driver will not close the round under this write and fold
+        engine.note_provenance(run, h.site_id, ticket.round)
         return engine.store.accept_op(
             h.task_id, nonce=h.nonce, sha256=digest, num_samples=h.num_samples,
             metrics=metrics, bytes_up=nbytes, upload_s=upload_s, now=engine.clock(),

@@ -57,6 +57,21 @@ class StatusPages:
         out["rounds"] = rounds
         out["sites"] = sorted(sites.values(), key=lambda s: s["site_id"])
         out["truncated"] = pages >= MAX_PAGES
+        prov = header.provenance
+        out["provenance"] = {
+            "spec_sha256": prov.spec_sha256,
+            "coordinator_version": prov.coordinator_version,
+            "sites": [
+                {
+                    "site_id": p.site_id, "changed": p.changed, "since_round": p.since_round,
+                    "task": p.provenance.entry_point, "task_version": p.provenance.task_version,
+                    "task_source_sha256": p.provenance.task_source_sha256,
+                    "data_fingerprint": p.provenance.data_fingerprint,
+                    "versions": dict(p.provenance.versions), "device": p.provenance.device,
+                }
+                for p in prov.sites
+            ],
+        }  # fmt: skip
         return out
 
 

@@ -59,6 +59,8 @@ class AdminClient:
         request = admin_pb2.GetRunRequest(run_id=run_id, first_round=first_round, page=True)
         status = self.stub.GetRun(request, timeout=self.timeout_s)
         rounds = list(status.rounds)
+        provenance = admin_pb2.RunProvenance()
+        provenance.CopyFrom(status.provenance)  # the first page's
         while status.more_rounds_follow and status.rounds:
             request.first_round = status.rounds[-1].number + 1
             status = self.stub.GetRun(request, timeout=self.timeout_s)
@@ -66,6 +68,7 @@ class AdminClient:
         del status.rounds[:]  # (a daemon that predates first_round sends them all)
         status.rounds.extend(r for r in rounds if r.number >= first_round)
         status.more_rounds_follow = False
+        status.provenance.CopyFrom(provenance)
         return status
 
     def runs(self) -> list[admin_pb2.RunStatus]:

@@ -131,7 +131,8 @@ def run_demo(options: DemoOptions) -> int:
                 return 1
             model = admin.export_model(run_id)
             # As the rounds ended up: a download counted after its round's commit, say.
-            latest = {r.number: r for r in admin.status(run_id).rounds}
+            final_status = admin.status(run_id)
+            latest = {r.number: r for r in final_status.rounds}
     for summary in rounds:
         r = latest[summary["round"]]
         summary.update(
@@ -152,7 +153,29 @@ def run_demo(options: DemoOptions) -> int:
             else "",
             sep="",
         )
-    return _finish(options, spec, run_id, rounds, _score(model, x_test, y_test), started)
+    provenance = provenance_summary(final_status.provenance)
+    return _finish(
+        options, spec, run_id, rounds, _score(model, x_test, y_test), started, provenance
+    )
+
+
+def provenance_summary(p: admin_pb2.RunProvenance) -> dict[str, Any]:
+    """``run status``'s provenance as the summary keeps it: the run's, and by site id."""
+    sites = {
+        s.site_id: {
+            "task": s.provenance.entry_point,
+            "task_version": s.provenance.task_version,
+            "task_source_sha256": s.provenance.task_source_sha256,
+            "data_fingerprint": s.provenance.data_fingerprint,
+            "config_sha256": s.provenance.config_sha256,
+            "versions": dict(s.provenance.versions),
+            "device": s.provenance.device,
+            "changed": s.changed,
+        }
+        for s in p.sites
+    }
+    run = {"spec_sha256": p.spec_sha256, "coordinator_version": p.coordinator_version}
+    return {"sites": sites, "run": run}
 
 
 def _score(state: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
@@ -198,6 +221,7 @@ def _finish(
     rounds: list[dict[str, Any]],
     final: dict[str, float],
     started: float,
+    provenance: dict[str, Any],
 ) -> int:
     from fedra.examples import digits  # noqa: PLC0415
 
@@ -232,6 +256,8 @@ def _finish(
             "run_id": run_id,
             "spec": json.loads(spec.to_json()),
             "sites": sorted({s for r in rounds for s in r["sites"]}),  # those that took part
+            "provenance": provenance["sites"],  # by site id: what its updates came from
+            "run_provenance": provenance["run"],
             "rounds": rounds,
             "final": {
                 "accuracy": final["accuracy"],

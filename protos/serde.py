@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from fedra.protos.v1 import admin_pb2, common_pb2, site_pb2
 from fedra.runspec import (
@@ -181,3 +185,50 @@ def secagg_round_to_proto(s: SecAggRound) -> site_pb2.SecAggRound:
 
 def secagg_round_from_proto(m: site_pb2.SecAggRound) -> SecAggRound:
     return SecAggRound(m.context, m.threshold, m.clip, m.bits, m.l2_clip, m.noise_std)
+
+
+MAX_PROVENANCE_CHARS = 200  # of each string in a site's provenance
+MAX_PROVENANCE_VERSIONS = 16
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """What a site's results for one task come from (common.Provenance)."""
+
+    entry_point: str
+    task_version: str = ""
+    task_source_sha256: str = ""
+    data_fingerprint: str = ""
+    config_sha256: str = ""
+    versions: Mapping[str, str] = field(default_factory=dict)
+    device: str = ""
+
+    def digest(self) -> str:
+        """One hash of all of it: equal provenances, equal digests."""
+        doc = json.dumps(dataclasses.asdict(self), sort_keys=True, default=dict)
+        return hashlib.sha256(doc.encode()).hexdigest()
+
+
+def provenance_to_proto(p: Provenance) -> common_pb2.Provenance:
+    return common_pb2.Provenance(
+        entry_point=p.entry_point, task_version=p.task_version,
+        task_source_sha256=p.task_source_sha256, data_fingerprint=p.data_fingerprint,
+        config_sha256=p.config_sha256, versions=dict(p.versions), device=p.device,
+    )  # fmt: skip
+
+
+def provenance_from_proto(m: common_pb2.Provenance) -> Provenance:
+    """ValueError naming the field for one too long or with too many versions."""
+    fields = {
+        "entry_point": m.entry_point, "task_version": m.task_version,
+        "task_source_sha256": m.task_source_sha256, "data_fingerprint": m.data_fingerprint,
+        "config_sha256": m.config_sha256, "device": m.device,
+    }  # fmt: skip
+    for name, value in [*fields.items(), *(("versions", k + v) for k, v in m.versions.items())]:
+        if len(value) > MAX_PROVENANCE_CHARS:
+            raise ValueError(
+                f"provenance.{name}: at most {MAX_PROVENANCE_CHARS} characters, got {len(value)}"
+            )
+    if len(m.versions) > MAX_PROVENANCE_VERSIONS:
+        raise ValueError(f"provenance.versions: at most {MAX_PROVENANCE_VERSIONS} entries")
+    return Provenance(**fields, versions=dict(sorted(m.versions.items())))

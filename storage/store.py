@@ -1093,6 +1093,19 @@ class Store:
         with self._tx() as s:
             s.add(_event_row(run_id, round_number, now, (kind, message), data))
 
+    def add_event_op(
+        self,
+        run_id: str,
+        kind: str,
+        message: str,
+        now: float,
+        round_number: int | None = None,
+        data: dict[str, float | int | str] | None = None,
+    ) -> WriteOp:
+        """The write of ``add_event``, for a group commit (``write_batch``)."""
+        row = _event_row(run_id, round_number, now, (kind, message), data)
+        return lambda s: s.add(row)
+
     def failed_attempt(self, run_id: str, number: int, attempt: int, kind: str) -> bool:
         """Whether the ledger holds an event ``kind`` closing that attempt of that round."""
         with self._read() as s:
@@ -1101,9 +1114,12 @@ class Store:
             )
             return any(json.loads(d).get("attempt") == attempt for d in s.scalars(q))
 
-    def list_events(self, run_id: str) -> list[EventRecord]:
+    def list_events(self, run_id: str, kinds: tuple[str, ...] = ()) -> list[EventRecord]:
+        """The run's events in order; with ``kinds``, only those."""
         with self._read() as s:
             q = select(m.Event).where(m.Event.run_id == run_id).order_by(m.Event.id)
+            if kinds:
+                q = q.where(m.Event.kind.in_(kinds))
             return [rows.event_record(r) for r in s.scalars(q).all()]
 
     @staticmethod

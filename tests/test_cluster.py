@@ -631,6 +631,12 @@ def test_demo_writes_a_summary(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["sites"] == ["site-0", "site-1", "site-2"]
+    for site_id in summary["sites"]:  # what each site's updates came from
+        p = summary["provenance"][site_id]
+        assert p["task"] == "fedra.examples.digits:task" and not p["changed"]
+        assert len(p["task_source_sha256"]) == 64 and p["data_fingerprint"].startswith("config:")
+        assert set(p["versions"]) == {"fedra", "torch", "python"}
+    assert len(summary["run_provenance"]["spec_sha256"]) == 64
     assert [r["round"] for r in summary["rounds"]] == [0, 1, 2, 3]
     for r in summary["rounds"][1:]:  # what the sites trained on: the round's count, summed
         assert r["samples_seen"] == r["site_metrics"]["samples_seen"] > 0, r

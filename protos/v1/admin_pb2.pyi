@@ -526,6 +526,7 @@ class RunStatus(_message.Message):
     UPDATED_UNIX_S_FIELD_NUMBER: _builtins.int
     COORDINATOR_INSECURE_FIELD_NUMBER: _builtins.int
     MORE_ROUNDS_FOLLOW_FIELD_NUMBER: _builtins.int
+    PROVENANCE_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     state: _builtins.str
     """pending | running | completed | failed | cancelled"""
@@ -544,6 +545,8 @@ class RunStatus(_message.Message):
     def spec(self) -> Global___RunSpec: ...
     @_builtins.property
     def rounds(self) -> _containers.RepeatedCompositeFieldContainer[Global___RoundStatus]: ...
+    @_builtins.property
+    def provenance(self) -> Global___RunProvenance: ...
     def __init__(
         self,
         *,
@@ -557,14 +560,80 @@ class RunStatus(_message.Message):
         updated_unix_s: _builtins.float = ...,
         coordinator_insecure: _builtins.bool = ...,
         more_rounds_follow: _builtins.bool = ...,
+        provenance: Global___RunProvenance | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["provenance", b"provenance", "spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinator_insecure", b"coordinator_insecure", "created_unix_s", b"created_unix_s", "more_rounds_follow", b"more_rounds_follow", "reason", b"reason", "rounds", b"rounds", "rounds_completed", b"rounds_completed", "run_id", b"run_id", "spec", b"spec", "state", b"state", "updated_unix_s", b"updated_unix_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinator_insecure", b"coordinator_insecure", "created_unix_s", b"created_unix_s", "more_rounds_follow", b"more_rounds_follow", "provenance", b"provenance", "reason", b"reason", "rounds", b"rounds", "rounds_completed", b"rounds_completed", "run_id", b"run_id", "spec", b"spec", "state", b"state", "updated_unix_s", b"updated_unix_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RunStatus: _TypeAlias = RunStatus  # noqa: Y015
+
+@_typing.final
+class RunProvenance(_message.Message):
+    """What a run's results come from: its spec, the coordinator, and each site's task."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SPEC_SHA256_FIELD_NUMBER: _builtins.int
+    COORDINATOR_VERSION_FIELD_NUMBER: _builtins.int
+    SITES_FIELD_NUMBER: _builtins.int
+    spec_sha256: _builtins.str
+    """of the spec as submitted (its canonical JSON)"""
+    coordinator_version: _builtins.str
+    """fedra, when the run was submitted or last resumed"""
+    @_builtins.property
+    def sites(self) -> _containers.RepeatedCompositeFieldContainer[Global___SiteProvenance]:
+        """the sites whose updates it accepted, by id"""
+
+    def __init__(
+        self,
+        *,
+        spec_sha256: _builtins.str = ...,
+        coordinator_version: _builtins.str = ...,
+        sites: _abc.Iterable[Global___SiteProvenance] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinator_version", b"coordinator_version", "sites", b"sites", "spec_sha256", b"spec_sha256"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RunProvenance: _TypeAlias = RunProvenance  # noqa: Y015
+
+@_typing.final
+class SiteProvenance(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SITE_ID_FIELD_NUMBER: _builtins.int
+    PROVENANCE_FIELD_NUMBER: _builtins.int
+    CHANGED_FIELD_NUMBER: _builtins.int
+    SINCE_ROUND_FIELD_NUMBER: _builtins.int
+    site_id: _builtins.str
+    changed: _builtins.bool
+    """it differs from the site's earlier updates of the run"""
+    since_round: _builtins.int
+    """the first round it held for"""
+    @_builtins.property
+    def provenance(self) -> _common_pb2.Provenance:
+        """as of its latest accepted update"""
+
+    def __init__(
+        self,
+        *,
+        site_id: _builtins.str = ...,
+        provenance: _common_pb2.Provenance | None = ...,
+        changed: _builtins.bool = ...,
+        since_round: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["provenance", b"provenance"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changed", b"changed", "provenance", b"provenance", "since_round", b"since_round", "site_id", b"site_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SiteProvenance: _TypeAlias = SiteProvenance  # noqa: Y015
 
 @_typing.final
 class ListSitesRequest(_message.Message):

@@ -276,3 +276,71 @@ class Async(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Async: _TypeAlias = Async  # noqa: Y015
+
+@_typing.final
+class Provenance(_message.Message):
+    """What a site's results for one task come from: its code, its data (a fingerprint,
+    never the data) and its software. Each string at most 200 characters.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class VersionsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    ENTRY_POINT_FIELD_NUMBER: _builtins.int
+    TASK_VERSION_FIELD_NUMBER: _builtins.int
+    TASK_SOURCE_SHA256_FIELD_NUMBER: _builtins.int
+    DATA_FINGERPRINT_FIELD_NUMBER: _builtins.int
+    CONFIG_SHA256_FIELD_NUMBER: _builtins.int
+    VERSIONS_FIELD_NUMBER: _builtins.int
+    DEVICE_FIELD_NUMBER: _builtins.int
+    entry_point: _builtins.str
+    task_version: _builtins.str
+    """the task's distribution and version, if installed as one"""
+    task_source_sha256: _builtins.str
+    """over the source of the task's top-level package"""
+    data_fingerprint: _builtins.str
+    """the task's own, or "config:" + SHA-256 of its [data]"""
+    config_sha256: _builtins.str
+    """of the site.toml"""
+    device: _builtins.str
+    @_builtins.property
+    def versions(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """fedra, torch, python"""
+
+    def __init__(
+        self,
+        *,
+        entry_point: _builtins.str = ...,
+        task_version: _builtins.str = ...,
+        task_source_sha256: _builtins.str = ...,
+        data_fingerprint: _builtins.str = ...,
+        config_sha256: _builtins.str = ...,
+        versions: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        device: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config_sha256", b"config_sha256", "data_fingerprint", b"data_fingerprint", "device", b"device", "entry_point", b"entry_point", "task_source_sha256", b"task_source_sha256", "task_version", b"task_version", "versions", b"versions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Provenance: _TypeAlias = Provenance  # noqa: Y015

@@ -48,11 +48,16 @@ class RegisterRequest(_message.Message):
     SITE_ID_FIELD_NUMBER: _builtins.int
     TASKS_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
+    PROVENANCE_FIELD_NUMBER: _builtins.int
     site_id: _builtins.str
     version: _builtins.str
     @_builtins.property
     def tasks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """entry points 'package.module:attr' this site serves"""
+
+    @_builtins.property
+    def provenance(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Provenance]:
+        """per task, at most one each"""
 
     def __init__(
         self,
@@ -60,10 +65,11 @@ class RegisterRequest(_message.Message):
         site_id: _builtins.str = ...,
         tasks: _abc.Iterable[_builtins.str] | None = ...,
         version: _builtins.str = ...,
+        provenance: _abc.Iterable[_common_pb2.Provenance] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["site_id", b"site_id", "tasks", b"tasks", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["provenance", b"provenance", "site_id", b"site_id", "tasks", b"tasks", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
