@@ -29,6 +29,7 @@ from fedra.coordinator.commits import GroupCommit
 from fedra.coordinator.downloads import Download, DownloadLedger
 from fedra.coordinator.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from fedra.coordinator.observers import Observers, RunStarted
+from fedra.coordinator.promotion import PromotionState
 from fedra.coordinator.recovery import restore_run
 from fedra.coordinator.rounds import RoundDriver
 from fedra.coordinator.state import INIT_ROUND, ActiveRun, Assignment, TaskState
@@ -747,9 +748,14 @@ class Engine:
     def export_checkpoint(
         self, run_id: str, round_number: int | None, who: str = ""
     ) -> CheckpointRecord:
-        """The checkpoint of ``round_number`` (or the latest); with ``who`` (an admin's
-        export), audited."""
-        self.get_run_record(run_id)
+        """The checkpoint of ``round_number``, or else the run's result: the latest, or
+        with ``[promotion]`` the promoted one; with ``who`` (an admin's export), audited."""
+        record = self.get_run_record(run_id)
+        if round_number is None and RunSpec.from_json(record.spec_json).promotion is not None:
+            latest = self.store.latest_checkpoint(run_id)
+            last = self.store.get_round(run_id, latest.round_number) if latest else None
+            promoted = PromotionState.from_metrics(last.metrics if last else {}).promoted_round
+            round_number = promoted if promoted >= 0 else None  # none judged yet: the latest
         if round_number is None:
             ckpt = self.store.latest_checkpoint(run_id)
         else:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from fedra.coordinator.aggregation import ServerOptimizer
 from fedra.coordinator.folding import fold_ready
+from fedra.coordinator.promotion import PromotionState
 from fedra.coordinator.rounds import ACCOUNTANT_KEY, RESIDUAL_PREFIX, start_aggregate
 from fedra.coordinator.state import ATTEMPT_FAILED, INIT_ROUND, ActiveRun
 from fedra.privacy import RdpAccountant
@@ -54,6 +55,9 @@ def restore_run(engine: Engine, record: RunRecord) -> ActiveRun | None:
             return None
         run.model_sha256, run.model_bytes = ckpt.model_sha256, ckpt.model_bytes
         run.next_round = ckpt.round_number + 1
+        if spec.promotion is not None:  # as the last commit left it, in its metrics
+            last = engine.store.get_round(record.id, ckpt.round_number)
+            run.promotion = PromotionState.from_metrics(last.metrics if last else {})
         if ckpt.optimizer_sha256:
             state = decode_chunks(engine.models.read_chunks(ckpt.optimizer_sha256))
             rdp = state.pop(ACCOUNTANT_KEY, None)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fedra import logformat
+from fedra.coordinator import promotion
 from fedra.coordinator.aggregation import ServerOptimizer
 from fedra.coordinator.aggregators import AggregationError, Attempt
 from fedra.coordinator.folding import fold_ready, fold_remaining, has_turn
@@ -378,6 +379,17 @@ class RoundDriver:
         metrics = weighted_metrics([p for p in parts if p.state == "accepted"])
         if accountant is not None and spec.privacy is not None:
             metrics["privacy_epsilon"] = accountant.epsilon(spec.privacy.delta)
+        stop, pending_promotion = "", run.promotion
+        if spec.promotion is not None and number != INIT_ROUND:
+            decision = promotion.decide(spec.promotion, run.promotion, number, metrics)
+            metrics.update(decision.state.as_metrics())
+            stop = decision.stop
+            if decision.rollback:  # this round's model is the promoted one's, and its state
+                model_sha, opt_sha = self._rolled_back(decision.state.promoted_round, accountant)
+                delta_sha, residual = "", {}
+                log.warning("%s round %d: rolled back to round %d's model: %s", self.tag,
+                            number, decision.state.promoted_round, decision.why)  # fmt: skip
+            pending_promotion = decision.state
         ckpt = CheckpointRecord(
             run.run_id, number, model_sha, engine.models.size(model_sha), opt_sha, now,
             delta_sha or None,
@@ -389,12 +401,14 @@ class RoundDriver:
         stages["fold_tail_s"] = max(0.0, tail)
         stages["round_s"] = now - run.opened_at
         crash_point("before_commit", number)
-        final = "completed" if number == spec.rounds else None
+        final = "completed" if number == spec.rounds or stop else None
         engine.store.commit_round(
             run.run_id, number, ckpt, metrics, now, final, stages,
             keep=[] if final else self._carry_on(),
-            event=("round_committed", _summary(parts, metrics)),
+            event=("round_committed", _summary(parts, metrics)), final_reason=stop,
         )  # fmt: skip
+        if spec.promotion is not None and number != INIT_ROUND:
+            run.promotion = pending_promotion
         crash_point("after_commit", number)
         with engine.lock:
             run.model_specs = spec_of(model)
@@ -415,11 +429,31 @@ class RoundDriver:
             stages=stages, metrics=metrics, model_sha256=model_sha,
         ))  # fmt: skip
         if final:
-            log.info("%s: completed after %d rounds", self.tag, number)
-            engine.observers.run_ended(RunEnded(run.run_id, "completed"))
+            log.info("%s: completed after %d rounds%s", self.tag, number, f" ({stop})" * bool(stop))
+            engine.observers.run_ended(RunEnded(run.run_id, "completed", stop))
             self._forget()
             return False
         return True
+
+    def _rolled_back(
+        self, promoted: int, accountant: RdpAccountant | None
+    ) -> tuple[str, str | None]:
+        """(model, optimiser state) blobs for a round rolled back to round ``promoted``:
+        its model and its server optimiser's state, with the privacy spent so far (never
+        rolled back); the in-memory optimiser is set back too."""
+        run, engine = self.run_state, self.engine
+        ckpt = engine.store.get_checkpoint(run.run_id, promoted)
+        assert ckpt is not None, f"promoted round {promoted} has no checkpoint"
+        state: dict[str, torch.Tensor] = {}
+        if ckpt.optimizer_sha256:
+            state = decode_chunks(engine.models.read_chunks(ckpt.optimizer_sha256))
+        state = {k: v for k, v in state.items() if not k.startswith(RESIDUAL_PREFIX)}
+        state.pop(ACCOUNTANT_KEY, None)
+        run.optimizer.load_state_dict(dict(state))
+        if accountant is not None:
+            state[ACCOUNTANT_KEY] = accountant.to_tensor()
+        opt_sha = engine.models.put_chunks(encode_chunks(state)) if state else None
+        return ckpt.model_sha256, opt_sha
 
     def _committed_model(self) -> dict[str, torch.Tensor]:
         """The last committed global model, read back from its blob."""

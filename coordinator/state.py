@@ -12,6 +12,7 @@ import torch
 
 from fedra.coordinator.aggregation import ServerOptimizer, WeightedSum
 from fedra.coordinator.aggregators import Aggregator, StreamingMean, make_aggregator
+from fedra.coordinator.promotion import PromotionState
 from fedra.privacy import RdpAccountant
 from fedra.protos.codec import TensorSpec
 from fedra.runspec import CodecSpec, RunSpec
@@ -129,6 +130,8 @@ class ActiveRun:
     declined: dict[str, float] = field(default_factory=dict)
     # The digest of each site's provenance as last recorded for this run (engine).
     provenance: dict[str, str] = field(default_factory=dict)
+    # [promotion]: the promoted round, the best metric, candidates since (promotion.py).
+    promotion: PromotionState = field(default_factory=PromotionState)
     broken: str = ""  # why this attempt's running sum cannot be trusted; it is retried
     aggregate_s: float = 0.0  # time spent folding this attempt's updates into the sum
     # Updates are folded outside the engine's lock, one at a time under fold_lock; the

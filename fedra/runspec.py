@@ -164,6 +164,38 @@ STALENESS = ("sqrt", "constant")
 
 
 @dataclass(frozen=True)
+class PromotionSpec:
+    """Never promote a worse model (``[promotion]`` in run.toml).
+
+    Each committed round's model is a candidate. The sites of the next round evaluate it
+    as their incoming global model (``metric``, e.g. ``eval_loss``, weighted by their
+    samples); it is promoted if that is within ``max_regression`` of the best promoted so
+    far (lower is better with ``goal = "min"``). After ``patience`` judged candidates in a
+    row without a promotion, the run rolls back to the promoted model (its server
+    optimiser state too) or stops, as ``on_patience`` says. Exports default to it.
+    """
+
+    metric: str = "eval_loss"
+    goal: str = "min"  # min | max
+    max_regression: float = 0.0  # absolute, in the metric's units
+    patience: int = 3
+    on_patience: str = "rollback"  # rollback | stop
+
+    def validate(self) -> None:
+        require(0 < len(self.metric) <= 100, "promotion.metric",
+                "must be a metric's name (at most 100 characters)", self.metric)  # fmt: skip
+        require(self.goal in ("min", "max"), "promotion.goal", "must be 'min' or 'max'",
+                self.goal)  # fmt: skip
+        require(
+            math.isfinite(self.max_regression) and self.max_regression >= 0,
+            "promotion.max_regression", "must be finite and >= 0", self.max_regression,
+        )  # fmt: skip
+        check("promotion.patience", self.patience)
+        require(self.on_patience in ("rollback", "stop"), "promotion.on_patience",
+                "must be 'rollback' or 'stop'", self.on_patience)  # fmt: skip
+
+
+@dataclass(frozen=True)
 class AsyncSpec:
     """Buffered asynchronous rounds, FedBuff-style (``[async]`` in run.toml).
 
@@ -234,6 +266,7 @@ class RunSpec:
     privacy: PrivacySpec | None = None
     secagg: SecAggSpec | None = None
     asynchronous: AsyncSpec | None = None  # [async]
+    promotion: PromotionSpec | None = None  # [promotion]
 
     @property
     def quorum(self) -> int:
@@ -265,6 +298,13 @@ class RunSpec:
         self._validate_strategy()
         self._validate_aggregation()
         self._validate_async()
+        if self.promotion is not None:
+            self.promotion.validate()
+            if self.asynchronous is not None:
+                raise ConfigError(
+                    "promotion: cannot be combined with [async] (its models are not rounds "
+                    "that a next round's sites evaluate)"
+                )
         return self
 
     def _validate_async(self) -> None:
@@ -384,6 +424,8 @@ class RunSpec:
             raw["secagg"] = SecAggSpec(**raw["secagg"])
         if raw.get("asynchronous") is not None:
             raw["asynchronous"] = AsyncSpec(**raw["asynchronous"])
+        if raw.get("promotion") is not None:
+            raw["promotion"] = PromotionSpec(**raw["promotion"])
         return RunSpec(**raw)
 
 
@@ -394,7 +436,7 @@ _TOP_NUMBERS = (
 _TOP_KEYS = {
     "name", "task", "rounds", "sites_per_round", "min_sites", "round_deadline_s",
     "max_round_attempts", "join_timeout_s", "seed", "train", "strategy", "codec",
-    "aggregation", "privacy", "secagg", "async",
+    "aggregation", "privacy", "secagg", "async", "promotion",
 }  # fmt: skip
 _TRAIN_KEYS = {"local_steps", "local_epochs", "batch_size", "learning_rate", "params"}
 
@@ -455,6 +497,7 @@ def runspec_from_toml(doc: Mapping[str, Any]) -> RunSpec:
         privacy=_privacy_from_toml(doc["privacy"]) if "privacy" in doc else None,
         secagg=_secagg_from_toml(doc["secagg"]) if "secagg" in doc else None,
         asynchronous=_async_from_toml(doc["async"]) if "async" in doc else None,
+        promotion=_promotion_from_toml(doc["promotion"]) if "promotion" in doc else None,
         task=get(doc, "task", str, ""),
         rounds=get(doc, "rounds", int, ""),
         name=get(doc, "name", str, "", ""),
@@ -510,6 +553,20 @@ def _secagg_from_toml(raw: Any) -> SecAggSpec:
         clip=get(raw, "clip", float, "secagg", d.clip),
         setup_timeout_s=get(raw, "setup_timeout_s", float, "secagg", d.setup_timeout_s),
         unmask_timeout_s=get(raw, "unmask_timeout_s", float, "secagg", d.unmask_timeout_s),
+    )
+
+
+def _promotion_from_toml(raw: Any) -> PromotionSpec:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"promotion: expected a table, got {type(raw).__name__}")
+    check_keys(raw, {"metric", "goal", "max_regression", "patience", "on_patience"}, "promotion")
+    d = PromotionSpec()
+    return PromotionSpec(
+        metric=get(raw, "metric", str, "promotion", d.metric),
+        goal=get(raw, "goal", str, "promotion", d.goal),
+        max_regression=get(raw, "max_regression", float, "promotion", d.max_regression),
+        patience=get(raw, "patience", int, "promotion", d.patience),
+        on_patience=get(raw, "on_patience", str, "promotion", d.on_patience),
     )
 
 

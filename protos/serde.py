@@ -14,6 +14,7 @@ from fedra.runspec import (
     AsyncSpec,
     CodecSpec,
     PrivacySpec,
+    PromotionSpec,
     RunSpec,
     SecAggSpec,
     TrainSpec,
@@ -115,9 +116,26 @@ def async_from_proto(m: common_pb2.Async) -> AsyncSpec:
     return AsyncSpec(m.buffer or d.buffer, m.max_staleness, m.staleness or d.staleness)
 
 
+def promotion_to_proto(p: PromotionSpec) -> common_pb2.Promotion:
+    return common_pb2.Promotion(
+        metric=p.metric, goal=p.goal, max_regression=p.max_regression, patience=p.patience,
+        on_patience=p.on_patience,
+    )  # fmt: skip
+
+
+def promotion_from_proto(m: common_pb2.Promotion) -> PromotionSpec:
+    """Empty strings and a patience of 0 take their defaults (none is ever valid)."""
+    d = PromotionSpec()
+    return PromotionSpec(
+        m.metric or d.metric, m.goal or d.goal, m.max_regression, m.patience or d.patience,
+        m.on_patience or d.on_patience,
+    )  # fmt: skip
+
+
 def runspec_to_proto(s: RunSpec) -> admin_pb2.RunSpec:
     return admin_pb2.RunSpec(
         asynchronous=async_to_proto(s.asynchronous) if s.asynchronous is not None else None,
+        promotion=promotion_to_proto(s.promotion) if s.promotion is not None else None,
         aggregation=aggregation_to_proto(s.aggregation),
         privacy=privacy_to_proto(s.privacy) if s.privacy is not None else None,
         secagg=secagg_to_proto(s.secagg) if s.secagg is not None else None,
@@ -141,6 +159,7 @@ def runspec_from_proto(m: admin_pb2.RunSpec) -> RunSpec:
     """The RunSpec a message carries; not validated (call ``validate``)."""
     return RunSpec(
         asynchronous=async_from_proto(m.asynchronous) if m.HasField("asynchronous") else None,
+        promotion=promotion_from_proto(m.promotion) if m.HasField("promotion") else None,
         aggregation=aggregation_from_proto(m.aggregation),
         privacy=privacy_from_proto(m.privacy) if m.HasField("privacy") else None,
         secagg=secagg_from_proto(m.secagg) if m.HasField("secagg") else None,

@@ -992,9 +992,11 @@ class Store:
         stages: dict[str, float] | None = None,
         keep: Sequence[str] = (),
         event: tuple[str, str] | None = None,
+        final_reason: str = "",
     ) -> None:
         """Atomically: record the checkpoint, close the round, advance the run (and write
-        ``event``, (kind, message), to the ledger).
+        ``event``, (kind, message), to the ledger); with ``final_state``, end the run so,
+        with ``final_reason``.
 
         Call only once the checkpoint's blobs are durable. Unfinished tasks expire,
         except those in ``keep`` (an async run carries them into the next round).
@@ -1035,6 +1037,7 @@ class Store:
             run.rounds_completed, run.updated_at = number, now
             if final_state is not None:
                 run.state = final_state
+                run.reason = final_reason
             if event is not None:
                 s.add(_event_row(run_id, number, now, event))
 

@@ -29,13 +29,14 @@ EXTRA_DECAY = 1e-3  # per step, times the learning rate
 
 @dataclass(frozen=True, eq=False)  # eq=False: comparing tensors has no single truth value
 class SyntheticData:
-    """One site's regression data and its test aid ``fit_delay_s``."""
+    """One site's regression data and its test aids ``fit_delay_s`` and ``harm``."""
 
     x_train: torch.Tensor  # float32 [samples, dim]
     y_train: torch.Tensor  # float32 [samples]
     x_eval: torch.Tensor  # float32 [64, dim]
     y_eval: torch.Tensor
     fit_delay_s: float
+    harm: float = 0.0  # > 0: a harmful site, its trained weights pushed off by this much
 
 
 class SyntheticModel(nn.Module):
@@ -146,7 +147,7 @@ def _decay_extra(model: nn.Module, factor: float) -> None:
 class SyntheticTask:
     """Linear regression on synthetic sites (see the module docstring)."""
 
-    data_keys = frozenset({"dim", "samples", "shift", "seed", "fit_delay_s"})
+    data_keys = frozenset({"dim", "samples", "shift", "seed", "fit_delay_s", "harm"})
 
     def create_model(self, seed: int, params: Mapping[str, str]) -> nn.Module:
         """A model sized by ``params`` ``dim`` (8) and ``extra_params`` (0), drawn from ``seed``."""
@@ -157,14 +158,18 @@ class SyntheticTask:
     def load_data(self, config: Mapping[str, Any]) -> SyntheticData:
         """Keys ``dim`` (8, must match the model), ``samples`` (256), ``shift`` (0.0), ``seed`` (0).
 
-        ``fit_delay_s`` (0.0) is a test aid: ``fit`` sleeps that long first, making a slow site.
+        ``fit_delay_s`` (0.0) is a test aid: ``fit`` sleeps that long first, making a slow site;
+        so is ``harm`` (0.0): ``fit`` then adds that much Gaussian noise to every trained
+        weight, making a site whose updates make the global model worse.
         """
         dim, samples, shift, seed, fit_delay_s = _check_config(config)
+        harm = get(config, "harm", float, "data", 0.0)
+        require(0 <= harm < math.inf, "data.harm", "must be finite and >= 0", harm)
         generator = torch.Generator().manual_seed(seed)
         total = samples + EVAL_SAMPLES
         x = torch.randn(total, dim, generator=generator) + shift
         y = x @ true_weights(dim) + NOISE_STD * torch.randn(total, generator=generator)
-        return SyntheticData(x[:samples], y[:samples], x[samples:], y[samples:], fit_delay_s)
+        return SyntheticData(x[:samples], y[:samples], x[samples:], y[samples:], fit_delay_s, harm)
 
     def fit(self, model: nn.Module, data: SyntheticData, settings: FitSettings) -> FitResult:
         """Plain SGD on mean squared error; ``extra`` decays by ``lr * 1e-3`` per step."""
@@ -185,6 +190,12 @@ class SyntheticTask:
             seen += len(rows)
         # One O(n) pass, equal to decaying at every step.
         _decay_extra(model, (1.0 - settings.learning_rate * EXTRA_DECAY) ** steps)
+        if data.harm > 0:  # a harmful site (test aid): its update pushes the model off
+            noise = torch.Generator().manual_seed(settings.seed)
+            with torch.no_grad():
+                for param in trainable:
+                    harm = torch.randn(param.shape, generator=noise).to(param.device)
+                    param.add_(data.harm * harm)
         metrics = {"train_loss": total_loss / steps, "samples_seen": float(seen)}
         return FitResult(num_samples=num_samples, metrics=metrics)
 

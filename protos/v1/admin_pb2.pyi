@@ -60,6 +60,7 @@ class RunSpec(_message.Message):
     PRIVACY_FIELD_NUMBER: _builtins.int
     SECAGG_FIELD_NUMBER: _builtins.int
     ASYNCHRONOUS_FIELD_NUMBER: _builtins.int
+    PROMOTION_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     task: _builtins.str
     """entry point sites must have installed and allowed"""
@@ -98,6 +99,10 @@ class RunSpec(_message.Message):
     def asynchronous(self) -> _common_pb2.Async:
         """unset: synchronous rounds"""
 
+    @_builtins.property
+    def promotion(self) -> _common_pb2.Promotion:
+        """unset: every committed model is the run's result"""
+
     def __init__(
         self,
         *,
@@ -118,10 +123,11 @@ class RunSpec(_message.Message):
         privacy: _common_pb2.Privacy | None = ...,
         secagg: _common_pb2.SecAgg | None = ...,
         asynchronous: _common_pb2.Async | None = ...,
+        promotion: _common_pb2.Promotion | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["aggregation", b"aggregation", "asynchronous", b"asynchronous", "codec", b"codec", "privacy", b"privacy", "secagg", b"secagg", "train", b"train"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["aggregation", b"aggregation", "asynchronous", b"asynchronous", "codec", b"codec", "privacy", b"privacy", "promotion", b"promotion", "secagg", b"secagg", "train", b"train"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["aggregation", b"aggregation", "asynchronous", b"asynchronous", "codec", b"codec", "join_timeout_s", b"join_timeout_s", "max_round_attempts", b"max_round_attempts", "min_sites", b"min_sites", "name", b"name", "privacy", b"privacy", "round_deadline_s", b"round_deadline_s", "rounds", b"rounds", "secagg", b"secagg", "seed", b"seed", "sites_per_round", b"sites_per_round", "strategy", b"strategy", "strategy_params", b"strategy_params", "task", b"task", "train", b"train"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aggregation", b"aggregation", "asynchronous", b"asynchronous", "codec", b"codec", "join_timeout_s", b"join_timeout_s", "max_round_attempts", b"max_round_attempts", "min_sites", b"min_sites", "name", b"name", "privacy", b"privacy", "promotion", b"promotion", "round_deadline_s", b"round_deadline_s", "rounds", b"rounds", "secagg", b"secagg", "seed", b"seed", "sites_per_round", b"sites_per_round", "strategy", b"strategy", "strategy_params", b"strategy_params", "task", b"task", "train", b"train"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -248,12 +248,45 @@ class SecAgg(_message.Message):
 Global___SecAgg: _TypeAlias = SecAgg  # noqa: Y015
 
 @_typing.final
-class Async(_message.Message):
+class Promotion(_message.Message):
     """Buffered asynchronous rounds (FedBuff): every `buffer` updates make a new global
     model; stale updates count less (staleness: sqrt | constant), or not at all past
     max_staleness.
     """
 
+    DESCRIPTOR: _descriptor.Descriptor
+
+    METRIC_FIELD_NUMBER: _builtins.int
+    GOAL_FIELD_NUMBER: _builtins.int
+    MAX_REGRESSION_FIELD_NUMBER: _builtins.int
+    PATIENCE_FIELD_NUMBER: _builtins.int
+    ON_PATIENCE_FIELD_NUMBER: _builtins.int
+    metric: _builtins.str
+    goal: _builtins.str
+    """min | max"""
+    max_regression: _builtins.float
+    patience: _builtins.int
+    on_patience: _builtins.str
+    """rollback | stop"""
+    def __init__(
+        self,
+        *,
+        metric: _builtins.str = ...,
+        goal: _builtins.str = ...,
+        max_regression: _builtins.float = ...,
+        patience: _builtins.int = ...,
+        on_patience: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["goal", b"goal", "max_regression", b"max_regression", "metric", b"metric", "on_patience", b"on_patience", "patience", b"patience"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Promotion: _TypeAlias = Promotion  # noqa: Y015
+
+@_typing.final
+class Async(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     BUFFER_FIELD_NUMBER: _builtins.int
