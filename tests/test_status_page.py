@@ -86,6 +86,9 @@ def test_the_page_s_data_has_the_run_its_rounds_and_sites(federation: Any) -> No
     # Still connected, each in a long poll: online, and seen now rather than at its last call.
     assert all(s["online"] and s["last_seen_unix_s"] > time.time() - 5 for s in doc["sites"])
     assert all(0 < s["idle_s"] < s["counted_s"] for s in doc["sites"])
+    prov = doc["provenance"]
+    assert len(prov["spec_sha256"]) == 64 and {p["site_id"] for p in prov["sites"]} == set(sites)
+    assert all(len(p["task_source_sha256"]) == 64 and not p["changed"] for p in prov["sites"])
     with pytest.raises(urllib.error.HTTPError) as missing:
         get(address, "/api/runs/no-such-run")
     assert missing.value.code == 404
@@ -113,6 +116,7 @@ def test_the_page_shows_the_run_in_a_real_browser(federation: Any, tmp_path: Pat
     assert page.count.get("tr.round") == 4, dom[-2000:]  # rounds 0 to 3
     assert page.count.get("tr.site") == len(sites)
     assert page.count.get("td.seen") == len(sites)
+    assert page.count.get("tr.prov") == len(sites) and not page.count.get("tr.changed")
     assert page.count.get("svg#timeline") == 1
     assert page.count.get("rect.stage", 0) == 3 * 5  # three trained rounds, five stages each
     assert page.count.get("polyline", 0) >= 2  # the loss and the bytes at least
