@@ -811,6 +811,13 @@ def format_status(s: admin_pb2.RunStatus) -> str:
         ),
         f"task {s.spec.task}, strategy {s.spec.strategy}, "
         f"{s.rounds_completed}/{s.spec.rounds} rounds",
+        *(  # a site whose code, data or software changed mid-run
+            f"WARNING: site {p.site_id}'s provenance changed from round {p.since_round}: "
+            f"task source {p.provenance.task_source_sha256[:12]}, data "
+            f"{p.provenance.data_fingerprint[:19]} (--json: provenance)"
+            for p in s.provenance.sites
+            if p.changed
+        ),
     ]
     for r in s.rounds:
         line = format_round(r)
@@ -820,13 +827,6 @@ def format_status(s: admin_pb2.RunStatus) -> str:
     if s.rounds:
         first = "" if s.rounds[0].number == 0 else f" (rounds {s.rounds[0].number} on)"
         lines.append(format_totals(s.rounds) + first)
-    for p in s.provenance.sites:  # a site whose code, data or software changed mid-run
-        if p.changed:
-            lines.append(
-                f"WARNING: site {p.site_id}'s provenance changed from round {p.since_round}: "
-                f"task source {p.provenance.task_source_sha256[:12]}, data "
-                f"{p.provenance.data_fingerprint[:19]} (--json: provenance)"
-            )
     return "\n".join(lines)
 
 
