@@ -28,12 +28,13 @@ from fedra.protos.serde import (
     Provenance,
     SecAggRound,
     codec_from_proto,
+    privacy_from_proto,
     provenance_to_proto,
     secagg_round_from_proto,
     train_from_proto,
 )
 from fedra.protos.v1 import site_pb2, site_pb2_grpc
-from fedra.runspec import CodecSpec, TrainSpec
+from fedra.runspec import CodecSpec, PrivacySpec, TrainSpec
 from fedra.secagg import SecAggError
 
 # Transient: the coordinator is restarting or the network blinked. Retry with backoff.
@@ -91,6 +92,8 @@ class Assignment:
     # The whole model, when the coordinator sent it with the task (a small one): no
     # download needed. Never kept on disk with the task.
     model: bytes = field(default=b"", repr=False, compare=False)
+    sites_in_round: int = 0  # sampled into this round (0: not said)
+    privacy: PrivacySpec | None = None  # the run's differential privacy, if any
 
 
 @dataclass(frozen=True)
@@ -409,4 +412,6 @@ def _assignment(t: site_pb2.Task, model: bytes = b"") -> Assignment:
         delta_sha256=t.delta_sha256,
         delta_bytes=t.delta_bytes,
         model=model if t.kind == site_pb2.TASK_KIND_TRAIN else b"",
+        sites_in_round=t.sites_in_round,
+        privacy=privacy_from_proto(t.privacy) if t.HasField("privacy") else None,
     )

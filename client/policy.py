@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import math
 import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -33,7 +34,7 @@ RUNS_DIR = "runs"  # in the site's state_dir
 APPROVALS = ("auto", "manual")
 _KEYS = {
     "approve", "max_rounds", "max_local_steps", "max_local_epochs", "max_model_bytes",
-    "hours", "require_secagg",
+    "hours", "require_secagg", "min_noise_multiplier", "max_epsilon", "min_sites",
 }  # fmt: skip
 _HOURS = re.compile(r"^([01]\d|2[0-3]):([0-5]\d)-([01]\d|2[0-3]):([0-5]\d)$")
 _RUN_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # what a file name may safely be
@@ -50,6 +51,10 @@ class PolicyConfig:
     max_model_bytes: int = 0
     hours: str = ""  # "HH:MM-HH:MM", this machine's local time; may wrap past midnight
     require_secagg: bool = False  # train only where updates are securely aggregated
+    # Privacy minimums: a run without [privacy] or with less is declined (0: none).
+    min_noise_multiplier: float = 0.0
+    max_epsilon: float = 0.0  # the run's whole budget, with its delta
+    min_sites: int = 0  # sites sampled into a round with this one: small cohorts leak
 
     @staticmethod
     def from_toml(t: dict[str, Any]) -> PolicyConfig:
@@ -62,6 +67,9 @@ class PolicyConfig:
             max_model_bytes=get(t, "max_model_bytes", int, "policy", 0),
             hours=get(t, "hours", str, "policy", ""),
             require_secagg=get(t, "require_secagg", bool, "policy", False),
+            min_noise_multiplier=get(t, "min_noise_multiplier", float, "policy", 0.0),
+            max_epsilon=get(t, "max_epsilon", float, "policy", 0.0),
+            min_sites=get(t, "min_sites", int, "policy", 0),
         )
         config.validate()
         return config
@@ -71,9 +79,14 @@ class PolicyConfig:
             self.approve in APPROVALS, "policy.approve", f"must be one of {APPROVALS}",
             self.approve,
         )  # fmt: skip
-        for key in ("max_rounds", "max_local_steps", "max_local_epochs", "max_model_bytes"):
+        for key in ("max_rounds", "max_local_steps", "max_local_epochs", "max_model_bytes",
+                    "min_sites"):  # fmt: skip
             require(getattr(self, key) >= 0, f"policy.{key}", "must be >= 0 (0: no cap)",
                     getattr(self, key))  # fmt: skip
+        for key in ("min_noise_multiplier", "max_epsilon"):
+            value = getattr(self, key)
+            require(math.isfinite(value) and value >= 0, f"policy.{key}",
+                    "must be finite and >= 0 (0: none)", value)  # fmt: skip
         require(
             not self.hours or _HOURS.match(self.hours) is not None, "policy.hours",
             'must be "HH:MM-HH:MM" in 24-hour local time, e.g. "20:00-06:00"', self.hours,
@@ -139,6 +152,24 @@ class Policy:
             )
         if c.require_secagg and task.secagg is None:
             return "this site trains only for runs with secure aggregation ([secagg])"
+        return self._privacy_reason(task)
+
+    def _privacy_reason(self, task: Assignment) -> str | None:
+        c, p = self.config, task.privacy
+        if (c.min_noise_multiplier or c.max_epsilon) and p is None:
+            return "this site trains only for runs with differential privacy ([privacy])"
+        if p is not None and c.min_noise_multiplier and p.noise_multiplier < c.min_noise_multiplier:
+            return (
+                f"privacy.noise_multiplier {p.noise_multiplier:g} is below this site's "
+                f"minimum {c.min_noise_multiplier:g}"
+            )
+        if p is not None and c.max_epsilon and p.epsilon > c.max_epsilon:
+            return f"privacy.epsilon {p.epsilon:g} is above this site's maximum {c.max_epsilon:g}"
+        if c.min_sites and task.sites_in_round < c.min_sites:
+            return (
+                f"{task.sites_in_round} sites in this round, fewer than this site's minimum "
+                f"{c.min_sites} (small cohorts leak)"
+            )
         return None
 
     def remember(self, task: Assignment) -> None:

@@ -37,7 +37,7 @@ from fedra.coordinator.wakeups import Wakeups, run_key, site_key, stage_key
 from fedra.faults import crash_point
 from fedra.protos.codec import DEFAULT_CHUNK_BYTES
 from fedra.protos.serde import Provenance, SecAggRound
-from fedra.runspec import MAX_TASK_CHARS, CodecSpec, RunSpec, TrainSpec
+from fedra.runspec import MAX_TASK_CHARS, CodecSpec, PrivacySpec, RunSpec, TrainSpec
 from fedra.storage import BlobStore, Store
 from fedra.storage.records import CheckpointRecord, RunRecord, SiteRecord
 from fedra.storage.spool import SMALL_UPDATE_BYTES, UpdateSpool
@@ -95,6 +95,9 @@ class TaskView:
     delta_sha256: str = ""
     delta_bytes: int = 0
     model: bytes = field(default=b"", repr=False)  # the whole model, when it comes along
+    # What a site's policy may hold the run to: its round's cohort, its privacy.
+    sites_in_round: int = 0
+    privacy: PrivacySpec | None = None
 
 
 @dataclass(frozen=True)
@@ -468,6 +471,8 @@ class Engine:
             base_sha256="" if init else run.base_sha256,
             delta_sha256="" if init else run.delta_sha256,
             delta_bytes=0 if init else run.delta_bytes,
+            sites_in_round=len(run.assignments),
+            privacy=run.spec.privacy,
         )
 
     def is_async_task(self, task_id: str) -> bool:

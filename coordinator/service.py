@@ -42,6 +42,7 @@ from fedra.protos import wire
 from fedra.protos.codec import Buffer
 from fedra.protos.serde import (
     codec_to_proto,
+    privacy_to_proto,
     provenance_from_proto,
     runspec_from_proto,
     secagg_round_to_proto,
@@ -173,6 +174,8 @@ def _task_to_proto(t: TaskView) -> site_pb2.Task:
         base_sha256=t.base_sha256,
         delta_sha256=t.delta_sha256,
         delta_bytes=t.delta_bytes,
+        sites_in_round=t.sites_in_round,
+        privacy=privacy_to_proto(t.privacy) if t.privacy is not None else None,
     )
 
 

@@ -17,7 +17,7 @@ from fedra.client.policy import Policy, PolicyConfig, approve, list_runs
 from fedra.config import ConfigError
 from fedra.local import LocalCluster
 from fedra.protos.serde import SecAggRound
-from fedra.runspec import CodecSpec, TrainSpec
+from fedra.runspec import CodecSpec, PrivacySpec, TrainSpec
 from tests.conftest import fedra_cli
 from tests.test_cluster import (
     FAST,
@@ -56,6 +56,14 @@ def at(hour: int, minute: int = 0) -> Any:
          "3 local epochs a round, more than this site's 1"),
         (PolicyConfig(max_model_bytes=999), {}, "a model of 1000 bytes, larger than"),
         (PolicyConfig(require_secagg=True), {}, "only for runs with secure aggregation"),
+        (PolicyConfig(min_noise_multiplier=1.0), {}, "only for runs with differential privacy"),
+        (PolicyConfig(max_epsilon=4.0), {}, "only for runs with differential privacy"),
+        (PolicyConfig(min_noise_multiplier=1.0), {"privacy": PrivacySpec(noise_multiplier=0.5)},
+         "privacy.noise_multiplier 0.5 is below this site's minimum 1"),
+        (PolicyConfig(max_epsilon=4.0), {"privacy": PrivacySpec(epsilon=8.0)},
+         "privacy.epsilon 8 is above this site's maximum 4"),
+        (PolicyConfig(min_sites=5), {"sites_in_round": 3},
+         "3 sites in this round, fewer than this site's minimum 5 (small cohorts leak)"),
     ],
 )  # fmt: skip
 def test_what_a_site_declines_and_why(
@@ -70,6 +78,9 @@ def test_within_its_caps_a_task_is_taken() -> None:
                           require_secagg=True)  # fmt: skip
     secagg = SecAggRound(context=b"c", threshold=2, clip=1.0, bits=16)
     assert Policy(policy, None).decline_reason(task(secagg=secagg)) is None
+    strict = PolicyConfig(min_noise_multiplier=1.0, max_epsilon=8.0, min_sites=3)
+    private = task(privacy=PrivacySpec(noise_multiplier=1.2, epsilon=8.0), sites_in_round=3)
+    assert Policy(strict, None).decline_reason(private) is None
     # The initial model is built from the run's seed: caps on training do not apply.
     assert Policy(PolicyConfig(max_rounds=1), None).decline_reason(task(round=0, init=True)) is None
 
@@ -110,7 +121,10 @@ def test_a_manual_site_declines_until_its_operator_approves(tmp_path: Path) -> N
         ({"hours": "8-18"}, 'policy.hours: must be "HH:MM-HH:MM"'),
         ({"hours": "08:00-24:00"}, "policy.hours"),
         ({"require_secagg": "yes"}, "policy.require_secagg"),
-        ({"max_epsilon": 1.0}, "policy.max_epsilon: unknown key"),
+        ({"max_epsilon": -1.0}, "policy.max_epsilon: must be finite and >= 0"),
+        ({"min_noise_multiplier": "1"}, "policy.min_noise_multiplier"),
+        ({"min_sites": -2}, "policy.min_sites: must be >= 0"),
+        ({"max_sites": 1}, "policy.max_sites: unknown key"),
         ({"approve": "manual"}, '"manual" needs a state_dir'),
     ],
 )
@@ -180,3 +194,23 @@ def test_a_site_that_has_not_approved_a_run_declines_and_the_rounds_go_on(
     assert audit.returncode == 0, audit.stderr
     assert "task.decline" in events and "run.approve" in events and "update.sent" in events
     assert events.index("task.decline") < events.index("run.approve") < events.index("update.sent")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_a_site_declines_a_cohort_smaller_than_its_minimum(tmp_path: Path) -> None:
+    with LocalCluster(tmp_path / "cluster", secure=False) as cluster:
+        cluster.start_coordinator(flags=FAST)
+        start_synthetic_sites(cluster, n=1)
+        data = {"shift": 1.0, "seed": 1, "samples": 128}
+        cluster.start_site("strict", [SYNTHETIC], data, tables={"policy": {"min_sites": 3}})
+        cluster.wait_for_sites(["site-0", "strict"])
+        with cluster.admin() as admin:
+            spec = synthetic_spec(rounds=2, sites_per_round=2, min_sites=1, join_timeout_s=1.0)
+            status = wait_until(admin, admin.submit(spec), finished)
+        cluster.stop()
+    assert status.state == "completed", status.reason
+    mine = [p for r in status.rounds if r.number > 0 for p in r.participations
+            if p.site_id == "strict"]  # fmt: skip
+    assert mine and all(p.status == "declined" for p in mine)
+    assert "2 sites in this round, fewer than this site's minimum 3" in mine[0].error

@@ -183,6 +183,8 @@ class Task(_message.Message):
     BASE_SHA256_FIELD_NUMBER: _builtins.int
     DELTA_SHA256_FIELD_NUMBER: _builtins.int
     DELTA_BYTES_FIELD_NUMBER: _builtins.int
+    SITES_IN_ROUND_FIELD_NUMBER: _builtins.int
+    PRIVACY_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     run_id: _builtins.str
     round: _builtins.int
@@ -202,6 +204,10 @@ class Task(_message.Message):
     """
     delta_sha256: _builtins.str
     delta_bytes: _builtins.int
+    sites_in_round: _builtins.int
+    """What the site's policy may hold the run to: the sites sampled into this round, and
+    the run's differential privacy (unset: none).
+    """
     @_builtins.property
     def settings(self) -> _common_pb2.TrainSettings: ...
     @_builtins.property
@@ -212,6 +218,8 @@ class Task(_message.Message):
     def secagg(self) -> Global___SecAggRound:
         """set: this round's update is securely aggregated"""
 
+    @_builtins.property
+    def privacy(self) -> _common_pb2.Privacy: ...
     def __init__(
         self,
         *,
@@ -231,10 +239,12 @@ class Task(_message.Message):
         base_sha256: _builtins.str = ...,
         delta_sha256: _builtins.str = ...,
         delta_bytes: _builtins.int = ...,
+        sites_in_round: _builtins.int = ...,
+        privacy: _common_pb2.Privacy | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["compression", b"compression", "secagg", b"secagg", "settings", b"settings"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["compression", b"compression", "privacy", b"privacy", "secagg", b"secagg", "settings", b"settings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_sha256", b"base_sha256", "codec", b"codec", "compression", b"compression", "deadline_in_s", b"deadline_in_s", "delta_bytes", b"delta_bytes", "delta_sha256", b"delta_sha256", "entry_point", b"entry_point", "kind", b"kind", "model_bytes", b"model_bytes", "model_sha256", b"model_sha256", "round", b"round", "run_id", b"run_id", "secagg", b"secagg", "seed", b"seed", "settings", b"settings", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_sha256", b"base_sha256", "codec", b"codec", "compression", b"compression", "deadline_in_s", b"deadline_in_s", "delta_bytes", b"delta_bytes", "delta_sha256", b"delta_sha256", "entry_point", b"entry_point", "kind", b"kind", "model_bytes", b"model_bytes", "model_sha256", b"model_sha256", "privacy", b"privacy", "round", b"round", "run_id", b"run_id", "secagg", b"secagg", "seed", b"seed", "settings", b"settings", "sites_in_round", b"sites_in_round", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
