@@ -8,11 +8,16 @@ by the engine for the admin actions it carries out.
 
 Writing is durable (fsync) and happens after the fact it records: a crash between a
 commit and its entry leaves the commit without one, never an entry without its fact.
-An entry that cannot be written is logged as an error; the action it records stands.
+An admin action's entry is written before its reply (on the executor's thread that
+carries it out); the rest (commits, run ends, refusals, which happen on the round
+driver's and the event loop's threads) go to a writer thread of their own, so that no
+round and no call waits on a disk. An entry that cannot be written is logged as an
+error; the action it records stands.
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from typing import Any
@@ -39,23 +44,50 @@ class AuditTrail(Observer):
         self.clock = clock
         self._lock = threading.Lock()
         self._refused: dict[tuple[str, str], tuple[float, int]] = {}  # last entry, since
+        self._later: queue.Queue[tuple[str, str, dict[str, Any]] | None] = queue.Queue()
+        self._writer: threading.Thread | None = None
 
     def record(self, event: str, who: str = "", **data: Any) -> None:
+        """Write an entry now (durable when this returns)."""
         if self.log is not None:
             self.log.record(event, who, **data)
+
+    def record_later(self, event: str, who: str = "", **data: Any) -> None:
+        """Write an entry on the writer thread, in the order given."""
+        if self.log is None:
+            return
+        with self._lock:
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write, name="audit", daemon=True)
+                self._writer.start()
+        self._later.put((event, who, data))
+
+    def _write(self) -> None:
+        assert self.log is not None
+        while (item := self._later.get()) is not None:
+            event, who, data = item
+            self.log.record(event, who, **data)
+
+    def close(self) -> None:
+        """Write out what is queued (at shutdown)."""
+        with self._lock:
+            writer, self._writer = self._writer, None
+        if writer is not None:
+            self._later.put(None)
+            writer.join(30.0)
 
     # -- the engine's events ---------------------------------------------------
 
     def round_ended(self, event: RoundEnded) -> None:
         if event.outcome == "committed":
-            self.record(
+            self.record_later(
                 "round.commit", "coordinator", run=event.run_id, round=event.number,
                 attempt=event.attempt, updates=event.updates, model_sha256=event.model_sha256,
             )  # fmt: skip
 
     def run_ended(self, event: RunEnded) -> None:
-        self.record("run.end", "coordinator", run=event.run_id, state=event.state,
-                    reason=event.reason)  # fmt: skip
+        self.record_later("run.end", "coordinator", run=event.run_id, state=event.state,
+                          reason=event.reason)  # fmt: skip
 
     # -- the edge --------------------------------------------------------------
 
@@ -73,4 +105,4 @@ class AuditTrail(Observer):
             if len(self._refused) >= MAX_REFUSERS:
                 self._refused.clear()
             self._refused[key] = (now, 0)
-        self.record("identity.refused", who, reason=why, repeats_before=since)
+        self.record_later("identity.refused", who, reason=why, repeats_before=since)

@@ -32,7 +32,15 @@ from fedra.coordinator.observers import Observers, RunStarted
 from fedra.coordinator.promotion import PromotionState
 from fedra.coordinator.recovery import restore_run
 from fedra.coordinator.rounds import RoundDriver
-from fedra.coordinator.state import INIT_ROUND, ActiveRun, Assignment, TaskState
+from fedra.coordinator.state import (
+    DECLINED,
+    INIT_ROUND,
+    PROVENANCE_EVENT,
+    RUN_PROVENANCE_EVENT,
+    ActiveRun,
+    Assignment,
+    TaskState,
+)
 from fedra.coordinator.wakeups import Wakeups, run_key, site_key, stage_key
 from fedra.faults import crash_point
 from fedra.protos.codec import DEFAULT_CHUNK_BYTES
@@ -45,12 +53,6 @@ from fedra.storage.spool import SMALL_UPDATE_BYTES, UpdateSpool
 log = logging.getLogger("fedra.coordinator")
 _CARRY_GRACE_S = 30.0  # beyond join_timeout_s, how long a carried task's call waits
 REASON_CHARS = 500  # of a failure reason a site reports, as stored
-# A task a site's policy declined is stored failed with its reason after this: run status
-# shows it as "declined", not as a failure. The site is not sampled again for the run
-# for EngineSettings.decline_hold_s (an operator may approve the run, or its hours come).
-DECLINED = "site declined: "
-PROVENANCE_EVENT = "site_provenance"  # the ledger's record of what a site's updates come from
-RUN_PROVENANCE_EVENT = "run_provenance"  # the coordinator's version, at submit and resume
 MAX_SITE_TASKS, MAX_VERSION_CHARS = 64, 64  # what a site may register, as stored
 LIVENESS_WRITE_S = 10.0  # how often sites' last-heard times are written, at most
 SITES_PAGE, MAX_SITES_PAGE = 1000, 5000  # sites in one ListSites reply: default, most

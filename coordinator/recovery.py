@@ -16,7 +16,7 @@ from fedra.coordinator.aggregation import ServerOptimizer
 from fedra.coordinator.folding import fold_ready
 from fedra.coordinator.promotion import PromotionState
 from fedra.coordinator.rounds import ACCOUNTANT_KEY, RESIDUAL_PREFIX, start_aggregate
-from fedra.coordinator.state import ATTEMPT_FAILED, INIT_ROUND, ActiveRun
+from fedra.coordinator.state import ATTEMPT_FAILED, INIT_ROUND, PROVENANCE_EVENT, ActiveRun
 from fedra.privacy import RdpAccountant
 from fedra.protos.codec import CodecError, StreamDecoder, TensorSpec, decode_chunks
 from fedra.runspec import RunSpec
@@ -55,6 +55,10 @@ def restore_run(engine: Engine, record: RunRecord) -> ActiveRun | None:
             return None
         run.model_sha256, run.model_bytes = ckpt.model_sha256, ckpt.model_bytes
         run.next_round = ckpt.round_number + 1
+        # What each site's updates came from, as recorded: a site unchanged since is not
+        # recorded again (nor shown as changed from the resume on).
+        for e in engine.store.list_events(record.id, (PROVENANCE_EVENT,)):
+            run.provenance[str(e.data.get("site", ""))] = str(e.data.get("digest", ""))
         if spec.promotion is not None:  # as the last commit left it, in its metrics
             last = engine.store.get_round(record.id, ckpt.round_number)
             run.promotion = PromotionState.from_metrics(last.metrics if last else {})

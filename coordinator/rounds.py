@@ -24,7 +24,7 @@ from fedra.coordinator.aggregation import ServerOptimizer
 from fedra.coordinator.aggregators import AggregationError, Attempt
 from fedra.coordinator.folding import fold_ready, fold_remaining, has_turn
 from fedra.coordinator.observers import RoundEnded, RunEnded
-from fedra.coordinator.state import ATTEMPT_FAILED, INIT_ROUND, ActiveRun, TaskState
+from fedra.coordinator.state import ATTEMPT_FAILED, DECLINED, INIT_ROUND, ActiveRun, TaskState
 from fedra.coordinator.storage_faults import StorageFaults
 from fedra.faults import crash_point
 from fedra.metrics import format_metric, is_count_metric
@@ -527,7 +527,13 @@ class RoundDriver:
         )
         crash_point("after_attempt_failed", number)
         log.warning("%s: %s", self.tag, reason)
-        gives_up = attempt >= spec.max_round_attempts
+        # An attempt lost only to sites whose policy declined it does not count: the run
+        # waits for sites that take it (an approval, a site's hours) instead of failing.
+        spared = sum(
+            _declined_only(engine.store.list_participations(run.run_id, number, k))
+            for k in range(1, attempt + 1)
+        )
+        gives_up = attempt - spared >= spec.max_round_attempts
         parts = engine.store.list_participations(run.run_id, number, attempt)
         engine.observers.round_ended(_ended(
             run.run_id, number, attempt, "failed" if gives_up else "retried", run.opened_at,
@@ -665,6 +671,13 @@ def idle_s(opened_at: float, closed_at: float, accepted: list[ParticipationRecor
 def _busy_s(p: ParticipationRecord) -> float:
     download_s = p.metrics.get("download_s", p.download_s)
     return download_s + p.metrics.get("compute_s", 0.0) + p.upload_s
+
+
+def _declined_only(parts: list[ParticipationRecord]) -> bool:
+    """Whether an attempt's tasks that did not count were all declined by the sites'
+    policies (and at least one was)."""
+    lost = [p for p in parts if p.state != "accepted"]
+    return bool(lost) and all(p.error.startswith(DECLINED) for p in lost)
 
 
 def _ended(

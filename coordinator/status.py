@@ -12,14 +12,10 @@ from collections.abc import Callable, Collection
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 
-from fedra.coordinator.engine import (
-    DECLINED,
-    PROVENANCE_EVENT,
-    RUN_PROVENANCE_EVENT,
-    Engine,
-)
+from fedra.coordinator.engine import Engine
 from fedra.coordinator.errors import NotFound, ResourceExhausted
 from fedra.coordinator.rounds import idle_s
+from fedra.coordinator.state import DECLINED, PROVENANCE_EVENT, RUN_PROVENANCE_EVENT
 from fedra.protos import wire
 from fedra.protos.serde import runspec_to_proto
 from fedra.protos.v1 import admin_pb2
@@ -294,8 +290,9 @@ def run_page(
         view = read_run(engine, run_id, since, batch)
         if status is None:
             status = run_header(engine, view.run, insecure)
-            if first_round == 0:  # the first page says what the run's results come from
-                status.provenance.CopyFrom(run_provenance(engine, view.run))
+            # Every page says what the run's results come from (a client's first page may
+            # start at any round): a few rows of the ledger.
+            status.provenance.CopyFrom(run_provenance(engine, view.run))
             for r in cached:
                 if status.rounds and size + r.ByteSize() > page_bytes:
                     status.more_rounds_follow = True

@@ -25,6 +25,7 @@ from fedra.coordinator.errors import (
     Unavailable,
 )
 from fedra.coordinator.folding import fold_ready
+from fedra.coordinator.promotion import PROMOTED_ROUND, PROMOTION_BEST, UNPROMOTED
 from fedra.coordinator.state import ATTEMPT_FAILED, INIT_ROUND, ActiveRun, Assignment, TaskState
 from fedra.faults import crash_point
 from fedra.protos.codec import (
@@ -230,6 +231,17 @@ def _check_header_fields(h: UpdateHeader) -> None:
             )
         if not math.isfinite(value):
             raise InvalidArgument(f"metric {key!r} is not finite: {value}")
+        if key in RESERVED_METRICS:
+            raise InvalidArgument(
+                f"metric name {key!r} is the coordinator's own (a round's {key} is not a "
+                "site's to say); name it otherwise"
+            )
+
+
+# What the coordinator writes into a round's metrics itself: never a site's.
+RESERVED_METRICS = frozenset(
+    {"privacy_epsilon", "staleness", PROMOTED_ROUND, PROMOTION_BEST, UNPROMOTED}
+)
 
 
 def _size_limit(engine: Engine, expected: dict[str, TensorSpec] | None) -> int:

@@ -82,6 +82,7 @@ class AuditLog:
         """Write one entry durably and return it; AuditError if it cannot be written."""
         with self._lock, self._locked() as f:
             last = _last_entry(f)
+            self._check_head(last)
             seq, prev = (last.seq + 1, last.hash) if last else (1, GENESIS)
             fields: dict[str, Any] = {
                 "seq": seq, "time": round(time.time(), 6), "event": event, "who": who,
@@ -99,6 +100,32 @@ class AuditLog:
             head = {"seq": seq, "hash": entry.hash, "log": self.path.name}
             write_atomic(self.head_path, [json.dumps(head).encode() + b"\n"])
             return entry
+
+    def _check_head(self, last: Entry | None) -> None:
+        """Refuse to append after entries cut off the end: the head file, written after
+        each append, must name the log's last entry (or, a crash between the append and
+        the head's write, the one before it)."""
+        try:
+            head = json.loads(self.head_path.read_bytes())
+            kept_seq, kept_hash = int(head["seq"]), str(head["hash"])
+        except FileNotFoundError:
+            if last is None:
+                return
+            raise AuditError(
+                f"{self.head_path} is missing beside a log of {last.seq} entries: run "
+                "`fedra audit --verify` and keep the log aside before anything is appended"
+            ) from None
+        except (ValueError, KeyError, TypeError) as exc:
+            raise AuditError(f"{self.head_path}: unreadable: {exc}") from None
+        at = last.seq if last else 0
+        if kept_seq == at and (last is None or kept_hash == last.hash):
+            return
+        if last is not None and kept_seq == at - 1 and kept_hash == last.prev:
+            return  # the last append's head write was cut short by a crash
+        raise AuditError(
+            f"the audit log ends at seq {at} but its head names seq {kept_seq}: entries were "
+            "cut off or rewritten; run `fedra audit --verify` and keep the log aside"
+        )
 
     def record(self, event: str, who: str = "", **data: Any) -> None:
         """``append``, for a record that must not stop what it records: an entry that
@@ -168,11 +195,21 @@ def _parse(raw: bytes | str, line_no: int) -> Entry:
 
 def read(path: Path) -> list[Entry]:
     """Every entry of the log, in order (none for a log not yet written)."""
+    return [_parse(raw, n) for n, raw in enumerate(_lines(Path(path)), 1) if raw.strip()]
+
+
+def _lines(path: Path) -> list[bytes]:
+    """The log's lines, split at newlines only (an entry's text may hold U+2028 and the
+    like, which ``str.splitlines`` would split at). A last line without its newline (a
+    write a crash cut short, never acknowledged) is left out."""
     try:
-        text = Path(path).read_text()
+        with open(path, "rb") as f:
+            fcntl.flock(f.fileno(), fcntl.LOCK_SH)  # not while an append is half done
+            data = f.read()
     except FileNotFoundError:
         return []
-    return [_parse(raw, n) for n, raw in enumerate(text.splitlines(), 1) if raw.strip()]
+    lines = data.split(b"\n")
+    return lines[:-1]  # after the last newline: b"", or a torn write
 
 
 def verify(path: Path, head: str | None = None) -> list[Entry]:
@@ -182,10 +219,15 @@ def verify(path: Path, head: str | None = None) -> list[Entry]:
     path = Path(path)
     entries: list[Entry] = []
     prev, seq = GENESIS, 0
+    head_path = path.with_name(path.name + ".head")
     try:
-        lines = path.read_text().splitlines()
+        with open(path, "rb") as f:  # the log and its head as of one instant
+            fcntl.flock(f.fileno(), fcntl.LOCK_SH)
+            data = f.read()
+            head_bytes = head_path.read_bytes() if head_path.exists() else None
     except FileNotFoundError:
-        lines = []
+        data, head_bytes = b"", head_path.read_bytes() if head_path.exists() else None
+    lines = data.split(b"\n")[:-1]  # a torn last write (a crash) is not an entry yet
     for n, raw in enumerate(lines, 1):
         if not raw.strip():
             continue
@@ -199,12 +241,14 @@ def verify(path: Path, head: str | None = None) -> list[Entry]:
             raise AuditError(f"line {n} (seq {e.seq}): its prev is not the hash of the one before")
         entries.append(e)
         prev, seq = e.hash, e.seq
-    head_path = path.with_name(path.name + ".head")
     try:
-        kept = json.loads(head_path.read_text())
-        kept_seq, kept_hash = int(kept["seq"]), str(kept["hash"])
-    except FileNotFoundError:
-        kept_seq, kept_hash = 0, GENESIS
+        if head_bytes is None:
+            if entries and head is None:  # a head kept elsewhere stands in for it
+                raise AuditError(f"{head_path} is missing beside a log of {seq} entries")
+            kept_seq, kept_hash = 0, GENESIS
+        else:
+            kept = json.loads(head_bytes)
+            kept_seq, kept_hash = int(kept["seq"]), str(kept["hash"])
     except (ValueError, KeyError, TypeError) as exc:
         raise AuditError(f"{head_path}: unreadable: {exc}") from None
     if kept_seq > seq:

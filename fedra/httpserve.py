@@ -113,6 +113,8 @@ class Replies(BaseHTTPRequestHandler):
     """A handler's replies: whole bodies with their length, never cached, logged at debug.
     Read-only: a subclass defines ``do_GET`` alone (other methods get 501)."""
 
+    timeout = 30.0  # a connection silent this long is closed: an idle one pins no thread
+
     def reply(self, code: int, body: bytes, kind: str) -> None:
         self.send_response(code)
         self.send_header("Content-Type", kind)

@@ -91,8 +91,13 @@ def test_entries_cut_off_the_end_are_found(tmp_path: Path) -> None:
     _write(log, lines[:3])
     with pytest.raises(AuditError, match="ends at seq 3 but its head says 5: entries were cut"):
         verify(log.path)
-    log.head_path.unlink()  # the head removed too: a hash kept elsewhere still tells
-    assert len(verify(log.path)) == 3
+    with pytest.raises(AuditError, match="head names seq 5: entries were cut off"):
+        log.append("after-the-cut")  # nothing is chained onto a cut log
+    log.head_path.unlink()  # the head removed too: found missing; one kept elsewhere tells
+    with pytest.raises(AuditError, match="is missing beside a log of 3 entries"):
+        verify(log.path)
+    with pytest.raises(AuditError, match="is missing beside a log of 3 entries"):
+        log.append("after-the-cut")
     with pytest.raises(AuditError, match="no entry has the hash"):
         verify(log.path, head=json.loads(lines[4])["hash"])
     assert len(verify(log.path, head=kept)) == 3
@@ -116,6 +121,15 @@ def test_a_write_cut_short_by_a_crash_is_dropped_at_the_next_append(tmp_path: Pa
     log.append("after", "")
     entries = verify(log.path)
     assert [(e.seq, e.event) for e in entries][-2:] == [(3, "round.commit"), (4, "after")]
+
+
+def test_a_torn_last_line_is_not_tampering_and_any_text_survives(tmp_path: Path) -> None:
+    log = _log(tmp_path, 2)
+    log.append("run.submit", "admin ops", name="line\u2028separator\u0085next")
+    with log.path.open("a") as f:
+        f.write('{"seq": 4, "ti')  # a crash mid-append: never acknowledged
+    entries = verify(log.path)
+    assert len(entries) == 3 and entries[2].data["name"] == "line\u2028separator\u0085next"
 
 
 def test_garbage_is_named_by_its_line(tmp_path: Path) -> None:

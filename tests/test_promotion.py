@@ -118,3 +118,17 @@ def test_a_harmful_site_never_gets_a_worse_model_promoted(tmp_path: Path) -> Non
     assert rolled, {
         n: (r.metrics["eval_loss"], r.metrics["promoted_round"]) for n, r in rounds.items() if n
     }
+
+
+@pytest.mark.parametrize("name", ["promoted_round", "promotion_best", "rounds_unpromoted",
+                                  "privacy_epsilon", "staleness"])  # fmt: skip
+def test_a_site_cannot_report_the_coordinator_s_own_metrics(name: str) -> None:
+    from fedra.coordinator.errors import InvalidArgument
+    from fedra.coordinator.uploads import UpdateHeader, _check_header_fields
+
+    header = UpdateHeader(
+        site_id="s", run_id="r", round=1, task_id="t", num_samples=1, metrics={name: 7.0},
+        codec="none", sha256="0" * 64, nonce=b"0" * 16, payload_bytes=10,
+    )  # fmt: skip
+    with pytest.raises(InvalidArgument, match=f"metric name '{name}' is the coordinator's own"):
+        _check_header_fields(header)

@@ -214,3 +214,27 @@ def test_a_site_declines_a_cohort_smaller_than_its_minimum(tmp_path: Path) -> No
             if p.site_id == "strict"]  # fmt: skip
     assert mine and all(p.status == "declined" for p in mine)
     assert "2 sites in this round, fewer than this site's minimum 3" in mine[0].error
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_attempts_lost_only_to_declines_do_not_fail_the_run(tmp_path: Path) -> None:
+    """Every site declines until approved: the run waits for them, however many attempts
+    its rounds take, instead of giving up after max_round_attempts."""
+    with LocalCluster(tmp_path / "cluster", secure=False) as cluster:
+        cluster.start_coordinator(flags=[*FAST, "--decline-hold-s", "0.5"])
+        data = {"seed": 1, "samples": 64}
+        cluster.start_site("manual", [SYNTHETIC], data, tables={"policy": {"approve": "manual"}})
+        cluster.wait_for_sites(["manual"])
+        with cluster.admin() as admin:
+            spec = synthetic_spec(rounds=1, sites_per_round=1, min_sites=1, join_timeout_s=1.0,
+                                  max_round_attempts=1)  # fmt: skip
+            run_id = admin.submit(spec)
+            _wait(lambda: max((r.attempt for r in admin.status(run_id).rounds), default=0) >= 3,
+                  90, "a third attempt")  # fmt: skip
+            assert admin.status(run_id).state in ("pending", "running")
+            toml = str(cluster.state_dir / "manual.toml")
+            assert fedra_cli("site", "approve", run_id, "--config", toml).returncode == 0
+            status = wait_until(admin, run_id, finished)
+        cluster.stop()
+    assert status.state == "completed", status.reason
