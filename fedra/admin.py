@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -152,3 +152,25 @@ class AdminClient:
             raise
         tmp.replace(path)
         return size
+
+
+def provenance_dict(p: admin_pb2.RunProvenance) -> dict[str, Any]:
+    """A run's provenance as plain data: ``run`` (its spec's digest, the coordinator's
+    fedra) and ``sites``, by site id (task, its version and source digest, the data
+    fingerprint, the site's config digest, versions, device, whether it changed)."""
+    sites = {
+        s.site_id: {
+            "task": s.provenance.entry_point,
+            "task_version": s.provenance.task_version,
+            "task_source_sha256": s.provenance.task_source_sha256,
+            "data_fingerprint": s.provenance.data_fingerprint,
+            "config_sha256": s.provenance.config_sha256,
+            "versions": dict(s.provenance.versions),
+            "device": s.provenance.device,
+            "changed": s.changed,
+            "since_round": s.since_round,
+        }
+        for s in p.sites
+    }
+    run = {"spec_sha256": p.spec_sha256, "coordinator_version": p.coordinator_version}
+    return {"run": run, "sites": sites}

@@ -33,7 +33,7 @@ import torch
 
 from fedra import compare_metrics as m
 from fedra import compare_report
-from fedra.admin import AdminClient
+from fedra.admin import AdminClient, provenance_dict
 from fedra.client.task import FitSettings
 from fedra.config import ConfigError, require
 from fedra.examples import charlm
@@ -382,6 +382,7 @@ def run_federated(
         final = evaluate_state(config, admin.export_model(run_id), data)
     result = summarise(config, c, rows, final)
     result.update(run_id=run_id, state=state, reason=reason)
+    result["provenance"] = provenance_dict(admin.status(run_id).provenance)
     result["load_average"] = [load_before, os.getloadavg()[0]]
     loss = "n/a" if final is None else f"{final:.4f}"
     log(

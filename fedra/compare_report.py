@@ -111,7 +111,26 @@ def markdown(report: Mapping[str, Any]) -> str:
     lines = ["# fedra bench compare", "", setup_text(setup, loads), "", "## Results", ""]
     lines += results_table(report["configurations"])
     lines += ["", "## Headline", "", headline_text(report), "", "## Definitions", "", DEFINITIONS]
+    lines += ["", "## Provenance", "", *provenance_lines(report["configurations"])]
     return "\n".join(lines)
+
+
+def provenance_lines(configs: Sequence[Mapping[str, Any]]) -> list[str]:
+    """What each federated run's results came from: its spec, and each site's task
+    source, data fingerprint and software."""
+    lines = ["| run | site | task source | data | versions |", "|---|---|---|---|---|"]
+    for c in configs:
+        p = c.get("provenance")
+        if not p:
+            continue  # the centralised baseline runs in this process
+        for site_id, s in sorted(p["sites"].items()):
+            versions = ", ".join(f"{k} {v}" for k, v in sorted(s["versions"].items()))
+            changed = " (changed)" if s["changed"] else ""
+            lines.append(
+                f"| {c['name']} (spec {p['run']['spec_sha256'][:12]}) | {site_id}{changed} | "
+                f"{s['task_source_sha256'][:12]} | {s['data_fingerprint'][:19]} | {versions} |"
+            )
+    return lines
 
 
 def setup_text(setup: Mapping[str, Any], loads: Sequence[float] = ()) -> str:

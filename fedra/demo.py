@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fedra.admin import provenance_dict
 from fedra.config import READY_FILE, ConfigError
 from fedra.local import LocalCluster
 from fedra.protos.v1 import admin_pb2
@@ -153,29 +154,10 @@ def run_demo(options: DemoOptions) -> int:
             else "",
             sep="",
         )
-    provenance = provenance_summary(final_status.provenance)
+    provenance = provenance_dict(final_status.provenance)
     return _finish(
         options, spec, run_id, rounds, _score(model, x_test, y_test), started, provenance
     )
-
-
-def provenance_summary(p: admin_pb2.RunProvenance) -> dict[str, Any]:
-    """``run status``'s provenance as the summary keeps it: the run's, and by site id."""
-    sites = {
-        s.site_id: {
-            "task": s.provenance.entry_point,
-            "task_version": s.provenance.task_version,
-            "task_source_sha256": s.provenance.task_source_sha256,
-            "data_fingerprint": s.provenance.data_fingerprint,
-            "config_sha256": s.provenance.config_sha256,
-            "versions": dict(s.provenance.versions),
-            "device": s.provenance.device,
-            "changed": s.changed,
-        }
-        for s in p.sites
-    }
-    run = {"spec_sha256": p.spec_sha256, "coordinator_version": p.coordinator_version}
-    return {"sites": sites, "run": run}
 
 
 def _score(state: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:

@@ -194,9 +194,14 @@ def test_quick_compare_writes_a_consistent_report(tmp_path: Path) -> None:
     assert list(configs) == [c.name for c in configurations(CompareConfig.build(quick=True))]
     steps = report["setup"]["steps"]
     every = configs["every-step"]
+    assert "## Provenance" in (out / "report.md").read_text()
     for name, c in configs.items():
         assert c["state"] == "completed", c
         assert math.isfinite(c["final_eval_loss"])
+        if name != "centralised":  # each federated run: what its sites' updates came from
+            sites = c["provenance"]["sites"]
+            assert sites and all(len(p["task_source_sha256"]) == 64 for p in sites.values())
+            assert len(c["provenance"]["run"]["spec_sha256"]) == 64
         if name == "centralised":
             continue
         assert c["rounds_committed"] == c["num_rounds"] == steps // c["local_steps"]
