@@ -103,6 +103,7 @@ RANGES: dict[str, Bound] = {
     "secagg.unmask_timeout_s": _positive(DAY_S),
     "async.buffer": _int(1, MAX_SITES),  # at most sites_per_round
     "async.max_staleness": _int(0, 1000),
+    "promotion.max_regression": Bound(0.0, 1e9),  # absolute, in the metric's units
     "promotion.patience": _int(1, 10_000),
 }
 

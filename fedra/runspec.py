@@ -186,10 +186,7 @@ class PromotionSpec:
                 "must be a metric's name (at most 100 characters)", self.metric)  # fmt: skip
         require(self.goal in ("min", "max"), "promotion.goal", "must be 'min' or 'max'",
                 self.goal)  # fmt: skip
-        require(
-            math.isfinite(self.max_regression) and self.max_regression >= 0,
-            "promotion.max_regression", "must be finite and >= 0", self.max_regression,
-        )  # fmt: skip
+        check("promotion.max_regression", self.max_regression)
         check("promotion.patience", self.patience)
         require(self.on_patience in ("rollback", "stop"), "promotion.on_patience",
                 "must be 'rollback' or 'stop'", self.on_patience)  # fmt: skip

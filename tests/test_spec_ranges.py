@@ -21,6 +21,7 @@ from fedra.runspec import (
     AsyncSpec,
     CodecSpec,
     PrivacySpec,
+    PromotionSpec,
     RunSpec,
     SecAggSpec,
     TrainSpec,
@@ -36,6 +37,7 @@ _TABLES: dict[type, tuple[str, str]] = {
     PrivacySpec: ("privacy", "privacy"),
     SecAggSpec: ("secagg", "secagg"),
     AsyncSpec: ("async", "asynchronous"),
+    PromotionSpec: ("promotion", "promotion"),
 }
 _STRATEGY_OF = {"momentum": "fedavgm", "server_lr": "fedavg"}  # beta1, beta2, tau: fedadam
 
@@ -50,7 +52,7 @@ def _base_doc(key: str) -> dict[str, Any]:
         doc["codec"] = {"name": "int8" if name == "block" else "topk"}
     elif table == "privacy":
         doc["privacy"] = {"epsilon": 8.0}
-    elif table in ("secagg", "async", "aggregation"):
+    elif table in ("secagg", "async", "aggregation", "promotion"):
         doc[table] = {}
     return doc
 
