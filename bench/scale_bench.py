@@ -570,7 +570,10 @@ def probe_admin(
         "ListSites": lambda stub, t: stub.ListSites(admin_pb2.ListSitesRequest(), timeout=t),
         "GetRun": lambda stub, t: stub.GetRun(get_run, timeout=t),
     }
-    probes = {name: AdminProbe(cluster.address, name, call, hz) for name, call in calls.items()}
+    # The admin port where the daemon has one (its operators' read process), as an
+    # operator's CLI uses it; else the site port (--coordinator-flags '--admin-port none').
+    address = cluster.admin_address or cluster.address
+    probes = {name: AdminProbe(address, name, call, hz) for name, call in calls.items()}
     for probe in probes.values():
         probe.start()
     try:
@@ -668,6 +671,8 @@ class Measurement:
         assert cluster.coordinator is not None
         sampler = Sampler(cluster.coordinator.pid)
         sampler.start()
+        reads_pid = _reads_pid(cluster)
+        reads_before = proc_sample(reads_pid) if reads_pid else None
         try:
             before = proc_sample(cluster.coordinator.pid)
             with cluster.admin() as admin:
@@ -690,6 +695,9 @@ class Measurement:
         run["submit_to_round_0_s"] = min(opened) - submitted if opened else None
         self.reached("rounds_read")
         self._cpu(before, sampler)
+        if reads_before is not None:  # the operators' reads, in their own process
+            run["reads_process_cpu_s"] = proc_sample(reads_pid).cpu_s - reads_before.cpu_s
+        run["admin_port"] = bool(cluster.admin_address)
         if not finished:
             late = f"the run did not end within --timeout-s {self.args.timeout_s:g}"
             gone = "the coordinator exited during the run"
@@ -711,6 +719,15 @@ class Measurement:
         per = None if cpu_s is None else 1000 * cpu_s / (self.n * len(closed))
         run["cpu_ms_per_site_round"] = per
         run["peak"] = asdict(sampler.peak())
+
+
+def _reads_pid(cluster: LocalCluster) -> int | None:
+    """The pid of the daemon's operators' read process, if it has one."""
+    try:
+        ready = json.loads((cluster.state_dir / "reads" / "ready.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return int(ready["pid"]) if cluster.admin_address else None
 
 
 def measure(n: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -786,14 +803,21 @@ def print_result(r: dict[str, Any]) -> None:
             f"{run.get('first_attempt', 0)} on their first attempt; round time median "
             f"{run.get('round_s_median') or 0:.2f} s, max {run.get('round_s_max') or 0:.2f} s"
         )
-        print(f"  coordinator CPU {_ms(run['cpu_ms_per_site_round'], 2)} per site per round")
+        print(
+            f"  coordinator CPU {_ms(run['cpu_ms_per_site_round'], 2)} per site per round", end=""
+        )
+        if run.get("reads_process_cpu_s") is not None:
+            print(f" (its operators' read process: {run['reads_process_cpu_s']:.1f} s in the run)")
+        else:
+            print()
         gaps = ", ".join(f"{g:.1f}" for g in run.get("between_rounds_s", []))
         print(f"  run {run.get('run_s') or 0:.1f} s from round 0 opening to the last commit "
               f"(SubmitRun took {run['submit_s']:.2f} s, round 0 opened "
               f"{run.get('submit_to_round_0_s') or 0:.2f} s after it was sent); s from a commit "
               f"to the next round opening: {gaps or '-'}")  # fmt: skip
+        port = "admin port" if run.get("admin_port") else "site port"
         for name, a in run["admin"].items():
-            print(f"  admin {name}: p50 {_ms(a['p50_ms'])}, p99 {_ms(a['p99_ms'])}, "
+            print(f"  admin {name} ({port}): p50 {_ms(a['p50_ms'])}, p99 {_ms(a['p99_ms'])}, "
                   f"{a['calls']} calls")  # fmt: skip
         for problem, count in sorted(run["participation_problems"].items())[:5]:
             print(f"  participations {problem}: {count}")

@@ -76,6 +76,15 @@ class Guard:
             )
         return who
 
+    def site_serials(self) -> dict[str, int]:
+        """The certificate serial each site last called with (the operators' read process
+        is told them, to judge revocations as this guard does)."""
+        return dict(self._site_serials)
+
+    def know_serials(self, serials: dict[str, int]) -> None:
+        """Take ``serials`` as the certificates the sites last called with."""
+        self._site_serials = dict(serials)
+
     def revoked_sites(self) -> frozenset[str]:
         """The sites whose certificate is revoked: the one each last called with, or
         (for a site not heard from since this daemon started) any listed under its name.

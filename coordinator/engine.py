@@ -28,15 +28,19 @@ from fedra.coordinator.audit import AuditTrail
 from fedra.coordinator.commits import GroupCommit
 from fedra.coordinator.downloads import Download, DownloadLedger
 from fedra.coordinator.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from fedra.coordinator.ledger import (
+    DECLINED,
+    PROVENANCE_EVENT,
+    RUN_PROVENANCE_EVENT,
+    SITES_PAGE,
+    page_limit,
+)
 from fedra.coordinator.observers import Observers, RunStarted
 from fedra.coordinator.promotion import PromotionState
 from fedra.coordinator.recovery import restore_run
 from fedra.coordinator.rounds import RoundDriver
 from fedra.coordinator.state import (
-    DECLINED,
     INIT_ROUND,
-    PROVENANCE_EVENT,
-    RUN_PROVENANCE_EVENT,
     ActiveRun,
     Assignment,
     TaskState,
@@ -55,7 +59,6 @@ _CARRY_GRACE_S = 30.0  # beyond join_timeout_s, how long a carried task's call w
 REASON_CHARS = 500  # of a failure reason a site reports, as stored
 MAX_SITE_TASKS, MAX_VERSION_CHARS = 64, 64  # what a site may register, as stored
 LIVENESS_WRITE_S = 10.0  # how often sites' last-heard times are written, at most
-SITES_PAGE, MAX_SITES_PAGE = 1000, 5000  # sites in one ListSites reply: default, most
 
 
 @dataclass(frozen=True)
@@ -143,6 +146,7 @@ class Engine:
         # added, and the ids in order as of that many, for listings.
         self._sites: dict[str, SiteRecord] = {}
         self._sites_added = 0
+        self.registrations = 0  # every Register, a new site or not: the registry changed
         self._site_order: tuple[int, list[str]] | None = None
         self.attention = Attention(clock)  # when this coordinator was not listening
         self._polling: Counter[str] = Counter()
@@ -154,6 +158,9 @@ class Engine:
         # wait for; and each run's open (round, attempt) as its sites' polls last saw it.
         self.wakeups = Wakeups()
         self._issued: dict[str, tuple[int | None, int, str]] = {}
+        # Times each run was told of a change: the operators' read process wakes its
+        # watches of a run when this moves (replica.LiveSnapshot).
+        self.run_changes: Counter[str] = Counter()
         self.downloads = DownloadLedger(store, on_written=self._notify_now)
         # Who hears what happened (metrics, tracking): told after the fact, outside the lock.
         self.observers = Observers()
@@ -253,6 +260,7 @@ class Engine:
         keys: list[tuple[str, str]] = []
         for run in self.runs.values() if run_id is None else filter(None, [self.runs.get(run_id)]):
             keys.append(run_key(run.run_id))
+            self.run_changes[run.run_id] += 1
             opened = (run.open_round, run.attempt)
             issued = (*opened, run.secure.stage if run.secure is not None else "")
             last = self._issued.get(run.run_id)
@@ -263,6 +271,7 @@ class Engine:
                     keys.extend(site_key(site) for site in run.assignments)
         for gone in [r for r in self._issued if r not in self.runs]:  # the run ended
             del self._issued[gone]
+            self.run_changes.pop(gone, None)
             keys += [run_key(gone), stage_key(gone)]
         if self.stopping:
             self.wakeups.close()
@@ -305,6 +314,7 @@ class Engine:
             known = self._sites.get(site_id)
             first = now if known is None else known.registered_at
             self._sites[site_id] = SiteRecord(site_id, tuple(tasks), version, first, now)
+            self.registrations += 1
             if known is None:
                 self._sites_added += 1  # a new id: the sorted listing is built again
             self._site_tasks[site_id] = tuple(tasks)
@@ -687,7 +697,7 @@ class Engine:
         Read from memory (the sites as registered, what the database holds, and their
         liveness) without the engine's lock: a listing never waits for a round's writes,
         nor holds them up, nor costs a database read per site."""
-        limit = max(1, min(limit, MAX_SITES_PAGE))
+        limit = page_limit(limit)
         now = self.clock()
         added, cached = self._sites_added, self._site_order
         if cached is not None and cached[0] == added:
@@ -703,10 +713,12 @@ class Engine:
             page.append((s, self.is_online(site_id, now), self._seen_at(s, now)))
         return page, (ids[limit - 1] if len(ids) > limit else "")
 
-    def presence(self, site_ids: Iterable[str]) -> dict[str, tuple[bool, float]]:
-        """(online now, last heard from) of each known site among ``site_ids``, as
-        ``list_sites`` gives them, read from memory without the lock."""
+    def presence(self, site_ids: Iterable[str] | None = None) -> dict[str, tuple[bool, float]]:
+        """(online now, last heard from) of each known site among ``site_ids`` (None:
+        every one), as ``list_sites`` gives them, read from memory without the lock."""
         now = self.clock()
+        if site_ids is None:
+            site_ids = list(self._sites)  # one atomic copy: registrations may go on
         return {
             site_id: (self.is_online(site_id, now), self._seen_at(s, now))
             for site_id in site_ids
@@ -744,6 +756,18 @@ class Engine:
             uploads_in_flight=uploading,
             waiting_calls=self.waiting_calls(),
         )
+
+    def waiting_reason(self, run_id: str) -> str:
+        """Why the driven run ``run_id``, with no round open, waits ('' if it does not),
+        read without the lock: a status never waits on a round."""
+        live = self.runs.get(run_id)
+        if live is None or live.open_round is not None:
+            return ""
+        return live.waiting_reason or ""
+
+    def downloads_pending(self) -> set[str]:
+        """The tasks with a download under way, or finished but not yet written."""
+        return self.downloads.pending()
 
     def run_phase(self, run_id: str) -> tuple[object, ...]:
         """Where the run stands as a whole: driven (and whether cancelled), or not (not

@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING
 
 from fedra.coordinator.aggregation import ServerOptimizer
 from fedra.coordinator.folding import fold_ready
+from fedra.coordinator.ledger import PROVENANCE_EVENT
 from fedra.coordinator.promotion import PromotionState
 from fedra.coordinator.rounds import ACCOUNTANT_KEY, RESIDUAL_PREFIX, start_aggregate
-from fedra.coordinator.state import ATTEMPT_FAILED, INIT_ROUND, PROVENANCE_EVENT, ActiveRun
+from fedra.coordinator.state import ATTEMPT_FAILED, INIT_ROUND, ActiveRun
 from fedra.privacy import RdpAccountant
 from fedra.protos.codec import CodecError, StreamDecoder, TensorSpec, decode_chunks
 from fedra.runspec import RunSpec

@@ -23,8 +23,9 @@ from fedra.coordinator import promotion
 from fedra.coordinator.aggregation import ServerOptimizer
 from fedra.coordinator.aggregators import AggregationError, Attempt
 from fedra.coordinator.folding import fold_ready, fold_remaining, has_turn
+from fedra.coordinator.ledger import DECLINED, idle_s
 from fedra.coordinator.observers import RoundEnded, RunEnded
-from fedra.coordinator.state import ATTEMPT_FAILED, DECLINED, INIT_ROUND, ActiveRun, TaskState
+from fedra.coordinator.state import ATTEMPT_FAILED, INIT_ROUND, ActiveRun, TaskState
 from fedra.coordinator.storage_faults import StorageFaults
 from fedra.faults import crash_point
 from fedra.metrics import format_metric, is_count_metric
@@ -656,21 +657,6 @@ def ledger(accepted: list[ParticipationRecord], aggregate_s: float) -> dict[str,
         "transfer_s": max((p.upload_s for p in accepted), default=0.0),
         "aggregate_s": aggregate_s,
     }
-
-
-def idle_s(opened_at: float, closed_at: float, accepted: list[ParticipationRecord]) -> float:
-    """The mean, over the sites whose updates a round accepted, of the time from their
-    task to the round's commit less their own download, compute and upload (the site's
-    measures where it sent them). That is the time each sat idle: waiting for its task
-    once the round opened, for slower sites, for the aggregate and the checkpoint. (An
-    async task carried in from an earlier round counts from its own assignment.)"""
-    idle = [max(0.0, closed_at - min(opened_at, p.assigned_at) - _busy_s(p)) for p in accepted]
-    return sum(idle) / len(idle) if idle else 0.0
-
-
-def _busy_s(p: ParticipationRecord) -> float:
-    download_s = p.metrics.get("download_s", p.download_s)
-    return download_s + p.metrics.get("compute_s", 0.0) + p.upload_s
 
 
 def _declined_only(parts: list[ParticipationRecord]) -> bool:

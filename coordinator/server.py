@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import ctypes
 import functools
-import gc
 import json
 import logging
 import math
@@ -30,9 +29,18 @@ from fedra.config import READY_FILE, ConfigError
 from fedra.coordinator.api import CoordinatorAPI
 from fedra.coordinator.audit import AuditTrail
 from fedra.coordinator.auth import Guard
+from fedra.coordinator.edge import refuse
 from fedra.coordinator.engine import Engine, EngineSettings
+from fedra.coordinator.gctune import quieter_gc
 from fedra.coordinator.limits import CallLimiter, EdgeLimits
-from fedra.coordinator.service import AdminService, SiteService, refuse
+from fedra.coordinator.replica import (
+    ForwardedGuard,
+    LiveSnapshot,
+    ReadsProcess,
+    ReplicaSpec,
+    engine_socket_path,
+)
+from fedra.coordinator.service import AdminService, SiteService
 from fedra.coordinator.telemetry import HttpEndpoint, Telemetry, check_http_address
 from fedra.coordinator.tracking import check_track, parse_track
 from fedra.coordinator.web import StatusPages
@@ -77,6 +85,9 @@ class CoordinatorConfig:
     # Off loopback: TLS with the coordinator's certificate, admin client certificates only.
     http: str = ""
     track: tuple[str, ...] = ()  # --track: tensorboard[=DIR], mlflow[=URI] (tracking.py)
+    # The admin port, served by the operators' read process (replica.py); None: admin
+    # calls only on the site port, in this process.
+    admin_port: int | None = None
 
     def __post_init__(self) -> None:
         if (self.tls_dir is None) == (not self.insecure):
@@ -88,6 +99,12 @@ class CoordinatorConfig:
             raise ConfigError(
                 f"--workers: must be from {MIN_WORKERS} to {MAX_WORKERS}, got {self.max_workers}"
             )
+        if self.admin_port is not None and not 0 <= self.admin_port <= 65535:
+            raise ConfigError(
+                f"--admin-port: must be a port from 0 to 65535, got {self.admin_port}"
+            )
+        if self.admin_port is not None and self.admin_port == self.port != 0:
+            raise ConfigError(f"--admin-port: {self.admin_port} is the site port (--port) too")
         if self.http:
             check_http_address(self.http, tls=self.tls_dir is not None)
         check_track(self.track)
@@ -167,6 +184,9 @@ class Server:
         self._thread.daemon = True
         self._thread.start()
         self._server: grpc.aio.Server | None = None
+        # The admin calls the operators' read process forwards, on a Unix socket.
+        self._forwarded: grpc.aio.Server | None = None
+        self.guard: Guard | None = None
         self.api: CoordinatorAPI | None = None
         self.admin: AdminService | None = None  # its admin servicer (tests look into it)
         self._watch: asyncio.Task[None] | None = None
@@ -178,6 +198,8 @@ class Server:
     def start(self) -> None:
         assert self._server is not None
         self.run(self._server.start())
+        if self._forwarded is not None:
+            self.run(self._forwarded.start())
         if self.api is not None:  # how late the loop runs: liveness leaves that out
             self._watch = self.run(_spawn(self.api.engine.attention.watch()))
 
@@ -194,6 +216,8 @@ class Server:
         return stopped
 
     async def _stop(self, grace_s: float | None) -> None:
+        if self._forwarded is not None:
+            await self._forwarded.stop(grace_s)
         if self._server is not None:
             await self._server.stop(grace_s)
         if self.api is not None:
@@ -220,8 +244,11 @@ def create_server(
     deny_list: Path | None = None,
     stream_window_mb: float = DEFAULT_STREAM_WINDOW_MB,
     limits: EdgeLimits | None = None,
+    engine_socket: Path | None = None,
 ) -> tuple[Server, int]:
-    """The site, admin and health services on ``address``: mTLS with ``tls``, else plaintext.
+    """The site, admin and health services on ``address``: mTLS with ``tls``, else plaintext;
+    with ``engine_socket``, the admin service also on that Unix socket, for the calls the
+    operators' read process forwards (``replica``).
 
     Every call is admitted by a CallLimiter first (its caller checked, its calls in
     flight bounded by ``limits``); its blocking steps run on ``max_workers`` threads
@@ -236,10 +263,14 @@ def create_server(
     )
     engine.barred = guard.revoked_sites  # a revoked site is not sampled into a round
     handle = Server()
+    handle.guard = guard
     try:
         port = handle.run(
             _build(handle, engine, guard, address, max_workers, tls, stream_window_mb, limits)
         )
+        if engine_socket is not None:
+            forwarded = ForwardedGuard(guard.deny_list, insecure=guard.insecure)
+            handle.run(_build_forwarded(handle, forwarded, engine_socket, stream_window_mb))
     except BaseException:
         handle.stop(0)
         raise
@@ -296,6 +327,27 @@ async def _build(
     return port
 
 
+async def _build_forwarded(
+    handle: Server, guard: Guard, socket: Path, stream_window_mb: float
+) -> None:
+    assert handle.api is not None
+    server = grpc.aio.server(
+        options=server_options(handle.api.engine.settings.chunk_bytes, stream_window_mb)
+    )
+    wire.add_service(
+        server,
+        admin_pb2_grpc.add_AdminServiceServicer_to_server,
+        AdminService(handle.api, guard),
+        wire.ADMIN_SERVICE,
+        {"ExportModel": {"response": wire.serialize}},
+    )
+    socket.unlink(missing_ok=True)  # a crashed daemon's
+    if server.add_insecure_port(f"unix:{socket}") == 0:
+        raise OSError(f"could not bind the Unix socket {socket}")
+    os.chmod(socket, 0o600)
+    handle._forwarded = server
+
+
 def _write_ready_file(path: Path, payload: dict[str, object]) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(payload, indent=2) + "\n")
@@ -316,45 +368,6 @@ def _fewer_malloc_arenas(arenas: int = 2) -> None:
 
 
 _M_ARENA_MAX = -8  # from glibc's <malloc.h>
-
-# Young objects the collector lets pile up before it looks (Python's default is 700).
-# Every call allocates hundreds of short-lived objects; at thousands of sites the default
-# ran a collection every few calls, a tenth of the daemon's CPU (profiled at 1,000 sites).
-_GC_YOUNG = 50_000
-
-
-def _quieter_gc() -> None:
-    """Before the daemon serves: what it has built so far (torch, gRPC, the engine and the
-    server) lives as long as the process, so no collection need walk it again
-    (``gc.freeze``; the runs resumed after it are not frozen, so a run's state can still
-    be collected when it ends), and collections come less often. Cycles are still found."""
-    gc.collect()
-    gc.freeze()
-    _, older, oldest = gc.get_threshold()
-    gc.set_threshold(_GC_YOUNG, older, oldest)
-    gc.callbacks.append(_GcTimer().callback)
-
-
-class _GcTimer:
-    """Logs a collection long enough to stall the daemon (it holds the interpreter lock:
-    nothing else runs meanwhile, and the event loop's watch reports it late too)."""
-
-    def __init__(self) -> None:
-        self.started = 0.0
-
-    def callback(self, phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            self.started = time.perf_counter()
-            return
-        took = time.perf_counter() - self.started
-        if took >= _GC_LOG_S:
-            log.warning(
-                "a garbage collection (generation %d) took %.2f s and freed %d objects",
-                info.get("generation", -1), took, info.get("collected", 0),
-            )  # fmt: skip
-
-
-_GC_LOG_S = 0.5
 
 
 def serve(config: CoordinatorConfig) -> None:
@@ -414,7 +427,14 @@ def _serve(config: CoordinatorConfig, tls: pki.TlsFiles | None) -> None:
         raise ConfigError(f"--db {_redact(config.database_url)}: {exc}") from None
     server: Server | None = None
     endpoint: HttpEndpoint | None = None
+    reads: ReadsProcess | None = None
+    snapshot: LiveSnapshot | None = None
     try:
+        socket = None
+        if config.admin_port is not None:  # it starts up while this process does
+            socket = engine_socket_path(config.state_dir)
+            reads = ReadsProcess(_replica_spec(config, socket))
+            reads.start()
         # Before the engine starts: resumed runs are told to the trackers as started again.
         tracker = parse_track(config.track, config.state_dir)
         if tracker is not None:
@@ -428,14 +448,27 @@ def _serve(config: CoordinatorConfig, tls: pki.TlsFiles | None) -> None:
         # Bound before the engine starts: a port in use fails the start before any run moves.
         server, port = create_server(
             engine, address, config.max_workers, tls, config.deny_list_path,
-            config.stream_window_mb, config.limits,
+            config.stream_window_mb, config.limits, socket,
         )  # fmt: skip
-        _quieter_gc()  # before the runs are resumed: what a run holds may be let go
+        quieter_gc()  # before the runs are resumed: what a run holds may be let go
         engine.start()
         server.start()
         if endpoint is not None:
             endpoint.start()
+        admin_port = None
+        if reads is not None:
+            assert server.guard is not None
+            snapshot = LiveSnapshot(engine, server.guard, config.state_dir)
+            snapshot.start()
+            try:
+                admin_port = reads.wait_ready()
+            except RuntimeError as exc:
+                raise ConfigError(f"--admin-port {config.admin_port}: {exc}") from None
     except BaseException:  # nothing may drive runs, or hold the database, after this
+        if reads is not None:
+            reads.stop()
+        if snapshot is not None:
+            snapshot.stop()
         if endpoint is not None:
             endpoint.stop()
         if server is not None:
@@ -455,6 +488,11 @@ def _serve(config: CoordinatorConfig, tls: pki.TlsFiles | None) -> None:
             "database": _redact(config.database_url),
             "started_unix_s": time.time(),
             "insecure": config.insecure,
+            **(
+                {"admin_address": f"{host}:{admin_port}", "admin_port": admin_port}
+                if admin_port is not None
+                else {}
+            ),
             **(
                 {
                     "http_address": endpoint.address,
@@ -488,6 +526,10 @@ def _serve(config: CoordinatorConfig, tls: pki.TlsFiles | None) -> None:
     grace_s = 0.0 if lost else config.grace_s
     log.info("stopping: finishing in-flight calls (grace %.0f s)", grace_s)
     ready.unlink(missing_ok=True)
+    if reads is not None:  # admin calls end first: a forwarded one needs this process
+        reads.stop()
+    if snapshot is not None:
+        snapshot.stop()
     shutdown(server, engine, grace_s)
     if endpoint is not None:
         endpoint.stop()
@@ -497,6 +539,22 @@ def _serve(config: CoordinatorConfig, tls: pki.TlsFiles | None) -> None:
             f"--db {_redact(config.database_url)}: another coordinator took the database "
             "while this one's connection was down; this one stopped"
         )
+
+
+def _replica_spec(config: CoordinatorConfig, socket: Path) -> ReplicaSpec:
+    assert config.admin_port is not None
+    return ReplicaSpec(
+        state_dir=str(config.state_dir),
+        db_url=config.database_url,
+        host=config.host,
+        port=config.admin_port,
+        engine_socket=str(socket),
+        parent_pid=os.getpid(),
+        tls_dir=str(config.tls_dir) if config.tls_dir is not None else None,
+        deny_list=str(config.deny_list_path) if config.tls_dir is not None else None,
+        max_message_bytes=config.engine.chunk_bytes + 2**20,
+        log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()),
+    )
 
 
 def shutdown(server: Server, engine: Engine, grace_s: float) -> None:

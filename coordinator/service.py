@@ -5,39 +5,20 @@ returns plain values and dataclasses."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
-from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from fedra import logsafe, pki
+from fedra import pki
 from fedra.coordinator import uploads
+from fedra.coordinator.admin_reads import WATCH_GAP_S, AdminReads
 from fedra.coordinator.api import CoordinatorAPI
 from fedra.coordinator.auth import Guard
-from fedra.coordinator.engine import SITES_PAGE, TaskView
-from fedra.coordinator.errors import (
-    AlreadyExists,
-    FailedPrecondition,
-    FedraError,
-    InvalidArgument,
-    NotFound,
-    PermissionDenied,
-    ResourceExhausted,
-    Unauthenticated,
-    Unavailable,
-)
-from fedra.coordinator.observers import Observers
-from fedra.coordinator.status import (
-    PAGE_BYTES,
-    FinalRounds,
-    RunWatch,
-    SharedPages,
-    run_header,
-    run_page,
-    run_status,
-)
+from fedra.coordinator.edge import _status, mapped, mapped_stream
+from fedra.coordinator.engine import TaskView
+from fedra.coordinator.errors import InvalidArgument
 from fedra.protos import wire
 from fedra.protos.codec import Buffer
 from fedra.protos.serde import (
@@ -48,112 +29,12 @@ from fedra.protos.serde import (
     secagg_round_to_proto,
     train_to_proto,
 )
-from fedra.protos.v1 import admin_pb2, admin_pb2_grpc, site_pb2, site_pb2_grpc
-from fedra.storage.blobs import BlobCorruptError
-from fedra.storage.store import ClaimLostError, transient_fault
+from fedra.protos.v1 import admin_pb2, site_pb2, site_pb2_grpc
 
 if TYPE_CHECKING:
     from fedra.coordinator.limits import CallLimiter
 
 log = logging.getLogger("fedra.coordinator")
-F = TypeVar("F", bound=Callable[..., Any])
-
-_STATUS = {
-    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
-    NotFound: grpc.StatusCode.NOT_FOUND,
-    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
-    AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
-    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
-    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
-    Unavailable: grpc.StatusCode.UNAVAILABLE,
-}
-
-
-# Refusals an operator should see in the coordinator's own log, not only the caller.
-_LOUD = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
-
-
-def _status(exc: BaseException, peer: str) -> tuple[grpc.StatusCode, str]:
-    """The status a call that raised ``exc`` ends with, logged as an operator needs."""
-    if isinstance(exc, grpc.RpcError):  # the call ended under us: the site's to retry
-        log.info(
-            "a call from %s ended before its request stream did (cancelled by the caller, "
-            "past its deadline, or this daemon stopping)",
-            peer,
-        )
-        return grpc.StatusCode.CANCELLED, "the call ended before its request stream"
-    if isinstance(exc, ClaimLostError):  # stopping: the database is another coordinator's
-        log.info("refused a call from %s: %s", peer, logsafe.safe(exc))
-        return grpc.StatusCode.UNAVAILABLE, (
-            "this coordinator no longer holds its database (another coordinator took it) "
-            "and is stopping: try again"
-        )
-    if isinstance(exc, FedraError):
-        code = _STATUS.get(type(exc), grpc.StatusCode.INVALID_ARGUMENT)
-        level = logging.WARNING if code in _LOUD else logging.INFO
-        # The message often quotes what the caller sent (an id, a name): escaped and cut.
-        text = logsafe.safe(exc, logsafe.MESSAGE_CHARS)
-        log.log(level, "refused a call from %s: %s: %s", peer, code.name, text)
-        return code, logsafe.safe(exc, logsafe.STATUS_CHARS)
-    storage = transient_fault(exc)
-    if storage:  # the site's to retry, as after a restart; the driver rides it out
-        log.warning("a call from %s met a storage fault: %s", peer, storage)
-        return grpc.StatusCode.UNAVAILABLE, f"the coordinator's storage: {storage}"
-    if isinstance(exc, BlobCorruptError):  # the driver ends the run with the reason
-        log.error("a call from %s read damaged stored data: %s", peer, exc)
-        return grpc.StatusCode.DATA_LOSS, "the coordinator's stored data is damaged"
-    # Internals stay in the coordinator's log, never in the caller's status.
-    log.error("unexpected error in %s: %s", type(exc).__name__, logsafe.exception_text(exc))
-    return grpc.StatusCode.INTERNAL, "internal coordinator error (see the coordinator log)"
-
-
-async def refuse(
-    context: grpc.aio.ServicerContext[Any, Any], exc: Exception, told: Observers | None = None
-) -> None:
-    """End the call with the status ``exc`` maps to (it raises, as context.abort does);
-    also for checks made before a handler runs (fedra.coordinator.limits). ``told``
-    hear of the refusal (metrics count them by status)."""
-    code, message = _status(exc, context.peer())
-    if told is not None:
-        told.refused(code.name)
-    await context.abort(code, message)
-
-
-def mapped(method: F) -> F:
-    """Turn domain errors raised by a unary handler into gRPC statuses."""
-
-    @functools.wraps(method)
-    async def wrapper(self: Any, request: Any, context: Any) -> Any:
-        try:
-            return await method(self, request, context)
-        except Exception as exc:
-            if _aborted(exc):
-                raise
-            await refuse(context, exc, self.api.engine.observers)
-
-    return wrapper  # type: ignore[return-value]
-
-
-def mapped_stream(method: F) -> F:
-    """The same for handlers that return a response stream (async generators)."""
-
-    @functools.wraps(method)
-    async def wrapper(self: Any, request: Any, context: Any) -> AsyncIterator[Any]:
-        try:
-            async for item in method(self, request, context):
-                yield item
-        except Exception as exc:
-            if _aborted(exc):
-                raise
-            await refuse(context, exc, self.api.engine.observers)
-
-    return wrapper  # type: ignore[return-value]
-
-
-def _aborted(exc: BaseException) -> bool:
-    """Whether ``exc`` is gRPC's own: the call was already ended with its status."""
-    return isinstance(exc, grpc.aio.AbortError | grpc.aio.UsageError)
 
 
 def _task_to_proto(t: TaskView) -> site_pb2.Task:
@@ -383,10 +264,26 @@ async def _payload(
 
 
 # The least time between two looks of one watch (each reads the database).
-WATCH_GAP_S = 0.2
+class EngineReads:
+    """The daemon's own ``ReadSide``: the engine's memory (read without its lock) and the
+    database, on the front door's reader threads."""
+
+    def __init__(self, api: CoordinatorAPI) -> None:
+        self.api = api
+        self.source = api.engine
+        self.readers = api.readers
+        self.read = api.read
+        self.changes = api.changes
+        self.site_counts = api.engine.site_counts
+        self.list_sites = api.engine.list_sites
+
+    def listing_key(self) -> None:
+        return None  # the engine's memory changes with every call: built each time
 
 
-class AdminService(admin_pb2_grpc.AdminServiceServicer):
+class AdminService(AdminReads):
+    """Every admin call: the reads (``AdminReads``) and the writes, through the front door."""
+
     def __init__(
         self,
         api: CoordinatorAPI,
@@ -394,11 +291,10 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
         watch_interval_s: float = 10.0,
         watch_gap_s: float = WATCH_GAP_S,
     ) -> None:
-        self.api, self.engine, self.guard = api, api.engine, guard
-        self.watch_interval_s = watch_interval_s  # a watch looks at least this often
-        self.watch_gap_s = watch_gap_s  # and at most this often
-        self.kept = FinalRounds()  # GetRun pages build only the rounds still moving
-        self.pages = SharedPages()  # a large page is built once for the calls at once
+        super().__init__(
+            EngineReads(api), guard, api.engine.observers, watch_interval_s, watch_gap_s
+        )
+        self.api, self.engine = api, api.engine
 
     @mapped
     async def SubmitRun(
@@ -415,94 +311,11 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
         return admin_pb2.SubmitRunResponse(run_id=run_id, warnings=warnings)
 
     @mapped
-    async def GetRun(self, request: admin_pb2.GetRunRequest, context: Any) -> admin_pb2.RunStatus:
-        self.guard.admin(context)
-        insecure, first = self.guard.insecure, request.first_round
-        if request.page:
-            # Shared for a moment within a phase (driven, cancelled, ended), never across one.
-            key = (request.run_id, first, insecure, self.engine.run_phase(request.run_id))
-            build = functools.partial(
-                run_page, self.engine, request.run_id, insecure, first, PAGE_BYTES, self.kept
-            )
-            if (page := self.pages.answer(key, build, self.api.readers)) is not None:
-                return page
-            return await self.api.read(self.pages.get, key, build)
-        return await self.api.read(run_status, self.engine, request.run_id, insecure, first)
-
-    @mapped
-    async def ListRuns(
-        self, request: admin_pb2.ListRunsRequest, context: Any
-    ) -> admin_pb2.ListRunsResponse:
-        self.guard.admin(context)
-
-        def read() -> list[admin_pb2.RunStatus]:
-            records = self.engine.store.list_runs()
-            return [run_header(self.engine, r, self.guard.insecure) for r in records]
-
-        return admin_pb2.ListRunsResponse(runs=await self.api.read(read))
-
-    @mapped_stream
-    async def WatchRun(
-        self, request: admin_pb2.WatchRunRequest, context: Any
-    ) -> AsyncIterator[admin_pb2.RunStatus]:
-        self.guard.admin(context)
-        insecure, only_changed = self.guard.insecure, request.changed_rounds_only
-        watch = RunWatch(self.engine, request.run_id, insecure, only_changed)
-        # Woken by a change of the run (a burst of them is one look), or every interval;
-        # it waits holding no thread, and a client that hangs up ends it at once.
-        async for _ in self.api.changes(request.run_id, self.watch_interval_s, self.watch_gap_s):
-            for message in await self.api.read(watch.look):
-                yield message
-            if watch.finished:
-                return
-
-    @mapped
     async def CancelRun(
         self, request: admin_pb2.CancelRunRequest, context: Any
     ) -> admin_pb2.CancelRunResponse:
         who = self.guard.admin(context)
         return admin_pb2.CancelRunResponse(state=await self.api.cancel(request.run_id, who))
-
-    @mapped
-    async def ListSites(
-        self, request: admin_pb2.ListSitesRequest, context: Any
-    ) -> admin_pb2.ListSitesResponse:
-        self.guard.admin(context)
-        if len(request.page_token) > uploads.MAX_ID_CHARS:
-            raise InvalidArgument(f"page_token: at most {uploads.MAX_ID_CHARS} characters")
-        if request.summary_only:
-
-            def counts() -> tuple[int, int]:  # O(sites), and reads the deny list: not here
-                return self.engine.site_counts(self.guard.revoked_sites())
-
-            total, online = await self.api.read(counts)
-            return admin_pb2.ListSitesResponse(total=total, online=online)
-
-        def page() -> admin_pb2.ListSitesResponse:  # built on a reader thread, not the loop
-            # Counted in the same step: each hand-off to a thread and back costs the call
-            # a pass of the event loop, which is long while a round's calls arrive.
-            revoked = self.guard.revoked_sites()  # at once: offline, whatever it did last
-            total, online = self.engine.site_counts(revoked)
-            found, next_token = self.engine.list_sites(
-                request.page_token, request.page_size or SITES_PAGE
-            )
-            sites = [
-                admin_pb2.Site(
-                    site_id=s.id,
-                    tasks=list(s.tasks),
-                    online=is_online and s.id not in revoked,
-                    registered_unix_s=s.registered_at,
-                    last_seen_unix_s=last_seen,
-                    version=s.version,
-                    revoked=s.id in revoked,
-                )
-                for s, is_online, last_seen in found
-            ]
-            return admin_pb2.ListSitesResponse(
-                sites=sites, next_page_token=next_token, total=total, online=online
-            )
-
-        return await self.api.read(page)
 
     @mapped_stream
     async def ExportModel(  # type: ignore[override]  # framed ModelChunks: see server.py

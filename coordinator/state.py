@@ -29,9 +29,6 @@ ATTEMPT_FAILED = "attempt_failed"
 # shows it as "declined", not as a failure. The site is not sampled again for the run
 # for EngineSettings.decline_hold_s (an operator may approve the run, or its hours come),
 # and an attempt lost only to declines does not count towards max_round_attempts.
-DECLINED = "site declined: "
-PROVENANCE_EVENT = "site_provenance"  # the ledger's record of what a site's updates come from
-RUN_PROVENANCE_EVENT = "run_provenance"  # the coordinator's version, at submit and resume
 
 
 class TaskState(str, Enum):

@@ -11,22 +11,43 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from fedra.coordinator.engine import Engine
 from fedra.coordinator.errors import NotFound, ResourceExhausted
-from fedra.coordinator.rounds import idle_s
-from fedra.coordinator.state import DECLINED, PROVENANCE_EVENT, RUN_PROVENANCE_EVENT
+from fedra.coordinator.ledger import DECLINED, PROVENANCE_EVENT, RUN_PROVENANCE_EVENT, idle_s
 from fedra.protos import wire
 from fedra.protos.serde import runspec_to_proto
 from fedra.protos.v1 import admin_pb2
 from fedra.runspec import RunSpec
 from fedra.storage.records import ParticipationRecord, RoundRecord, RunRecord, RunView
+from fedra.storage.store import Store
 
 log = logging.getLogger("fedra.coordinator")
 
 
+class StatusSource(Protocol):
+    """What a run's status is read from: the database, and the few facts only the process
+    driving the rounds knows. The engine is one (its memory, read without its lock); the
+    operators' read process is another (a snapshot the engine writes: ``replica``)."""
+
+    @property
+    def store(self) -> Store: ...
+
+    def waiting_reason(self, run_id: str) -> str:
+        """Why a driven run with no round open waits ('' if it does not)."""
+        ...
+
+    def downloads_pending(self) -> set[str]:
+        """The tasks with a download under way, or finished but not yet written."""
+        ...
+
+    def run_phase(self, run_id: str) -> tuple[object, ...]:
+        """Where the run stands as a whole (``Engine.run_phase``)."""
+        ...
+
+
 def run_status(
-    engine: Engine, run_id: str, insecure: bool = False, first_round: int = 0
+    engine: StatusSource, run_id: str, insecure: bool = False, first_round: int = 0
 ) -> admin_pb2.RunStatus:
     """The run, every round numbered ``first_round`` or higher and every participation of
     them, as stored; fails with RESOURCE_EXHAUSTED if that is more than one reply holds."""
@@ -44,7 +65,7 @@ def run_status(
     return status
 
 
-def read_run(engine: Engine, run_id: str, since: int, limit: int | None = None) -> RunView:
+def read_run(engine: StatusSource, run_id: str, since: int, limit: int | None = None) -> RunView:
     view = engine.store.read_run(run_id, since=since, limit=limit)
     if view is None:
         raise NotFound(f"no run {run_id!r}")
@@ -266,7 +287,7 @@ class SharedPages:
 
 
 def run_page(
-    engine: Engine,
+    engine: StatusSource,
     run_id: str,
     insecure: bool,
     first_round: int,
@@ -283,7 +304,7 @@ def run_page(
     """
     cached = kept.from_(run_id, first_round) if kept is not None else []
     # A download finished but not yet written may change its round: asked before the read.
-    pending = engine.downloads.pending() if kept is not None else set()
+    pending = engine.downloads_pending() if kept is not None else set()
     status: admin_pb2.RunStatus | None = None
     size, since, batch, read = 0, first_round + len(cached), _FIRST_READ_ROUNDS, 0
     while True:
@@ -334,7 +355,7 @@ class RunWatch:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: StatusSource,
         run_id: str,
         insecure: bool,
         changed_rounds_only: bool,
@@ -356,7 +377,7 @@ class RunWatch:
         # download pending may change yet. Asked after the read, so that a round settled
         # now was read after its last write; it is passed over at the next look, once
         # this look has sent it.
-        pending = self.engine.downloads.pending()
+        pending = self.engine.downloads_pending()
         self.finished = view.run.finished
         header = run_header(self.engine, view.run, self.insecure, self.header)
         fresh, final = round_statuses(view, pending)
@@ -406,14 +427,40 @@ def _with_rounds(
     return status
 
 
-def run_provenance(engine: Engine, record: RunRecord) -> admin_pb2.RunProvenance:
+_PROVENANCE_KINDS = (PROVENANCE_EVENT, RUN_PROVENANCE_EVENT)
+_provenance_lock = threading.Lock()
+# By (store, run): the latest provenance event read, and what was built from the events.
+_provenance: OrderedDict[tuple[int, str], tuple[int, admin_pb2.RunProvenance]] = OrderedDict()
+_PROVENANCE_KEPT = 64
+
+
+def run_provenance(engine: StatusSource, record: RunRecord) -> admin_pb2.RunProvenance:
     """What the run's results come from: its spec's digest, the fedra that drove it, and
     each site's provenance as of its latest accepted update (flagged ``changed`` if it
-    differs from the site's earlier ones), from the run's ledger."""
+    differs from the site's earlier ones), from the run's ledger. Built again only once
+    the ledger has a provenance event it was not built from (a page of a 1,000-site run
+    otherwise read and parsed a thousand events each time). Shared: copy it, never
+    change it."""
+    key = (id(engine.store), record.id)
+    last = engine.store.last_event_id(record.id, _PROVENANCE_KINDS)
+    with _provenance_lock:
+        kept = _provenance.get(key)
+        if kept is not None and kept[0] == last:
+            _provenance.move_to_end(key)
+            return kept[1]
+    out = _build_provenance(engine, record)
+    with _provenance_lock:
+        _provenance[key] = (last, out)
+        while len(_provenance) > _PROVENANCE_KEPT:
+            _provenance.popitem(last=False)
+    return out
+
+
+def _build_provenance(engine: StatusSource, record: RunRecord) -> admin_pb2.RunProvenance:
     out = admin_pb2.RunProvenance(spec_sha256=hashlib.sha256(record.spec_json.encode()).hexdigest())
     sites: dict[str, admin_pb2.SiteProvenance] = {}
     digests: dict[str, set[str]] = {}
-    for e in engine.store.list_events(record.id, (PROVENANCE_EVENT, RUN_PROVENANCE_EVENT)):
+    for e in engine.store.list_events(record.id, _PROVENANCE_KINDS):
         d = e.data
         if e.kind == RUN_PROVENANCE_EVENT:
             out.coordinator_version = str(d.get("coordinator_version", ""))
@@ -434,17 +481,14 @@ def run_provenance(engine: Engine, record: RunRecord) -> admin_pb2.RunProvenance
 
 
 def run_header(
-    engine: Engine,
+    engine: StatusSource,
     record: RunRecord,
     insecure: bool,
     previous: admin_pb2.RunStatus | None = None,
 ) -> admin_pb2.RunStatus:
     """The run's status without its rounds (the spec taken from ``previous`` if given:
     it never changes): what ListRuns sends."""
-    reason = record.reason
-    live = engine.runs.get(record.id)  # read without the lock: a status never waits on a round
-    if live is not None and live.open_round is None and live.waiting_reason:
-        reason = live.waiting_reason
+    reason = engine.waiting_reason(record.id) or record.reason
     if previous is not None:
         spec = previous.spec
     else:

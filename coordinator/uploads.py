@@ -25,6 +25,7 @@ from fedra.coordinator.errors import (
     Unavailable,
 )
 from fedra.coordinator.folding import fold_ready
+from fedra.coordinator.ledger import MAX_ID_CHARS
 from fedra.coordinator.promotion import PROMOTED_ROUND, PROMOTION_BEST, UNPROMOTED
 from fedra.coordinator.state import ATTEMPT_FAILED, INIT_ROUND, ActiveRun, Assignment, TaskState
 from fedra.faults import crash_point
@@ -54,7 +55,6 @@ NONCE_BYTES = 16
 # A weight far above any real data set; keeps n * value inside fp32's range and exact in fp64.
 MAX_SAMPLES = 2**40
 # Header fields a site chooses, bounded: they are stored, logged and sent in statuses.
-MAX_ID_CHARS = 128
 MAX_METRICS = 256
 MAX_METRIC_NAME_CHARS = 128
 

@@ -92,6 +92,7 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
             )
     if args.db:
         _check_db_url(args.db)
+    admin_port = _admin_port(args.admin_port, args.port)
     from sqlalchemy.exc import DBAPIError
 
     from fedra.coordinator.engine import EngineSettings
@@ -124,6 +125,7 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
         insecure=args.insecure,
         http=args.http or "",
         track=tuple(args.track),
+        admin_port=admin_port,
         **window,
     )
     made_state_dir = not config.state_dir.exists()
@@ -231,6 +233,23 @@ def _cmd_site(args: argparse.Namespace) -> int:
     return 0
 
 
+def _admin_port(value: str | None, port: int) -> int | None:
+    """--admin-port: a port (0: a free one), ``none``, or by default the one after --port."""
+    if value is None:
+        return 0 if port in (0, 65535) else port + 1
+    if value.strip().lower() in ("none", "off"):
+        return None
+    try:
+        admin_port = int(value)
+    except ValueError:
+        raise ConfigError(f"--admin-port: a port from 0 to 65535 or none, got {value!r}") from None
+    if not 0 <= admin_port <= 65535:
+        raise ConfigError(f"--admin-port: must be from 0 to 65535 or none, got {admin_port}")
+    if admin_port == port != 0:
+        raise ConfigError(f"--admin-port: {admin_port} is --port too; give another, or none")
+    return admin_port
+
+
 class NotRunning(ConfigError):
     """No readiness file in the state directory: the coordinator is not (yet) serving."""
 
@@ -241,7 +260,9 @@ def _address(args: argparse.Namespace) -> str:
     if getattr(args, "state_dir", None):
         ready = Path(args.state_dir) / READY_FILE
         try:
-            return str(json.loads(ready.read_text())["address"])
+            info = json.loads(ready.read_text())
+            # The admin port where there is one: its process answers while rounds run.
+            return str(info.get("admin_address") or info["address"])
         except FileNotFoundError as exc:
             raise NotRunning(f"{ready}: not found; is the coordinator running?") from exc
     from_env = os.environ.get("FEDRA_COORDINATOR")
@@ -876,6 +897,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--host", default="127.0.0.1", help="0.0.0.0 serves every interface")
     c.add_argument("--port", type=int, default=50051, help="0 picks a free port")
+    c.add_argument(
+        "--admin-port", metavar="PORT|none", default=None,
+        help="the admin port, served by a process of its own that reads the database, so "
+        "operators' calls never wait behind the rounds (default: --port + 1; with --port 0, "
+        "a free port; written to coordinator.json as admin_address); none: admin calls on "
+        "--port only",
+    )  # fmt: skip
     c.add_argument("--db", help="SQLAlchemy URL (default: SQLite file in the state directory)")
     c.add_argument("--tls-dir", help="the coordinator's folder from `fedra provision` (mTLS)")
     c.add_argument(

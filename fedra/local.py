@@ -100,6 +100,7 @@ class LocalCluster:
     coordinator: ManagedProcess | None = None
     sites: dict[str, ManagedProcess] = field(default_factory=dict)
     address: str = ""
+    admin_address: str = ""  # the admin port, where the daemon has one (replica.py)
 
     def __post_init__(self) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -146,6 +147,7 @@ class LocalCluster:
             lambda: _read_ready(ready, proc.pid), proc, timeout_s, "write coordinator.json"
         )
         self.address = str(info["address"])
+        self.admin_address = str(info.get("admin_address", ""))
         return self.address
 
     def start_site(
@@ -202,9 +204,13 @@ class LocalCluster:
             pki.add_participant(self.pki_dir, role, name)
         return folder
 
-    def admin(self) -> AdminClient:
+    def admin(self, admin_port: bool = False) -> AdminClient:
+        """An admin client of the site port's admin service, or with ``admin_port`` of the
+        operators' read process."""
         tls = pki.load_folder(self._pki_folder("admin", "admin")) if self.secure else None
-        return AdminClient(self.address, tls=tls)
+        if admin_port and not self.admin_address:
+            raise ClusterError("the coordinator serves no admin port (--admin-port none?)")
+        return AdminClient(self.admin_address if admin_port else self.address, tls=tls)
 
     def wait_for_sites(self, site_ids: list[str], timeout_s: float = 60.0) -> None:
         """Wait until the coordinator lists every one of ``site_ids`` as online."""

@@ -597,6 +597,11 @@ class Store:
         with self._read() as s:  # plain rows, not ORM objects: thousands of sites read fast
             return [rows.site_record(r) for r in s.execute(query)]  # type: ignore[arg-type]
 
+    def count_sites(self) -> int:
+        """How many sites are registered."""
+        with self._read() as s:
+            return int(s.execute(select(func.count()).select_from(m.Site)).scalar_one())
+
     # -- runs ----------------------------------------------------------------
 
     def create_run(
@@ -1124,6 +1129,14 @@ class Store:
             if kinds:
                 q = q.where(m.Event.kind.in_(kinds))
             return [rows.event_record(r) for r in s.scalars(q).all()]
+
+    def last_event_id(self, run_id: str, kinds: tuple[str, ...]) -> int:
+        """The id of the run's latest event of ``kinds`` (0: none): whether they changed."""
+        with self._read() as s:
+            q = select(func.max(m.Event.id)).where(
+                m.Event.run_id == run_id, m.Event.kind.in_(kinds)
+            )
+            return int(s.execute(q).scalar_one() or 0)
 
     @staticmethod
     def _participation_row(s: Session, task_id: str) -> m.Participation:

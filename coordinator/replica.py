@@ -1,0 +1,579 @@
+"""The operators' reads in a process of their own: the admin port.
+
+The daemon drives its rounds in one Python process, whose interpreter lock its event
+loop, its executor and its group commit take in turn; while a round of a thousand sites
+moves, a call waits tens of milliseconds for each pass of the loop, and an operator's
+``fedra run status`` waits seconds. So the daemon also starts this process (``fedra
+coordinator --admin-port``), which serves every admin call on a port of its own:
+
+- **reads** (``GetRun``, ``ListRuns``, ``WatchRun``, ``ListSites``) from the database
+  (SQLite in WAL mode, or PostgreSQL: a read never waits for the rounds' writes) and from
+  a snapshot of what only the daemon's memory holds, which the daemon writes every
+  ``SNAPSHOT_S`` (``LiveSnapshot``): each site's liveness, each driven run's waiting
+  reason and a count of its changes, the downloads not yet written;
+- **writes** (``SubmitRun``, ``CancelRun``, ``ExportModel``) forwarded to the daemon
+  over a Unix socket in the state directory, naming the admin this process verified,
+  so the audit log names the same admin as a call to the site port would.
+
+It imports neither torch nor the engine. It stops when the daemon does (and if the daemon
+dies: ``PR_SET_PDEATHSIG``); the daemon starts it again if it exits (``ReadsProcess``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import bisect
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Collection, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from fedra import logformat, pki
+from fedra.coordinator.admin_reads import AdminReads, SiteRow
+from fedra.coordinator.auth import Guard
+from fedra.coordinator.edge import mapped, mapped_stream
+from fedra.coordinator.errors import PermissionDenied
+from fedra.coordinator.gctune import quieter_gc
+from fedra.coordinator.ledger import page_limit
+from fedra.protos import wire
+from fedra.protos.v1 import admin_pb2, admin_pb2_grpc
+from fedra.storage.records import SiteRecord
+from fedra.storage.store import Store
+
+if TYPE_CHECKING:
+    from fedra.coordinator.engine import Engine
+
+log = logging.getLogger("fedra.coordinator")
+T = TypeVar("T")
+
+READS_DIR = "reads"  # in the state directory, this user's only (0700)
+SNAPSHOT_FILE = "live.json"
+SPEC_FILE = "spec.json"
+READY_FILE = "ready.json"
+ENGINE_SOCKET = "engine.sock"
+SNAPSHOT_S = 0.5  # how often the daemon writes its snapshot: what the reads lag behind
+FORWARDED_ADMIN = "fedra-forwarded-admin"  # metadata: the admin a forwarded call is from
+READER_THREADS = 4
+FORWARD_TIMEOUT_S = 120.0
+READY_TIMEOUT_S = 60.0
+RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+_SOCKET_PATH_MAX = 100  # sun_path holds 108 bytes on Linux, 104 elsewhere
+_PR_SET_PDEATHSIG = 1
+
+
+def reads_dir(state_dir: Path) -> Path:
+    path = state_dir / READS_DIR
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+    return path
+
+
+def engine_socket_path(state_dir: Path) -> Path:
+    """Where the daemon takes forwarded admin calls: in the state directory, or, if that
+    path is too long for a Unix socket, in a private temporary directory."""
+    path = reads_dir(state_dir) / ENGINE_SOCKET
+    if len(str(path)) <= _SOCKET_PATH_MAX:
+        return path
+    return Path(tempfile.mkdtemp(prefix="fedra-")) / ENGINE_SOCKET
+
+
+# -- the daemon's side ---------------------------------------------------------------
+
+
+class ForwardedGuard(Guard):
+    """The guard of the daemon's Unix socket: only the read process reaches it (the socket
+    is in this user's private directory), and it forwards admin calls whose admin it
+    verified itself, named in the call's metadata."""
+
+    def admin(self, context: Any) -> str:
+        for key, value in context.invocation_metadata() or ():
+            if key == FORWARDED_ADMIN and isinstance(value, str) and 0 < len(value) <= 256:
+                return value
+        raise PermissionDenied(f"a forwarded admin call must name its admin ({FORWARDED_ADMIN})")
+
+
+class LiveSnapshot:
+    """Writes what the read process needs from the daemon's memory to
+    ``reads/live.json`` every ``SNAPSHOT_S``, on a thread of its own, without the
+    engine's lock (the reads it serves are as current as the file)."""
+
+    def __init__(self, engine: Engine, guard: Guard, state_dir: Path) -> None:
+        self.engine, self.guard = engine, guard
+        self.path = reads_dir(state_dir) / SNAPSHOT_FILE
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="live-snapshot", daemon=True)
+
+    def start(self) -> None:
+        self.write()
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def build(self) -> dict[str, Any]:
+        engine = self.engine
+        runs = {}
+        for run_id in list(engine.runs):  # one atomic copy: runs start and end
+            runs[run_id] = {
+                "waiting": engine.waiting_reason(run_id),
+                "phase": list(engine.run_phase(run_id)),
+                "changes": engine.run_changes.get(run_id, 0),
+            }
+        return {
+            "written_unix_s": engine.clock(),
+            "registrations": engine.registrations,
+            "site_timeout_s": engine.settings.site_timeout_s,
+            "sites": {s: [online, seen] for s, (online, seen) in engine.presence().items()},
+            "serials": self.guard.site_serials(),
+            "runs": runs,
+            "pending": sorted(engine.downloads_pending()),
+        }
+
+    def write(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.build(), separators=(",", ":")))
+        os.replace(tmp, self.path)  # never seen half-written; no fsync: it is rebuilt
+
+    def _run(self) -> None:
+        while not self._stop.wait(SNAPSHOT_S):
+            try:
+                self.write()
+            except Exception:  # a full disk, a torn read of a dict: the next one may do
+                log.exception("could not write the operators' snapshot")
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """What the read process is started with (written to ``reads/spec.json``, 0600)."""
+
+    state_dir: str
+    db_url: str
+    host: str
+    port: int
+    engine_socket: str
+    parent_pid: int
+    tls_dir: str | None = None
+    deny_list: str | None = None
+    max_message_bytes: int = 64 * 2**20
+    log_level: str = "INFO"
+
+
+class ReadsProcess:
+    """Starts the read process, starts it again whenever it exits while the daemon runs
+    (on the port it had), and stops it with the daemon."""
+
+    def __init__(self, spec: ReplicaSpec, log_to: Any = None) -> None:
+        self.spec = spec
+        self.folder = reads_dir(Path(spec.state_dir))
+        self._log_to = log_to
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._port = spec.port
+        self._watcher: threading.Thread | None = None
+        self.restarts = 0
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def start(self) -> None:
+        """Start it (``wait_ready`` waits until it serves): it starts up while the daemon
+        does."""
+        self._spawn()
+
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> int:
+        """Wait until it serves, then watch it (started again if it exits); its port."""
+        self._port = self._ready(timeout_s)
+        self._watcher = threading.Thread(target=self._watch, name="reads-process", daemon=True)
+        self._watcher.start()
+        return self._port
+
+    def _spawn_and_wait(self, timeout_s: float) -> int:
+        self._spawn()
+        return self._ready(timeout_s)
+
+    def _spawn(self) -> None:
+        (self.folder / READY_FILE).unlink(missing_ok=True)
+        spec_path = self.folder / SPEC_FILE
+        fd = os.open(spec_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # holds --db
+        with os.fdopen(fd, "w") as f:
+            json.dump({**asdict(self.spec), "port": self._port}, f)
+        with self._lock:
+            if self._stopping:
+                raise RuntimeError("stopping")
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "fedra.coordinator.replica", str(spec_path)],
+                stdin=subprocess.DEVNULL,
+                stdout=self._log_to,
+                stderr=self._log_to,
+                # A session of its own: Linux shares CPU between sessions first
+                # (autogroups), then between the threads of each, so the daemon's busy
+                # threads do not crowd out its few. It still ends with the daemon.
+                start_new_session=True,
+            )
+
+    def _ready(self, timeout_s: float) -> int:
+        ready, proc = self.folder / READY_FILE, self._proc
+        assert proc is not None
+        deadline = time.monotonic() + timeout_s
+        delay = 0.02
+        while True:  # a readiness check with a deadline: the file names the process's pid
+            try:
+                info = json.loads(ready.read_text())
+                if info.get("pid") == proc.pid:
+                    return int(info["port"])
+            except (FileNotFoundError, json.JSONDecodeError, KeyError, ValueError):
+                pass
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"the operators' read process exited ({proc.returncode}) before it "
+                    "served: see the coordinator's log"
+                )
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"the operators' read process did not serve in {timeout_s:g} s")
+            time.sleep(delay)
+            delay = min(delay * 1.5, 0.2)
+
+    def _watch(self) -> None:
+        attempt = 0
+        while True:
+            proc = self._proc
+            assert proc is not None
+            code = proc.wait()
+            with self._lock:
+                if self._stopping:
+                    return
+            delay = RESTART_BACKOFF_S[min(attempt, len(RESTART_BACKOFF_S) - 1)]
+            log.error(
+                "the operators' read process (admin port %d) exited with %s: starting it "
+                "again in %.1f s",
+                self._port, code, delay,
+            )  # fmt: skip
+            time.sleep(delay)  # a backoff before a restart, not a wait for a condition
+            try:
+                self._spawn_and_wait(READY_TIMEOUT_S)
+                self.restarts += 1
+                attempt = 0
+            except RuntimeError as exc:
+                if str(exc) == "stopping":
+                    return
+                log.error("%s", exc)
+                attempt += 1
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        with self._lock:
+            self._stopping = True
+            proc = self._proc
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self._watcher is not None:
+            self._watcher.join(timeout_s)
+        (self.folder / READY_FILE).unlink(missing_ok=True)
+
+
+# -- the read process's side -----------------------------------------------------------
+
+
+class Replica:
+    """The read process's ``ReadSide`` and ``StatusSource``: the database, and the
+    daemon's latest snapshot (read again when the file changes)."""
+
+    def __init__(self, store: Store, snapshot: Path, readers: ThreadPoolExecutor) -> None:
+        self._store, self.path, self._readers = store, snapshot, readers
+        self._lock = threading.Lock()
+        self._stamp: tuple[int, int] | None = None
+        self._live: dict[str, Any] = {}
+        # The sites' rows, read again when the daemon says a site registered since.
+        self._rows: tuple[object, list[SiteRecord], list[str]] | None = None
+
+    # StatusSource
+    @property
+    def store(self) -> Store:
+        return self._store
+
+    @property
+    def source(self) -> Replica:
+        return self
+
+    @property
+    def readers(self) -> ThreadPoolExecutor:
+        return self._readers
+
+    def live(self) -> dict[str, Any]:
+        """The daemon's latest snapshot ({} before its first)."""
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return {}
+        stamp = (st.st_mtime_ns, st.st_size)
+        with self._lock:
+            if stamp != self._stamp:
+                with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
+                    self._live = json.loads(self.path.read_text())
+                    self._stamp = stamp
+            return self._live
+
+    def fresh(self, live: dict[str, Any]) -> bool:
+        """Whether ``live`` is recent enough to say who is online: written within one
+        liveness timeout (a daemon that stopped writing knows no better than the
+        database)."""
+        written = float(live.get("written_unix_s", 0.0))
+        return time.time() - written <= float(live.get("site_timeout_s", 20.0))
+
+    def waiting_reason(self, run_id: str) -> str:
+        return str(self.live().get("runs", {}).get(run_id, {}).get("waiting", ""))
+
+    def downloads_pending(self) -> set[str]:
+        return set(self.live().get("pending", ()))
+
+    def run_phase(self, run_id: str) -> tuple[object, ...]:
+        run = self.live().get("runs", {}).get(run_id)
+        return ("not driven",) if run is None else tuple(run.get("phase", ()))
+
+    def change_mark(self, run_id: str) -> tuple[object, ...]:
+        run = self.live().get("runs", {}).get(run_id)
+        return ("not driven",) if run is None else (run.get("changes"), *run.get("phase", ()))
+
+    # ReadSide
+    async def read(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._readers, fn, *args)
+
+    async def changes(self, run_id: str, interval_s: float, gap_s: float) -> AsyncIterator[None]:
+        """At once, then when the daemon's snapshot says the run changed (or ended), at
+        most once per ``gap_s``, or every ``interval_s``."""
+        while True:
+            mark, looked = self.change_mark(run_id), time.monotonic()
+            yield
+            while True:
+                await asyncio.sleep(max(gap_s, SNAPSHOT_S / 2))
+                if self.change_mark(run_id) != mark or time.monotonic() - looked >= interval_s:
+                    break
+
+    def _presence(self, live: dict[str, Any], s: SiteRecord, now: float) -> tuple[bool, float]:
+        known = live.get("sites", {}).get(s.id) if self.fresh(live) else None
+        if known is not None:
+            return bool(known[0]), float(known[1])
+        timeout = float(live.get("site_timeout_s", 20.0))  # not in it yet: from the row
+        return now - s.last_seen_at <= timeout, s.last_seen_at
+
+    def listing_key(self) -> object:
+        """What a ListSites reply is built from: the same key, the same reply."""
+        fresh = self.fresh(self.live())  # read first: it moves the stamp
+        return self._stamp, fresh
+
+    def _registry(self, live: dict[str, Any]) -> tuple[list[SiteRecord], list[str]]:
+        """Every site's row in id order, and their ids: read again only once the daemon's
+        snapshot counts a registration since (or without a snapshot to say so)."""
+        mark = live.get("registrations") if self.fresh(live) else None
+        with self._lock:
+            rows = self._rows
+        if rows is not None and mark is not None and rows[0] == mark:
+            return rows[1], rows[2]
+        found = self._store.list_sites()
+        with self._lock:
+            self._rows = (mark, found, [s.id for s in found])
+        return found, [s.id for s in found]
+
+    def site_counts(self, offline: Collection[str] = ()) -> tuple[int, int]:
+        live, now = self.live(), time.time()
+        found, _ = self._registry(live)
+        online = sum(self._presence(live, s, now)[0] and s.id not in offline for s in found)
+        return len(found), online
+
+    def list_sites(self, after: str, limit: int) -> tuple[list[SiteRow], str]:
+        limit = page_limit(limit)
+        live, now = self.live(), time.time()
+        found, ids = self._registry(live)
+        first = bisect.bisect_right(ids, after)
+        chosen = found[first : first + limit + 1]
+        page = [(s, *self._presence(live, s, now)) for s in chosen[:limit]]
+        return page, (chosen[limit - 1].id if len(chosen) > limit else "")
+
+
+class ReplicaAdmin(AdminReads):
+    """The admin service of the read process: reads served here, writes forwarded."""
+
+    def __init__(self, replica: Replica, guard: Guard, channel: grpc.aio.Channel) -> None:
+        super().__init__(replica, guard)
+        self.replica = replica
+        self._submit = channel.unary_unary(
+            f"/{wire.ADMIN_SERVICE}/SubmitRun",
+            request_serializer=admin_pb2.SubmitRunRequest.SerializeToString,
+            response_deserializer=admin_pb2.SubmitRunResponse.FromString,
+        )
+        self._cancel = channel.unary_unary(
+            f"/{wire.ADMIN_SERVICE}/CancelRun",
+            request_serializer=admin_pb2.CancelRunRequest.SerializeToString,
+            response_deserializer=admin_pb2.CancelRunResponse.FromString,
+        )
+        self._export: grpc.aio.UnaryStreamMultiCallable[admin_pb2.ExportModelRequest, bytes]
+        self._export = channel.unary_stream(
+            f"/{wire.ADMIN_SERVICE}/ExportModel",
+            request_serializer=admin_pb2.ExportModelRequest.SerializeToString,
+            response_deserializer=None,  # the daemon's frames, passed on as they are
+        )
+
+    def revoked(self) -> frozenset[str]:
+        self.guard.know_serials(
+            {s: int(n) for s, n in self.replica.live().get("serials", {}).items()}
+        )
+        return self.guard.revoked_sites()
+
+    def _forwarded(self, context: Any) -> tuple[tuple[str, str], ...]:
+        return ((FORWARDED_ADMIN, self.guard.admin(context)),)
+
+    @mapped
+    async def SubmitRun(
+        self, request: admin_pb2.SubmitRunRequest, context: Any
+    ) -> admin_pb2.SubmitRunResponse:
+        call = self._submit(request, metadata=self._forwarded(context), timeout=_left(context))
+        reply: admin_pb2.SubmitRunResponse = await _relay(context, call)
+        return reply
+
+    @mapped
+    async def CancelRun(
+        self, request: admin_pb2.CancelRunRequest, context: Any
+    ) -> admin_pb2.CancelRunResponse:
+        call = self._cancel(request, metadata=self._forwarded(context), timeout=_left(context))
+        reply: admin_pb2.CancelRunResponse = await _relay(context, call)
+        return reply
+
+    @mapped_stream
+    async def ExportModel(  # type: ignore[override]  # the daemon's framed ModelChunks
+        self, request: admin_pb2.ExportModelRequest, context: Any
+    ) -> AsyncIterator[bytes]:
+        call = self._export(request, metadata=self._forwarded(context), timeout=_left(context))
+        try:
+            async for frame in call:
+                yield frame
+        except grpc.aio.AioRpcError as exc:
+            await context.abort(*_relayed_status(exc))
+
+
+def _left(context: Any) -> float:
+    left = context.time_remaining()
+    return FORWARD_TIMEOUT_S if left is None else max(0.0, min(left, FORWARD_TIMEOUT_S))
+
+
+async def _relay(context: Any, call: Any) -> Any:
+    try:
+        return await call
+    except grpc.aio.AioRpcError as exc:
+        await context.abort(*_relayed_status(exc))
+
+
+def _relayed_status(exc: grpc.aio.AioRpcError) -> tuple[grpc.StatusCode, str]:
+    """The daemon's status, as it gave it; its absence said as such."""
+    if exc.code() == grpc.StatusCode.UNAVAILABLE and not exc.details():
+        return exc.code(), "the coordinator's daemon is not answering (restarting?): try again"
+    return exc.code(), exc.details() or ""
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Be sent SIGTERM when the daemon dies, however it dies (Linux); elsewhere the
+    watchdog in ``_serve`` notices within a second."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6").prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent_pid:  # it died before the line above
+        sys.exit(0)
+
+
+async def _serve(spec: ReplicaSpec) -> None:
+    folder = Path(spec.state_dir) / READS_DIR
+    tls = pki.load_folder(Path(spec.tls_dir), role="coordinator") if spec.tls_dir else None
+    deny = pki.DenyList(Path(spec.deny_list)) if spec.deny_list else None
+    guard = Guard(deny, insecure=tls is None)
+    store = Store(spec.db_url, migrate=False)
+    readers = ThreadPoolExecutor(READER_THREADS, thread_name_prefix="reads")
+    replica = Replica(store, folder / SNAPSHOT_FILE, readers)
+    channel = grpc.aio.insecure_channel(
+        f"unix:{spec.engine_socket}",
+        options=[("grpc.max_receive_message_length", spec.max_message_bytes)],
+    )
+    server = grpc.aio.server(
+        options=[
+            ("grpc.so_reuseport", 0),
+            ("grpc.max_receive_message_length", 4 * 2**20),
+            ("grpc.max_send_message_length", max(spec.max_message_bytes, wire.MAX_STATUS_BYTES)),
+        ]
+    )
+    admin = ReplicaAdmin(replica, guard, channel)
+    wire.add_service(
+        server,
+        admin_pb2_grpc.add_AdminServiceServicer_to_server,
+        admin,
+        wire.ADMIN_SERVICE,
+        {"ExportModel": {"response": bytes}},
+    )
+    health_servicer = health.aio.HealthServicer()
+    for name in ("", wire.ADMIN_SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    address = f"{spec.host}:{spec.port}"
+    if tls is None:
+        port = server.add_insecure_port(address)
+    else:
+        port = server.add_secure_port(address, pki.server_credentials(tls))
+    quieter_gc()  # what is built so far lives as long as the process
+    await server.start()
+    ready = folder / READY_FILE
+    tmp = ready.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"pid": os.getpid(), "port": port}))
+    os.replace(tmp, ready)
+    log.info("operators' reads served on %s:%d (pid %d)", spec.host, port, os.getpid())
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    while not stop.is_set() and os.getppid() == spec.parent_pid:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 1.0)
+    await server.stop(2.0)
+    await channel.close()
+    readers.shutdown(wait=False, cancel_futures=True)
+    store.close()
+
+
+def main(argv: Iterable[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fedra.coordinator.replica")
+    parser.add_argument("spec", type=Path, help="the spec the daemon wrote (reads/spec.json)")
+    args = parser.parse_args(None if argv is None else list(argv))
+    spec = ReplicaSpec(**json.loads(args.spec.read_text()))
+    _die_with_parent(spec.parent_pid)
+    logformat.setup(spec.log_level, os.environ.get(logformat.ENV, "text"))
+    try:
+        asyncio.run(_serve(spec))
+    except (OSError, RuntimeError, ValueError) as exc:  # a port in use, a database away
+        log.error("the operators' read process could not serve: %s", exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
