@@ -170,8 +170,8 @@ class PrivacySpec:
         one = epsilon_after(event, 1, self.delta)
         if one > self.epsilon:
             raise ConfigError(
-                f"privacy.epsilon: one round's noise already spends epsilon {one:.4g} > "
-                f"{self.epsilon:g} (noise_multiplier {self.noise_multiplier:g}, sampling "
+                f"privacy.epsilon: one round with noise_multiplier {self.noise_multiplier:g} "
+                f"already spends epsilon {one:.4g} > {self.epsilon:g} (sampling "
                 f"{self.sampling}, delta {self.delta:g}); raise noise_multiplier or epsilon"
             )
 

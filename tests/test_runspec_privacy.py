@@ -80,7 +80,7 @@ REFUSED = [
      "privacy.sampling: 'poisson' cannot be combined with [secagg]"),
     ({"poisson": True}, {}, "privacy.poisson: unknown key"),
     ({"noise_multiplier": 0.3, "sampling": "fixed", "population": 10, "epsilon": 2.0}, {},
-     "privacy.epsilon: one round's noise already spends epsilon"),
+     "privacy.epsilon: one round with noise_multiplier 0.3 already spends epsilon"),
 ]  # fmt: skip
 
 
