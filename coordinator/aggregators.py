@@ -194,7 +194,8 @@ class StreamingMean(Aggregator):
 class PrivateMean(StreamingMean):
     """Rule ``mean`` with ``[privacy]``, DP-FedAvg: each update clipped to ``clip`` and
     counted once (the sensitivity of the sum is then the clip), Gaussian noise of standard
-    deviation ``noise_multiplier * clip`` on the sum, divided by ``sites_per_round``."""
+    deviation ``noise_multiplier * clip`` on the sum, divided by ``sites_per_round`` (fixed,
+    whoever took part: with Poisson sampling it is the expected cohort)."""
 
     def __init__(self, spec: RunSpec) -> None:
         super().__init__(spec)

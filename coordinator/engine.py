@@ -483,7 +483,7 @@ class Engine:
             base_sha256="" if init else run.base_sha256,
             delta_sha256="" if init else run.delta_sha256,
             delta_bytes=0 if init else run.delta_bytes,
-            sites_in_round=len(run.assignments),
+            sites_in_round=run.cohort_size,
             privacy=run.spec.privacy,
         )
 

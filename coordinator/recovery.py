@@ -12,19 +12,27 @@ import hashlib
 import logging
 from typing import TYPE_CHECKING
 
+from fedra.accounting import Accountant
 from fedra.coordinator.aggregation import ServerOptimizer
 from fedra.coordinator.folding import fold_ready
 from fedra.coordinator.ledger import PROVENANCE_EVENT
 from fedra.coordinator.promotion import PromotionState
-from fedra.coordinator.rounds import ACCOUNTANT_KEY, RESIDUAL_PREFIX, start_aggregate
+from fedra.coordinator.rounds import (
+    ACCOUNTANT_KEY,
+    LEGACY_ACCOUNTANT_KEY,
+    RESIDUAL_PREFIX,
+    start_aggregate,
+)
 from fedra.coordinator.state import ATTEMPT_FAILED, INIT_ROUND, ActiveRun
-from fedra.privacy import RdpAccountant
+from fedra.privacy import PrivacyError
 from fedra.protos.codec import CodecError, StreamDecoder, TensorSpec, decode_chunks
 from fedra.runspec import RunSpec
 from fedra.storage.blobs import BlobCorruptError, BlobNotFoundError
 from fedra.storage.records import RunRecord
 
 if TYPE_CHECKING:
+    import torch
+
     from fedra.coordinator.engine import Engine
 
 log = logging.getLogger("fedra.coordinator")
@@ -44,15 +52,7 @@ def restore_run(engine: Engine, record: RunRecord) -> ActiveRun | None:
             run.model_specs = verified_specs(engine, ckpt.model_sha256)
         except (CodecError, BlobNotFoundError) as exc:
             reason = f"the checkpoint of round {ckpt.round_number} is damaged: {exc}"
-            now = engine.clock()
-            open_round = engine.store.get_open_round(record.id)
-            if open_round is not None:
-                engine.store.expire_attempt(
-                    record.id, open_round.number, open_round.attempt, reason, now
-                )
-            engine.store.set_run_state(record.id, "failed", reason, now)
-            engine.store.add_event(record.id, "failed", reason, now, ckpt.round_number)
-            log.error("run %s: %s", record.id, reason)
+            _fail(engine, record, reason, ckpt.round_number)
             return None
         run.model_sha256, run.model_bytes = ckpt.model_sha256, ckpt.model_bytes
         run.next_round = ckpt.round_number + 1
@@ -65,9 +65,12 @@ def restore_run(engine: Engine, record: RunRecord) -> ActiveRun | None:
             run.promotion = PromotionState.from_metrics(last.metrics if last else {})
         if ckpt.optimizer_sha256:
             state = decode_chunks(engine.models.read_chunks(ckpt.optimizer_sha256))
-            rdp = state.pop(ACCOUNTANT_KEY, None)
-            if rdp is not None:
-                run.accountant = RdpAccountant.from_tensor(rdp)
+            try:
+                restore_accountant(run, state)
+            except PrivacyError as exc:  # never carry on without knowing what was spent
+                reason = f"the checkpoint of round {ckpt.round_number}'s privacy accountant: {exc}"
+                _fail(engine, record, reason, ckpt.round_number)
+                return None
             run.download_residual = {
                 k[len(RESIDUAL_PREFIX) :]: state.pop(k)
                 for k in list(state)
@@ -89,6 +92,33 @@ def restore_run(engine: Engine, record: RunRecord) -> ActiveRun | None:
         if not _resume_open_round(engine, run, open_round.number, open_round.attempt):
             return None
     return run
+
+
+def _fail(engine: Engine, record: RunRecord, reason: str, number: int) -> None:
+    """Record a run that cannot go on from its checkpoint as failed, with the reason."""
+    now = engine.clock()
+    open_round = engine.store.get_open_round(record.id)
+    if open_round is not None:
+        engine.store.expire_attempt(record.id, open_round.number, open_round.attempt, reason, now)
+    engine.store.set_run_state(record.id, "failed", reason, now)
+    engine.store.add_event(record.id, "failed", reason, now, number)
+    log.error("run %s: %s", record.id, reason)
+
+
+def restore_accountant(run: ActiveRun, state: dict[str, torch.Tensor]) -> None:
+    """[privacy]: what the committed rounds spent, from the checkpoint's optimiser state
+    (its accountant entries are taken out of ``state``): the dp-accounting state, or a
+    checkpoint's from before it (its round count). PrivacyError if it is not the run's."""
+    new, legacy = state.pop(ACCOUNTANT_KEY, None), state.pop(LEGACY_ACCOUNTANT_KEY, None)
+    privacy = run.spec.privacy
+    if privacy is None or (new is None and legacy is None):
+        return
+    event = privacy.round_event(run.spec.sites_per_round)
+    if new is not None:
+        run.accountant = Accountant.from_tensor(new, event)
+    else:
+        assert legacy is not None
+        run.accountant = Accountant.from_legacy_tensor(legacy, event)
 
 
 def verified_specs(engine: Engine, digest: str) -> dict[str, TensorSpec]:

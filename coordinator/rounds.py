@@ -5,6 +5,17 @@ least the quorum of updates it commits: the new global model and optimiser state
 written as durable blobs first, then one database transaction records the checkpoint
 and closes the round. Without the quorum the attempt is retried with a fresh sample,
 up to ``max_round_attempts``, and then the run fails with the reason.
+
+A private run that declares its sampling (``privacy.sampling``) is sampled the way its
+accountant assumes, from secret randomness (a sample an observer could recompute from the
+spec's seed would amplify nothing). ``fixed``: ``sites_per_round`` sites, uniformly, and
+only once at least ``privacy.population`` sites are eligible (from fewer, each site's
+chance would exceed the one accounted for). ``poisson``: each eligible site independently
+with probability ``sites_per_round / population``, once the population is eligible or
+``join_timeout_s`` has passed with at least one; such a round has no quorum and commits
+whatever its sample delivers, even nothing (then the model moves by the noise alone):
+retrying a round until enough sites were sampled would make the released round depend on
+who was sampled, which Poisson amplification does not allow for.
 """
 
 from __future__ import annotations
@@ -19,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fedra import logformat
+from fedra.accounting import Accountant
 from fedra.coordinator import promotion
 from fedra.coordinator.aggregation import ServerOptimizer
 from fedra.coordinator.aggregators import AggregationError, Attempt
@@ -29,7 +41,6 @@ from fedra.coordinator.state import ATTEMPT_FAILED, INIT_ROUND, ActiveRun, TaskS
 from fedra.coordinator.storage_faults import StorageFaults
 from fedra.faults import crash_point
 from fedra.metrics import format_metric, is_count_metric
-from fedra.privacy import RdpAccountant
 from fedra.protos.codec import (
     Buffer,
     StreamDecoder,
@@ -46,6 +57,7 @@ from fedra.storage.store import ClaimLostError, transient_fault
 
 if TYPE_CHECKING:
     from fedra.coordinator.engine import Engine
+    from fedra.runspec import PrivacySpec, RunSpec
 
 log = logging.getLogger("fedra.coordinator")
 _RECHECK_S = 1.0  # liveness is re-evaluated at least this often while waiting
@@ -53,8 +65,11 @@ _LOOK_GAP_PER_SITE_S, _MAX_LOOK_GAP_S = 5e-6, 0.025  # between two looks of a wa
 # How often a waiting round asks each pending site whether it is still heard from: a
 # timeout of seconds needs no finer look, and at thousands of sites a look costs.
 _LIVENESS_LOOK_S = 0.25
-# The key in the optimiser-state checkpoint blob that holds the privacy accountant.
-ACCOUNTANT_KEY = "privacy.rdp"
+# The key in the optimiser-state checkpoint blob that holds the privacy accountant, and
+# the key its float64 Rényi-DP tensor had before dp-accounting (still read on resume).
+ACCOUNTANT_KEY = "privacy.accountant"
+LEGACY_ACCOUNTANT_KEY = "privacy.rdp"
+_SECRET = random.SystemRandom()  # the sample of a run that claims amplification by it
 # ... and the prefix of the server's error-feedback residual for compressed downloads.
 RESIDUAL_PREFIX = "download/"
 
@@ -144,8 +159,8 @@ class RoundDriver:
         run, privacy = self.run_state, self.run_state.spec.privacy
         if privacy is None or run.next_round == INIT_ROUND:
             return False
-        spent = run.accountant or RdpAccountant()
-        after = spent.after(privacy.noise_multiplier).epsilon(privacy.delta)
+        spent = run.privacy_spent()
+        after = spent.after().epsilon(privacy.delta)
         if after <= privacy.epsilon:
             return False
         done = run.next_round - 1
@@ -161,6 +176,7 @@ class RoundDriver:
         run, engine, spec = self.run_state, self.engine, self.run_state.spec
         number, attempt = run.next_round, run.next_attempt
         init = number == INIT_ROUND
+        privacy = spec.privacy
         carried = len(run.carried)  # async: sites still training on an earlier task
         wanted = 1 if init else spec.sites_per_round - carried
         quorum = 1 if init else spec.quorum
@@ -171,21 +187,24 @@ class RoundDriver:
                     return False
                 eligible = engine.eligible_sites(run, engine.clock())
                 waited = time.monotonic() - started
-                enough = len(eligible) + carried >= quorum
-                if len(eligible) >= wanted or (enough and waited >= spec.join_timeout_s):
-                    break
-                if enough and spec.asynchronous is not None and not init:
-                    break  # async: a new model needs only the buffer; never make sites wait
+                if init or privacy is None or privacy.sampling == "none":
+                    enough = len(eligible) + carried >= quorum
+                    if len(eligible) >= wanted or (enough and waited >= spec.join_timeout_s):
+                        break
+                    if enough and spec.asynchronous is not None and not init:
+                        break  # async: a new model needs only the buffer; never make sites wait
+                    want = f"want {wanted} (quorum {quorum})"
+                else:
+                    if _may_sample(privacy, len(eligible), waited >= spec.join_timeout_s):
+                        break
+                    want = f"[privacy] sampling {privacy.sampling} wants {privacy.population}"
                 run.waiting_reason = (
                     f"round {number}: waiting for online sites serving {spec.task}: "
-                    f"{len(eligible)} eligible, want {wanted} (quorum {quorum}), "
-                    f"for {waited:.0f} s so far"
+                    f"{len(eligible)} eligible, {want}, for {waited:.0f} s so far"
                 )
                 engine.changed.wait(_RECHECK_S)
                 self._gather(len(eligible))
-            # Keyed by the spec's seed alone, so the same spec samples the same sites.
-            rng = random.Random(f"{spec.seed}:{number}:{attempt}")
-            sampled = sorted(rng.sample(eligible, max(0, min(wanted, len(eligible)))))
+            sampled = draw(spec, number, attempt, eligible, wanted)
             assignments = {site: uuid.uuid4().hex for site in sampled}
             now = engine.clock()
             deadline = now + spec.round_deadline_s
@@ -369,7 +388,7 @@ class RoundDriver:
         accountant = None
         if spec.privacy is not None and number != INIT_ROUND:
             # Spent by this round, and committed with it: the checkpoint holds the budget.
-            accountant = (run.accountant or RdpAccountant()).after(spec.privacy.noise_multiplier)
+            accountant = run.privacy_spent().after()
             opt_state[ACCOUNTANT_KEY] = accountant.to_tensor()
         opt_sha = engine.models.put_chunks(encode_chunks(opt_state)) if opt_state else None
         now = engine.clock()
@@ -436,9 +455,7 @@ class RoundDriver:
             return False
         return True
 
-    def _rolled_back(
-        self, promoted: int, accountant: RdpAccountant | None
-    ) -> tuple[str, str | None]:
+    def _rolled_back(self, promoted: int, accountant: Accountant | None) -> tuple[str, str | None]:
         """(model, optimiser state) blobs for a round rolled back to round ``promoted``:
         its model and its server optimiser's state, with the privacy spent so far (never
         rolled back); the in-memory optimiser is set back too."""
@@ -450,6 +467,7 @@ class RoundDriver:
             state = decode_chunks(engine.models.read_chunks(ckpt.optimizer_sha256))
         state = {k: v for k, v in state.items() if not k.startswith(RESIDUAL_PREFIX)}
         state.pop(ACCOUNTANT_KEY, None)
+        state.pop(LEGACY_ACCOUNTANT_KEY, None)
         run.optimizer.load_state_dict(dict(state))
         if accountant is not None:
             state[ACCOUNTANT_KEY] = accountant.to_tensor()
@@ -590,6 +608,29 @@ class RoundDriver:
         with self.engine.lock:
             self.engine.runs.pop(self.run_state.run_id, None)
             self.engine.notify()
+
+
+def _may_sample(privacy: PrivacySpec, eligible: int, join_timed_out: bool) -> bool:
+    """Whether a round of a run with declared sampling may draw from ``eligible`` sites."""
+    if privacy.sampling == "fixed":  # never from fewer than the accountant's population
+        return eligible >= privacy.population
+    return eligible >= privacy.population or (eligible > 0 and join_timed_out)
+
+
+def draw(spec: RunSpec, number: int, attempt: int, eligible: list[str], wanted: int) -> list[str]:
+    """The sites of a round's attempt, sorted. Without declared sampling, ``wanted`` of the
+    ``eligible`` drawn by a generator keyed by the spec's seed alone (the same spec samples
+    the same sites); with it, from secret randomness: ``poisson`` takes each eligible site
+    with probability ``sites_per_round / population``, ``fixed`` takes ``wanted``."""
+    privacy = spec.privacy
+    if number == INIT_ROUND or privacy is None or privacy.sampling == "none":
+        rng: random.Random = random.Random(f"{spec.seed}:{number}:{attempt}")
+    else:
+        rng = _SECRET
+    if privacy is not None and privacy.sampling == "poisson" and number != INIT_ROUND:
+        q = spec.sites_per_round / privacy.population
+        return sorted(s for s in eligible if rng.random() < q)
+    return sorted(rng.sample(eligible, max(0, min(wanted, len(eligible)))))
 
 
 def stepped_model(

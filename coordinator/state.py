@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from fedra.accounting import Accountant
 from fedra.coordinator.aggregation import ServerOptimizer, WeightedSum
 from fedra.coordinator.aggregators import Aggregator, StreamingMean, make_aggregator
 from fedra.coordinator.promotion import PromotionState
-from fedra.privacy import RdpAccountant
 from fedra.protos.codec import TensorSpec
 from fedra.runspec import CodecSpec, RunSpec
 
@@ -127,7 +127,7 @@ class ActiveRun:
     # Async runs: tasks still being trained when their round closed, by site id; they
     # join the next attempt or round (and stay valid in between).
     carried: dict[str, Assignment] = field(default_factory=dict)
-    accountant: RdpAccountant | None = None  # [privacy]: the budget spent by committed rounds
+    accountant: Accountant | None = None  # [privacy]: the budget spent by committed rounds
     init_sha256: str | None = None  # round 0: the accepted initial model
     cancelled: bool = False
     waiting_reason: str = ""
@@ -181,6 +181,23 @@ class ActiveRun:
         if self.open_round == INIT_ROUND:
             return CodecSpec()
         return self.aggregator.upload_codec
+
+    def privacy_spent(self) -> Accountant:
+        """[privacy]: what the committed rounds spent (nothing before the first)."""
+        assert self.spec.privacy is not None
+        if self.accountant is not None:
+            return self.accountant
+        return Accountant(self.spec.privacy.round_event(self.spec.sites_per_round))
+
+    @property
+    def cohort_size(self) -> int:
+        """The cohort a round's tasks tell the sites (their policy's ``min_sites``): the
+        sites sampled, or ``sites_per_round`` for Poisson rounds, whose random size would
+        make a site's answer depend on whether another site was sampled."""
+        privacy = self.spec.privacy
+        if privacy is not None and privacy.sampling == "poisson":
+            return self.spec.sites_per_round
+        return len(self.assignments)
 
     @property
     def required_updates(self) -> int:

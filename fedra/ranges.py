@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from fedra.config import ConfigError
 
 MAX_SITES = 10_000  # per round: sites sampled, quorum, buffer, byzantine, neighbours
+MAX_POPULATION = 10_000_000  # the sites a private run's rounds are sampled from
 WEEK_S = 7 * 24 * 3600.0
 DAY_S = 24 * 3600.0
 
@@ -96,6 +97,7 @@ RANGES: dict[str, Bound] = {
     "privacy.noise_multiplier": Bound(0.01, 1000.0),
     "privacy.epsilon": _positive(1000.0),
     "privacy.delta": Bound(0.0, 1.0, low_open=True, high_open=True),
+    "privacy.population": _int(0, MAX_POPULATION),  # 0: not declared (sampling none)
     "secagg.threshold": _positive(1.0),
     "secagg.degree": _int(0, MAX_SITES),  # 0: every other site
     "secagg.clip": _positive(1e6),

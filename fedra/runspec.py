@@ -8,8 +8,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from fedra.accounting import ACCOUNTANTS, SAMPLINGS, RoundEvent, epsilon_after
 from fedra.config import ConfigError, check_keys, get, require
-from fedra.privacy import RdpAccountant, max_rounds
 from fedra.ranges import check
 
 
@@ -124,23 +124,55 @@ class PrivacySpec:
 
     Every update is clipped to L2 norm ``clip``; the sum gets Gaussian noise of standard
     deviation ``noise_multiplier * clip`` and is divided by ``sites_per_round``. A round
-    that would take the run past (``epsilon``, ``delta``) is not started.
+    that would take the run past (``epsilon``, ``delta``) is not started. ``sampling`` says
+    how the coordinator picks a round's sites, and so what the accountant may claim
+    (``fedra.accounting``): ``none`` (no amplification), ``poisson`` (each eligible site
+    with probability ``sites_per_round / population``) or ``fixed`` (``sites_per_round``
+    of at least ``population`` eligible sites); ``accountant`` is ``rdp`` or ``pld``.
     """
 
     clip: float = 1.0
     noise_multiplier: float = 1.0
     epsilon: float = 8.0
     delta: float = 1e-5
+    sampling: str = "none"  # none | poisson | fixed
+    population: int = 0  # the sites sampled from; 0 (not declared) only with sampling none
+    accountant: str = "rdp"  # rdp | pld
 
-    def validate(self) -> None:
-        for key in ("clip", "noise_multiplier", "epsilon", "delta"):
+    def round_event(self, sites_per_round: int) -> RoundEvent:
+        """What one round is for the accountant (validate first)."""
+        sampled = self.sampling != "none"
+        return RoundEvent(
+            self.noise_multiplier, self.sampling, sites_per_round if sampled else 0,
+            self.population if sampled else 0, self.accountant,
+        )  # fmt: skip
+
+    def validate(self, sites_per_round: int) -> None:
+        for key in ("clip", "noise_multiplier", "epsilon", "delta", "population"):
             check(f"privacy.{key}", getattr(self, key))
-        if max_rounds(self.noise_multiplier, self.epsilon, self.delta) == 0:
-            one = RdpAccountant().after(self.noise_multiplier).epsilon(self.delta)
+        require(self.sampling in SAMPLINGS, "privacy.sampling",
+                f"must be one of {', '.join(SAMPLINGS)}", self.sampling)  # fmt: skip
+        require(self.accountant in ACCOUNTANTS, "privacy.accountant",
+                f"must be one of {', '.join(ACCOUNTANTS)}", self.accountant)  # fmt: skip
+        if self.sampling == "none":
+            require(self.population == 0, "privacy.population",
+                    "only a sampled run uses it (set privacy.sampling to 'poisson' or "
+                    "'fixed')", self.population)  # fmt: skip
+        else:
+            require(self.population >= sites_per_round, "privacy.population",
+                    f"sampling {self.sampling!r} needs the population the sites are drawn "
+                    f"from, at least sites_per_round ({sites_per_round})",
+                    self.population)  # fmt: skip
+        require(self.sampling != "fixed" or self.accountant == "rdp", "privacy.accountant",
+                "dp-accounting has no PLD for fixed-size sampling: use 'rdp' with sampling "
+                "'fixed'", self.accountant)  # fmt: skip
+        event = self.round_event(sites_per_round)
+        one = epsilon_after(event, 1, self.delta)
+        if one > self.epsilon:
             raise ConfigError(
                 f"privacy.epsilon: one round with noise_multiplier {self.noise_multiplier:g} "
-                f"already spends epsilon {one:.4g} > {self.epsilon:g} (delta {self.delta:g}); "
-                "raise noise_multiplier or epsilon"
+                f"already spends epsilon {one:.4g} > {self.epsilon:g} (sampling "
+                f"{self.sampling}, delta {self.delta:g}); raise noise_multiplier or epsilon"
             )
 
 
@@ -267,9 +299,12 @@ class RunSpec:
 
     @property
     def quorum(self) -> int:
-        """Updates a round needs: min_sites, sites_per_round, or an async run's buffer."""
+        """Updates a round needs: min_sites, sites_per_round, an async run's buffer, or
+        none for a Poisson-sampled private run."""
         if self.asynchronous is not None:
             return self.asynchronous.buffer
+        if self.privacy is not None and self.privacy.sampling == "poisson":
+            return 0  # a Poisson round commits what its sample delivers (rounds.py says why)
         return self.min_sites or self.sites_per_round
 
     def validate(self) -> RunSpec:
@@ -331,7 +366,8 @@ class RunSpec:
             )
         self.aggregation.validate(self.sites_per_round, self.quorum)
         if self.privacy is not None:
-            self.privacy.validate()
+            self.privacy.validate(self.sites_per_round)
+            self._validate_sampling(self.privacy)
             if self.aggregation.robust:
                 raise ConfigError(
                     f"aggregation.rule: {self.aggregation.rule!r} cannot run with [privacy]: "
@@ -389,6 +425,24 @@ class RunSpec:
                 f"with secagg.threshold {self.secagg.threshold:g} a site's secrets need {t} "
                 f"shares, so a round needs at least {t + 1} surviving sites",
                 self.quorum,
+            )
+
+    def _validate_sampling(self, privacy: PrivacySpec) -> None:
+        if privacy.sampling != "poisson":
+            return
+        require(
+            self.min_sites == 0,
+            "min_sites",
+            "a Poisson-sampled private run commits each round with the updates its sample "
+            "delivers: a quorum would make a round's cohort depend on who was sampled, "
+            "which the accountant does not allow for; leave min_sites unset",
+            self.min_sites,
+        )
+        if self.secagg is not None:
+            raise ConfigError(
+                "privacy.sampling: 'poisson' cannot be combined with [secagg] yet (each "
+                "site's share of the noise is sized by a quorum, which Poisson rounds lack); "
+                "use sampling 'fixed' or 'none'"
             )
 
     def _validate_strategy(self) -> None:
@@ -528,13 +582,17 @@ def _aggregation_from_toml(t: Mapping[str, Any]) -> AggregationSpec:
 def _privacy_from_toml(raw: Any) -> PrivacySpec:
     if not isinstance(raw, dict):
         raise ConfigError(f"privacy: expected a table, got {type(raw).__name__}")
-    check_keys(raw, {"clip", "noise_multiplier", "epsilon", "delta"}, "privacy")
+    keys = {"clip", "noise_multiplier", "epsilon", "delta", "sampling", "population", "accountant"}
+    check_keys(raw, keys, "privacy")
     d = PrivacySpec()
     return PrivacySpec(
         clip=get(raw, "clip", float, "privacy", d.clip),
         noise_multiplier=get(raw, "noise_multiplier", float, "privacy", d.noise_multiplier),
         epsilon=get(raw, "epsilon", float, "privacy"),
         delta=get(raw, "delta", float, "privacy", d.delta),
+        sampling=get(raw, "sampling", str, "privacy", d.sampling),
+        population=get(raw, "population", int, "privacy", d.population),
+        accountant=get(raw, "accountant", str, "privacy", d.accountant),
     )
 
 

@@ -72,16 +72,19 @@ def aggregation_from_proto(m: common_pb2.Aggregation) -> AggregationSpec:
 
 def privacy_to_proto(p: PrivacySpec) -> common_pb2.Privacy:
     return common_pb2.Privacy(
-        clip=p.clip, noise_multiplier=p.noise_multiplier, epsilon=p.epsilon, delta=p.delta
-    )
+        clip=p.clip, noise_multiplier=p.noise_multiplier, epsilon=p.epsilon, delta=p.delta,
+        sampling=p.sampling, population=p.population, accountant=p.accountant,
+    )  # fmt: skip
 
 
 def privacy_from_proto(m: common_pb2.Privacy) -> PrivacySpec:
-    """Unset (zero) fields take their defaults; epsilon has none (0 is refused)."""
+    """Unset (zero) fields take their defaults; epsilon has none (0 is refused), and a
+    population of 0 is none declared."""
     d = PrivacySpec()
     return PrivacySpec(
-        m.clip or d.clip, m.noise_multiplier or d.noise_multiplier, m.epsilon, m.delta or d.delta
-    )
+        m.clip or d.clip, m.noise_multiplier or d.noise_multiplier, m.epsilon, m.delta or d.delta,
+        m.sampling or d.sampling, m.population, m.accountant or d.accountant,
+    )  # fmt: skip
 
 
 def secagg_to_proto(s: SecAggSpec) -> common_pb2.SecAgg:

@@ -11,9 +11,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from fedra.accounting import Accountant, RoundEvent, epsilon_after
 from fedra.coordinator.rounds import ACCOUNTANT_KEY
 from fedra.local import LocalCluster
-from fedra.privacy import RdpAccountant
 from fedra.protos.codec import decode_chunks
 from fedra.protos.v1 import admin_pb2
 from fedra.runspec import AggregationSpec, PrivacySpec, RunSpec, SecAggSpec, TrainSpec
@@ -151,10 +151,10 @@ def test_differential_privacy_stops_at_the_budget_across_a_coordinator_kill(
     assert status.state == "completed", status.reason
     assert status.rounds_completed == 2
     assert "privacy budget reached" in status.reason and "round 3" in status.reason
-    two = RdpAccountant().after(1.0, 2).epsilon(1e-5)
+    two = epsilon_after(RoundEvent(1.0), 2, 1e-5)
     r2 = next(r for r in status.rounds if r.number == 2)
     assert r2.metrics["privacy_epsilon"] == pytest.approx(two)
-    assert two <= 8.0 < RdpAccountant().after(1.0, 3).epsilon(1e-5)
+    assert two <= 8.0 < epsilon_after(RoundEvent(1.0), 3, 1e-5)
     # The accountant is part of the checkpoint, committed with the round it accounts for.
     store = Store(f"sqlite:///{cluster.state_dir / 'fedra.db'}")
     try:
@@ -164,7 +164,44 @@ def test_differential_privacy_stops_at_the_budget_across_a_coordinator_kill(
     assert ckpt is not None and ckpt.round_number == 2 and ckpt.optimizer_sha256
     blobs = BlobStore(cluster.state_dir / "blobs")
     state = decode_chunks(blobs.read_chunks(ckpt.optimizer_sha256, 1 << 20))
-    assert RdpAccountant.from_tensor(state[ACCOUNTANT_KEY]).rounds == 2
+    assert Accountant.from_tensor(state[ACCOUNTANT_KEY], RoundEvent(1.0)).rounds == 2
+
+
+def test_poisson_sampled_private_run_stops_at_its_amplified_budget_across_a_kill(
+    cluster: LocalCluster,
+) -> None:
+    """Four sites, each in a round with probability 2 / 4 (Poisson), noise 1: the accountant
+    charges the amplified figure, 3 rounds fit epsilon 7 where unsampled only 2 would. The
+    coordinator dies between round 2's checkpoint and its commit; restarted, it still knows
+    round 1 was spent, and refuses round 4."""
+    privacy = PrivacySpec(
+        clip=0.5, noise_multiplier=1.0, epsilon=7.0, delta=1e-5, sampling="poisson", population=4
+    )
+    spec = synthetic_spec(
+        rounds=6, sites_per_round=2, min_sites=0, strategy="fedavg", train=TRAIN, privacy=privacy
+    )
+    event = RoundEvent(1.0, "poisson", 2, 4)
+    assert epsilon_after(event, 3, 1e-5) <= 7.0 < epsilon_after(event, 4, 1e-5)
+    assert epsilon_after(RoundEvent(1.0), 3, 1e-5) > 7.0  # without amplification: 2 rounds
+    run_id = run_into_fault(cluster, "before_commit:2", spec, lambda: start_sites(cluster, 4, {}))
+    with cluster.admin() as admin:
+        status = wait_until(admin, run_id, finished)
+    assert status.state == "completed", status.reason
+    assert status.rounds_completed == 3
+    assert "privacy budget reached" in status.reason and "round 4" in status.reason
+    for number in (1, 2, 3):
+        r = next(r for r in status.rounds if r.number == number and r.status == "committed")
+        assert r.metrics["privacy_epsilon"] == pytest.approx(epsilon_after(event, number, 1e-5))
+        assert set(r.sampled_sites) <= {f"site-{i}" for i in range(4)}
+    store = Store(f"sqlite:///{cluster.state_dir / 'fedra.db'}")
+    try:
+        ckpt = store.latest_checkpoint(run_id)
+    finally:
+        store.close()
+    assert ckpt is not None and ckpt.round_number == 3 and ckpt.optimizer_sha256
+    blobs = BlobStore(cluster.state_dir / "blobs")
+    state = decode_chunks(blobs.read_chunks(ckpt.optimizer_sha256, 1 << 20))
+    assert Accountant.from_tensor(state[ACCOUNTANT_KEY], event).rounds == 3
 
 
 @pytest.mark.parametrize("rule", ["mean", "median"])
@@ -217,7 +254,7 @@ def test_secure_aggregation_with_distributed_noise_stops_at_the_budget(
             assert status.state == "completed", status.reason
             assert status.rounds_completed == 2 and "privacy budget reached" in status.reason
             r2 = next(r for r in status.rounds if r.number == 2)
-            two = RdpAccountant().after(1.0, 2).epsilon(1e-5)
+            two = epsilon_after(RoundEvent(1.0), 2, 1e-5)
             assert r2.metrics["privacy_epsilon"] == pytest.approx(two)
             models.append(admin.export_model(run_id))
     # The mean carries noise of std 0.5 / 3 per coordinate: two runs differ far beyond

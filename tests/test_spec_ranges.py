@@ -50,6 +50,8 @@ def _base_doc(key: str) -> dict[str, Any]:
         doc["strategy"] = {"name": _STRATEGY_OF.get(name, "fedadam")}
     elif table == "codec":
         doc["codec"] = {"name": "int8" if name == "block" else "topk"}
+    elif table == "privacy" and name == "population":  # used by a sampled run only
+        doc["privacy"] = {"epsilon": 8.0, "sampling": "poisson", "population": 100}
     elif table == "privacy":
         doc["privacy"] = {"epsilon": 8.0}
     elif table in ("secagg", "async", "aggregation", "promotion"):
@@ -129,6 +131,7 @@ _CROSS_RULES = {
     ("privacy.epsilon", "low"): "one round's noise already spends more",
     ("privacy.noise_multiplier", "low"): "one round's noise already spends more",
     ("privacy.delta", "low"): "one round's noise already spends more",
+    ("privacy.population", "low"): "a sampled run needs at least sites_per_round",
 }
 
 

@@ -188,6 +188,9 @@ class Privacy(_message.Message):
     NOISE_MULTIPLIER_FIELD_NUMBER: _builtins.int
     EPSILON_FIELD_NUMBER: _builtins.int
     DELTA_FIELD_NUMBER: _builtins.int
+    SAMPLING_FIELD_NUMBER: _builtins.int
+    POPULATION_FIELD_NUMBER: _builtins.int
+    ACCOUNTANT_FIELD_NUMBER: _builtins.int
     clip: _builtins.float
     """L2 norm every update is clipped to"""
     noise_multiplier: _builtins.float
@@ -195,6 +198,15 @@ class Privacy(_message.Message):
     epsilon: _builtins.float
     """the run's budget, with delta"""
     delta: _builtins.float
+    sampling: _builtins.str
+    """How a round's sites are chosen, which decides what the accountant may claim:
+    "" or "none" (no amplification), "poisson" (each eligible site with probability
+    sites_per_round / population), "fixed" (sites_per_round of at least population).
+    """
+    population: _builtins.int
+    """the sites rounds are sampled from; 0 with sampling none"""
+    accountant: _builtins.str
+    """"" or "rdp" | "pld" """
     def __init__(
         self,
         *,
@@ -202,10 +214,13 @@ class Privacy(_message.Message):
         noise_multiplier: _builtins.float = ...,
         epsilon: _builtins.float = ...,
         delta: _builtins.float = ...,
+        sampling: _builtins.str = ...,
+        population: _builtins.int = ...,
+        accountant: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["clip", b"clip", "delta", b"delta", "epsilon", b"epsilon", "noise_multiplier", b"noise_multiplier"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accountant", b"accountant", "clip", b"clip", "delta", b"delta", "epsilon", b"epsilon", "noise_multiplier", b"noise_multiplier", "population", b"population", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
