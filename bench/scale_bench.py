@@ -76,6 +76,7 @@ TASK = "fedra.examples.synthetic:task"  # nn.Linear(8, 1): 9 parameters
 DONE = ("completed", "failed", "cancelled")
 COUNTED_CALLS = ("register", "heartbeat", "poll", "download", "upload", "report_failure")
 ADMIN_CALL_TIMEOUT_S = 10.0
+SLOWEST_KEPT = 5  # the slowest admin calls reported, each with when it was sent
 SAMPLE_S = 0.25  # how often the coordinator's /proc figures are read
 STOP_GRACE_S = 15.0  # for a worker to stop its agents and write its figures
 # The aims: (key, text, the N it is stated for, or None for every N).
@@ -438,6 +439,7 @@ class AdminProbe(threading.Thread):
         super().__init__(name=f"probe-{name}", daemon=True)
         self.address, self.call_name, self.call, self.period_s = address, name, call, 1.0 / hz
         self.latency_ms: list[float] = []
+        self.sent_at: list[float] = []  # when each timed call was sent (unix s)
         self.errors: Counter[str] = Counter()
         self.last: Any = None
         self._halt = threading.Event()
@@ -450,10 +452,11 @@ class AdminProbe(threading.Thread):
         with AdminClient(self.address) as admin:
             next_at = time.monotonic()
             while not self._halt.is_set():
-                started = time.perf_counter()
+                started, sent = time.perf_counter(), time.time()
                 try:
                     self.last = self.call(admin.stub, ADMIN_CALL_TIMEOUT_S)
                     self.latency_ms.append((time.perf_counter() - started) * 1000)
+                    self.sent_at.append(sent)
                 except grpc.RpcError as exc:
                     self.errors[f"{self.call_name} {exc.code().name}"] += 1
                 next_at = max(next_at + self.period_s, time.monotonic() - self.period_s)
@@ -461,10 +464,12 @@ class AdminProbe(threading.Thread):
 
     def figures(self) -> dict[str, Any]:
         values = self.latency_ms
+        slowest = sorted(zip(values, self.sent_at, strict=True), reverse=True)[:SLOWEST_KEPT]
         return {
             "calls": len(values),
             "p50_ms": percentile(values, 0.5),
             "p99_ms": percentile(values, 0.99),
+            "slowest": [{"ms": ms, "sent_unix_s": at} for ms, at in slowest],
         }
 
 
@@ -786,6 +791,19 @@ def _ms(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}f} ms"
 
 
+def _when(slowest: list[dict[str, float]], opened: list[tuple[float, int]]) -> str:
+    """'MS ms N s into round R' for each of the slowest calls: whether they gather at a
+    round's opening (the burst of a thousand polls answered, then their uploads)."""
+    parts = []
+    for call in slowest:
+        before = [(t, n) for t, n in opened if t <= call["sent_unix_s"]]
+        where = "before round 0"
+        if before:
+            where = f"{call['sent_unix_s'] - before[-1][0]:.1f} s into round {before[-1][1]}"
+        parts.append(f"{call['ms']:.0f} ms {where}")
+    return ", ".join(parts) or "-"
+
+
 def _kb(sample: dict[str, Any] | None) -> str:
     return "-" if sample is None else f"{sample['rss_kb'] / 1024:.0f} MB, {sample['threads']} thr"
 
@@ -816,9 +834,11 @@ def print_result(r: dict[str, Any]) -> None:
               f"{run.get('submit_to_round_0_s') or 0:.2f} s after it was sent); s from a commit "
               f"to the next round opening: {gaps or '-'}")  # fmt: skip
         port = "admin port" if run.get("admin_port") else "site port"
+        opened = sorted((x["opened_unix_s"], x["number"]) for x in run.get("rounds", []))
         for name, a in run["admin"].items():
+            slow = _when(a.get("slowest", []), opened)
             print(f"  admin {name} ({port}): p50 {_ms(a['p50_ms'])}, p99 {_ms(a['p99_ms'])}, "
-                  f"{a['calls']} calls")  # fmt: skip
+                  f"{a['calls']} calls; slowest: {slow}")  # fmt: skip
         for problem, count in sorted(run["participation_problems"].items())[:5]:
             print(f"  participations {problem}: {count}")
     print(f"  coordinator RSS, threads: idle {_kb(r.get('idle'))}; connected "

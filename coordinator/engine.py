@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import shutil
 import threading
 import time
@@ -764,6 +765,10 @@ class Engine:
         if live is None or live.open_round is not None:
             return ""
         return live.waiting_reason or ""
+
+    def settled_before(self) -> float:
+        """Any round may be final: ``downloads_pending`` is asked after the read."""
+        return math.inf
 
     def downloads_pending(self) -> set[str]:
         """The tasks with a download under way, or finished but not yet written."""

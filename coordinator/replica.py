@@ -29,6 +29,7 @@ import ctypes
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -70,8 +71,8 @@ ENGINE_SOCKET = "engine.sock"
 SNAPSHOT_S = 0.5  # how often the daemon writes its snapshot: what the reads lag behind
 FORWARDED_ADMIN = "fedra-forwarded-admin"  # metadata: the admin a forwarded call is from
 READER_THREADS = 4
-FORWARD_TIMEOUT_S = 120.0
 READY_TIMEOUT_S = 60.0
+BIND_WAIT_S = 20.0  # how long a fixed admin port may stay held by a read process ending
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 _SOCKET_PATH_MAX = 100  # sun_path holds 108 bytes on Linux, 104 elsewhere
 _PR_SET_PDEATHSIG = 1
@@ -88,9 +89,16 @@ def engine_socket_path(state_dir: Path) -> Path:
     """Where the daemon takes forwarded admin calls: in the state directory, or, if that
     path is too long for a Unix socket, in a private temporary directory."""
     path = reads_dir(state_dir) / ENGINE_SOCKET
-    if len(str(path)) <= _SOCKET_PATH_MAX:
+    if len(os.fsencode(path)) <= _SOCKET_PATH_MAX:
         return path
-    return Path(tempfile.mkdtemp(prefix="fedra-")) / ENGINE_SOCKET
+    return Path(tempfile.mkdtemp(prefix="fedra-")) / ENGINE_SOCKET  # 0700, this user's
+
+
+def release_socket(path: Path, state_dir: Path) -> None:
+    """Remove the daemon's socket, and the temporary directory it was in, if any."""
+    path.unlink(missing_ok=True)
+    if path.parent != state_dir / READS_DIR:
+        shutil.rmtree(path.parent, ignore_errors=True)
 
 
 # -- the daemon's side ---------------------------------------------------------------
@@ -116,6 +124,7 @@ class LiveSnapshot:
     def __init__(self, engine: Engine, guard: Guard, state_dir: Path) -> None:
         self.engine, self.guard = engine, guard
         self.path = reads_dir(state_dir) / SNAPSHOT_FILE
+        self._seq = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="live-snapshot", daemon=True)
 
@@ -127,6 +136,7 @@ class LiveSnapshot:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join()
+        self.path.unlink(missing_ok=True)  # what it said is no longer so
 
     def build(self) -> dict[str, Any]:
         engine = self.engine
@@ -138,6 +148,8 @@ class LiveSnapshot:
                 "changes": engine.run_changes.get(run_id, 0),
             }
         return {
+            "pid": os.getpid(),  # a daemon's before a restart is not this one's
+            "seq": self._seq,
             "written_unix_s": engine.clock(),
             "registrations": engine.registrations,
             "site_timeout_s": engine.settings.site_timeout_s,
@@ -148,6 +160,7 @@ class LiveSnapshot:
         }
 
     def write(self) -> None:
+        self._seq += 1
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.build(), separators=(",", ":")))
         os.replace(tmp, self.path)  # never seen half-written; no fsync: it is rebuilt
@@ -187,6 +200,7 @@ class ReadsProcess:
         self._proc: subprocess.Popen[bytes] | None = None
         self._lock = threading.Lock()
         self._stopping = False
+        self._stopped = threading.Event()  # ends a restart's backoff at once
         self._port = spec.port
         self._watcher: threading.Thread | None = None
         self.restarts = 0
@@ -269,7 +283,8 @@ class ReadsProcess:
                 "again in %.1f s",
                 self._port, code, delay,
             )  # fmt: skip
-            time.sleep(delay)  # a backoff before a restart, not a wait for a condition
+            if self._stopped.wait(delay):  # a backoff before the restart
+                return
             try:
                 self._spawn_and_wait(READY_TIMEOUT_S)
                 self.restarts += 1
@@ -279,11 +294,15 @@ class ReadsProcess:
                     return
                 log.error("%s", exc)
                 attempt += 1
+            except Exception:  # a full disk, no fork: try again after the next backoff
+                log.exception("could not start the operators' read process again")
+                attempt += 1
 
     def stop(self, timeout_s: float = 10.0) -> None:
         with self._lock:
             self._stopping = True
             proc = self._proc
+        self._stopped.set()
         if proc is not None and proc.poll() is None:
             proc.terminate()
             try:
@@ -303,10 +322,14 @@ class Replica:
     """The read process's ``ReadSide`` and ``StatusSource``: the database, and the
     daemon's latest snapshot (read again when the file changes)."""
 
-    def __init__(self, store: Store, snapshot: Path, readers: ThreadPoolExecutor) -> None:
+    def __init__(
+        self, store: Store, snapshot: Path, readers: ThreadPoolExecutor, daemon_pid: int
+    ) -> None:
         self._store, self.path, self._readers = store, snapshot, readers
+        self.daemon_pid = daemon_pid  # a snapshot another daemon wrote is not used
         self._lock = threading.Lock()
         self._stamp: tuple[int, int] | None = None
+        self._read_at = 0.0
         self._live: dict[str, Any] = {}
         # The sites' rows, read again when the daemon says a site registered since.
         self._rows: tuple[object, list[SiteRecord], list[str]] | None = None
@@ -330,13 +353,21 @@ class Replica:
             st = os.stat(self.path)
         except FileNotFoundError:
             return {}
-        stamp = (st.st_mtime_ns, st.st_size)
+        stamp, now = (st.st_mtime_ns, st.st_size), time.monotonic()
         with self._lock:
-            if stamp != self._stamp:
+            # Read again when the file changed, or a snapshot's interval after the last
+            # read (a file system with a coarse clock may show two snapshots the same).
+            if stamp != self._stamp or now - self._read_at >= SNAPSHOT_S:
                 with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
-                    self._live = json.loads(self.path.read_text())
-                    self._stamp = stamp
+                    live = json.loads(self.path.read_text())
+                    self._live = live if live.get("pid") == self.daemon_pid else {}
+                    self._stamp, self._read_at = stamp, now
             return self._live
+
+    def settled_before(self) -> float:
+        """Rounds closed before this may be final: the snapshot's pending downloads were
+        taken then (the daemon's own reads take them after the database's)."""
+        return float(self.live().get("written_unix_s", 0.0))
 
     def fresh(self, live: dict[str, Any]) -> bool:
         """Whether ``live`` is recent enough to say who is online: written within one
@@ -381,23 +412,28 @@ class Replica:
         timeout = float(live.get("site_timeout_s", 20.0))  # not in it yet: from the row
         return now - s.last_seen_at <= timeout, s.last_seen_at
 
-    def listing_key(self) -> object:
+    def listing_key(self) -> object | None:
         """What a ListSites reply is built from: the same key, the same reply."""
-        fresh = self.fresh(self.live())  # read first: it moves the stamp
-        return self._stamp, fresh
+        live = self.live()
+        if not self.fresh(live):  # the rows and the clock decide: build each time
+            return None
+        return live.get("seq"), live.get("registrations")
 
     def _registry(self, live: dict[str, Any]) -> tuple[list[SiteRecord], list[str]]:
         """Every site's row in id order, and their ids: read again only once the daemon's
         snapshot counts a registration since (or without a snapshot to say so)."""
-        mark = live.get("registrations") if self.fresh(live) else None
+        mark = (live.get("pid"), live.get("registrations")) if self.fresh(live) else None
         with self._lock:
             rows = self._rows
         if rows is not None and mark is not None and rows[0] == mark:
             return rows[1], rows[2]
-        found = self._store.list_sites()
+        # In Python's order, as the daemon pages them: a database's collation may differ
+        # (PostgreSQL's locales order case, '-', '_' and '.' otherwise), and paging bisects.
+        found = sorted(self._store.list_sites(), key=lambda s: s.id)
+        ids = [s.id for s in found]
         with self._lock:
-            self._rows = (mark, found, [s.id for s in found])
-        return found, [s.id for s in found]
+            self._rows = (mark, found, ids)
+        return found, ids
 
     def site_counts(self, offline: Collection[str] = ()) -> tuple[int, int]:
         live, now = self.live(), time.time()
@@ -475,9 +511,10 @@ class ReplicaAdmin(AdminReads):
             await context.abort(*_relayed_status(exc))
 
 
-def _left(context: Any) -> float:
+def _left(context: Any) -> float | None:
+    """The caller's deadline, passed on as it is (none: none)."""
     left = context.time_remaining()
-    return FORWARD_TIMEOUT_S if left is None else max(0.0, min(left, FORWARD_TIMEOUT_S))
+    return None if left is None else max(0.0, left)
 
 
 async def _relay(context: Any, call: Any) -> Any:
@@ -488,10 +525,15 @@ async def _relay(context: Any, call: Any) -> Any:
 
 
 def _relayed_status(exc: grpc.aio.AioRpcError) -> tuple[grpc.StatusCode, str]:
-    """The daemon's status, as it gave it; its absence said as such."""
-    if exc.code() == grpc.StatusCode.UNAVAILABLE and not exc.details():
+    """The daemon's status, as it gave it; the socket not answering said as such (its
+    path and gRPC's words stay in this log)."""
+    details = exc.details() or ""
+    if exc.code() == grpc.StatusCode.UNAVAILABLE and (
+        not details or "failed to connect" in details or "unix:" in details
+    ):
+        log.warning("a forwarded admin call found the daemon away: %s", details)
         return exc.code(), "the coordinator's daemon is not answering (restarting?): try again"
-    return exc.code(), exc.details() or ""
+    return exc.code(), details
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -499,9 +541,30 @@ def _die_with_parent(parent_pid: int) -> None:
     watchdog in ``_serve`` notices within a second."""
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6").prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+            ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != parent_pid:  # it died before the line above
         sys.exit(0)
+
+
+def _server(
+    spec: ReplicaSpec, admin: ReplicaAdmin, health_servicer: health.aio.HealthServicer
+) -> grpc.aio.Server:
+    server = grpc.aio.server(
+        options=[
+            ("grpc.so_reuseport", 0),
+            ("grpc.max_receive_message_length", 4 * 2**20),
+            ("grpc.max_send_message_length", max(spec.max_message_bytes, wire.MAX_STATUS_BYTES)),
+        ]
+    )
+    wire.add_service(
+        server,
+        admin_pb2_grpc.add_AdminServiceServicer_to_server,
+        admin,
+        wire.ADMIN_SERVICE,
+        {"ExportModel": {"response": bytes}},
+    )
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    return server
 
 
 async def _serve(spec: ReplicaSpec) -> None:
@@ -511,35 +574,33 @@ async def _serve(spec: ReplicaSpec) -> None:
     guard = Guard(deny, insecure=tls is None)
     store = Store(spec.db_url, migrate=False)
     readers = ThreadPoolExecutor(READER_THREADS, thread_name_prefix="reads")
-    replica = Replica(store, folder / SNAPSHOT_FILE, readers)
+    replica = Replica(store, folder / SNAPSHOT_FILE, readers, spec.parent_pid)
     channel = grpc.aio.insecure_channel(
         f"unix:{spec.engine_socket}",
         options=[("grpc.max_receive_message_length", spec.max_message_bytes)],
     )
-    server = grpc.aio.server(
-        options=[
-            ("grpc.so_reuseport", 0),
-            ("grpc.max_receive_message_length", 4 * 2**20),
-            ("grpc.max_send_message_length", max(spec.max_message_bytes, wire.MAX_STATUS_BYTES)),
-        ]
-    )
     admin = ReplicaAdmin(replica, guard, channel)
-    wire.add_service(
-        server,
-        admin_pb2_grpc.add_AdminServiceServicer_to_server,
-        admin,
-        wire.ADMIN_SERVICE,
-        {"ExportModel": {"response": bytes}},
-    )
     health_servicer = health.aio.HealthServicer()
     for name in ("", wire.ADMIN_SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    address = f"{spec.host}:{spec.port}"
-    if tls is None:
-        port = server.add_insecure_port(address)
-    else:
-        port = server.add_secure_port(address, pki.server_credentials(tls))
+    # A fixed port may still be held a moment by the process this one replaces (it ends
+    # when its daemon does, which may have just been killed): bound again until it is free.
+    deadline = time.monotonic() + BIND_WAIT_S
+    while True:
+        server = _server(spec, admin, health_servicer)
+        address = f"{spec.host}:{spec.port}"
+        try:
+            if tls is None:
+                port = server.add_insecure_port(address)
+            else:
+                port = server.add_secure_port(address, pki.server_credentials(tls))
+        except RuntimeError:  # grpc.aio: "Failed to bind"
+            port = 0
+        if port:
+            break
+        if time.monotonic() > deadline:
+            raise OSError(f"cannot bind the admin port {address} (in use?)")
+        await asyncio.sleep(0.2)  # a retry with a deadline, not a wait for a condition
     quieter_gc()  # what is built so far lives as long as the process
     await server.start()
     ready = folder / READY_FILE

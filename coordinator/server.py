@@ -34,11 +34,14 @@ from fedra.coordinator.engine import Engine, EngineSettings
 from fedra.coordinator.gctune import quieter_gc
 from fedra.coordinator.limits import CallLimiter, EdgeLimits
 from fedra.coordinator.replica import (
+    READS_DIR,
+    SNAPSHOT_FILE,
     ForwardedGuard,
     LiveSnapshot,
     ReadsProcess,
     ReplicaSpec,
     engine_socket_path,
+    release_socket,
 )
 from fedra.coordinator.service import AdminService, SiteService
 from fedra.coordinator.telemetry import HttpEndpoint, Telemetry, check_http_address
@@ -429,10 +432,11 @@ def _serve(config: CoordinatorConfig, tls: pki.TlsFiles | None) -> None:
     endpoint: HttpEndpoint | None = None
     reads: ReadsProcess | None = None
     snapshot: LiveSnapshot | None = None
+    socket: Path | None = None
     try:
-        socket = None
         if config.admin_port is not None:  # it starts up while this process does
             socket = engine_socket_path(config.state_dir)
+            (config.state_dir / READS_DIR / SNAPSHOT_FILE).unlink(missing_ok=True)  # the last
             reads = ReadsProcess(_replica_spec(config, socket))
             reads.start()
         # Before the engine starts: resumed runs are told to the trackers as started again.
@@ -450,23 +454,26 @@ def _serve(config: CoordinatorConfig, tls: pki.TlsFiles | None) -> None:
             engine, address, config.max_workers, tls, config.deny_list_path,
             config.stream_window_mb, config.limits, socket,
         )  # fmt: skip
+        admin_port = None
+        if reads is not None:  # serving too before any run moves: a port in use fails here
+            try:
+                admin_port = reads.wait_ready()
+            except RuntimeError as exc:
+                raise ConfigError(f"--admin-port {config.admin_port}: {exc}") from None
         quieter_gc()  # before the runs are resumed: what a run holds may be let go
         engine.start()
         server.start()
         if endpoint is not None:
             endpoint.start()
-        admin_port = None
         if reads is not None:
             assert server.guard is not None
             snapshot = LiveSnapshot(engine, server.guard, config.state_dir)
             snapshot.start()
-            try:
-                admin_port = reads.wait_ready()
-            except RuntimeError as exc:
-                raise ConfigError(f"--admin-port {config.admin_port}: {exc}") from None
     except BaseException:  # nothing may drive runs, or hold the database, after this
         if reads is not None:
             reads.stop()
+        if socket is not None:
+            release_socket(socket, config.state_dir)
         if snapshot is not None:
             snapshot.stop()
         if endpoint is not None:
@@ -477,6 +484,26 @@ def _serve(config: CoordinatorConfig, tls: pki.TlsFiles | None) -> None:
         engine.observers.close()  # a tracker's writer thread, its files
         engine.store.close()
         raise
+    try:
+        _run(config, engine, server, port, endpoint, admin_port)
+    finally:  # however it ends, no read process outlives this one's serving
+        if reads is not None:
+            reads.stop()
+        if snapshot is not None:
+            snapshot.stop()
+        if socket is not None:
+            release_socket(socket, config.state_dir)
+
+
+def _run(
+    config: CoordinatorConfig,
+    engine: Engine,
+    server: Server,
+    port: int,
+    endpoint: HttpEndpoint | None,
+    admin_port: int | None,
+) -> None:
+    """Announce readiness, serve until a signal (or a lost database), stop gracefully."""
     ready = config.state_dir / READY_FILE
     host = config.host if config.host not in ("0.0.0.0", "::", "[::]") else "127.0.0.1"
     _write_ready_file(
@@ -526,10 +553,6 @@ def _serve(config: CoordinatorConfig, tls: pki.TlsFiles | None) -> None:
     grace_s = 0.0 if lost else config.grace_s
     log.info("stopping: finishing in-flight calls (grace %.0f s)", grace_s)
     ready.unlink(missing_ok=True)
-    if reads is not None:  # admin calls end first: a forwarded one needs this process
-        reads.stop()
-    if snapshot is not None:
-        snapshot.stop()
     shutdown(server, engine, grace_s)
     if endpoint is not None:
         endpoint.stop()

@@ -5,8 +5,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Collection
 from concurrent.futures import Executor, Future
@@ -43,6 +45,11 @@ class StatusSource(Protocol):
 
     def run_phase(self, run_id: str) -> tuple[object, ...]:
         """Where the run stands as a whole (``Engine.run_phase``)."""
+        ...
+
+    def settled_before(self) -> float:
+        """A round closed before this, with none of its tasks in ``downloads_pending()``
+        asked after it, is final (the engine: any round; a snapshot: those it saw closed)."""
         ...
 
 
@@ -305,6 +312,7 @@ def run_page(
     cached = kept.from_(run_id, first_round) if kept is not None else []
     # A download finished but not yet written may change its round: asked before the read.
     pending = engine.downloads_pending() if kept is not None else set()
+    settled_before = engine.settled_before() if kept is not None else math.inf
     status: admin_pb2.RunStatus | None = None
     size, since, batch, read = 0, first_round + len(cached), _FIRST_READ_ROUNDS, 0
     while True:
@@ -320,7 +328,7 @@ def run_page(
                     return status
                 status.rounds.append(r)
                 size += r.ByteSize()
-        fresh, final = round_statuses(view, pending)
+        fresh, final = round_statuses(view, pending, settled_before)
         if kept is not None:
             kept.keep(run_id, fresh, final)
         for r in fresh.values():
@@ -377,10 +385,10 @@ class RunWatch:
         # download pending may change yet. Asked after the read, so that a round settled
         # now was read after its last write; it is passed over at the next look, once
         # this look has sent it.
-        pending = self.engine.downloads_pending()
+        pending, settled_before = self.engine.downloads_pending(), self.engine.settled_before()
         self.finished = view.run.finished
         header = run_header(self.engine, view.run, self.insecure, self.header)
-        fresh, final = round_statuses(view, pending)
+        fresh, final = round_statuses(view, pending, settled_before)
         changed = [r for n, r in fresh.items() if self.sent.get(n) != r]
         out: list[admin_pb2.RunStatus] = []
         if self.header is None or changed or header != self.header:
@@ -430,7 +438,8 @@ def _with_rounds(
 _PROVENANCE_KINDS = (PROVENANCE_EVENT, RUN_PROVENANCE_EVENT)
 _provenance_lock = threading.Lock()
 # By (store, run): the latest provenance event read, and what was built from the events.
-_provenance: OrderedDict[tuple[int, str], tuple[int, admin_pb2.RunProvenance]] = OrderedDict()
+_provenance: weakref.WeakKeyDictionary[Store, OrderedDict[str, tuple[int, admin_pb2.RunProvenance]]]
+_provenance = weakref.WeakKeyDictionary()
 _PROVENANCE_KEPT = 64
 
 
@@ -441,18 +450,19 @@ def run_provenance(engine: StatusSource, record: RunRecord) -> admin_pb2.RunProv
     the ledger has a provenance event it was not built from (a page of a 1,000-site run
     otherwise read and parsed a thousand events each time). Shared: copy it, never
     change it."""
-    key = (id(engine.store), record.id)
-    last = engine.store.last_event_id(record.id, _PROVENANCE_KINDS)
+    store, key = engine.store, record.id
+    last = store.last_event_id(record.id, _PROVENANCE_KINDS)
     with _provenance_lock:
-        kept = _provenance.get(key)
+        runs = _provenance.setdefault(store, OrderedDict())
+        kept = runs.get(key)
         if kept is not None and kept[0] == last:
-            _provenance.move_to_end(key)
+            runs.move_to_end(key)
             return kept[1]
     out = _build_provenance(engine, record)
     with _provenance_lock:
-        _provenance[key] = (last, out)
-        while len(_provenance) > _PROVENANCE_KEPT:
-            _provenance.popitem(last=False)
+        runs[key] = (last, out)
+        while len(runs) > _PROVENANCE_KEPT:
+            runs.popitem(last=False)
     return out
 
 
@@ -506,12 +516,13 @@ def run_header(
 
 
 def round_statuses(
-    view: RunView, pending: Collection[str] = ()
+    view: RunView, pending: Collection[str] = (), settled_before: float = math.inf
 ) -> tuple[dict[int, admin_pb2.RoundStatus], set[int]]:
     """The view's rounds by number, and the numbers of those that are final: closed, with
     every participation finished (an async run's task still training moves on to the
     next round, so its round is not final until it has) and none of its tasks in
-    ``pending`` (a download whose row is still to be written)."""
+    ``pending`` (a download whose row is still to be written), closed before
+    ``settled_before``."""
     ckpts = {c.round_number: c.model_sha256 for c in view.checkpoints}
     by_round: dict[int, list[ParticipationRecord]] = {}
     for p in view.participations:
@@ -519,7 +530,8 @@ def round_statuses(
     out, final = {}, set()
     for r in view.rounds:
         mine = by_round.get(r.number, [])
-        if r.state != "open" and all(p.finished and p.task_id not in pending for p in mine):
+        settled = r.state != "open" and (r.closed_at or 0.0) < settled_before
+        if settled and all(p.finished and p.task_id not in pending for p in mine):
             final.add(r.number)
         out[r.number] = _round(r, mine, ckpts)
     return out, final

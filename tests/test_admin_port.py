@@ -23,6 +23,7 @@ from fedra import pki
 from fedra.admin import AdminClient
 from fedra.audit import AUDIT_FILE, read
 from fedra.cli import _admin_port
+from fedra.client.connection import Connection
 from fedra.config import ConfigError
 from fedra.coordinator.errors import PermissionDenied
 from fedra.coordinator.replica import (
@@ -35,6 +36,7 @@ from fedra.coordinator.replica import (
 from fedra.local import LocalCluster
 from fedra.protos.v1 import admin_pb2
 from fedra.storage import Store
+from tests.conftest import fedra_cli, postgres_database
 from tests.test_cluster import FAST, finished, start_synthetic_sites, synthetic_spec, wait_until
 
 DEADLINE_S = 60.0
@@ -222,11 +224,11 @@ def test_liveness_comes_from_the_database_when_the_snapshot_is_stale(tmp_path: P
         store.upsert_site("b", ["t"], "1", now - 600)  # long ago
         store.upsert_site("c", ["t"], "1", now - 600)
         snapshot = tmp_path / "live.json"
-        live = {"written_unix_s": now, "site_timeout_s": 20.0, "runs": {}, "pending": []}
+        live = {"pid": 1, "written_unix_s": now, "site_timeout_s": 20.0, "runs": {}, "pending": []}
         live["sites"] = {"a": [False, now - 100], "b": [True, now]}  # the daemon's view
         snapshot.write_text(json.dumps(live))
         with ThreadPoolExecutor(1) as readers:
-            replica = Replica(store, snapshot, readers)
+            replica = Replica(store, snapshot, readers, daemon_pid=1)
             page, token = replica.list_sites("", 2)
             assert [(s.id, online) for s, online, _ in page] == [("a", False), ("b", True)]
             assert token == "b"
@@ -243,5 +245,87 @@ def test_liveness_comes_from_the_database_when_the_snapshot_is_stale(tmp_path: P
                 ("a", True), ("b", False), ("c", False)
             ]  # fmt: skip
             assert replica.site_counts() == (3, 1)
+    finally:
+        store.close()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_the_admin_port_pages_sites_as_the_site_port_does_on_postgresql(tmp_path: Path) -> None:
+    """Ids whose order PostgreSQL's collation and Python's disagree on, paged by twos."""
+    ids = ["B-site", "a_site", "a.site", "A-site", "b", "a-site", "Ab", "aB"]
+    with (
+        postgres_database("fedra_admin_port") as db_url,
+        LocalCluster(tmp_path / "cluster", secure=False) as cluster,
+    ):
+        cluster.start_coordinator(db_url=db_url, flags=FAST)
+        for site_id in ids:
+            conn = Connection(cluster.address, site_id)
+            try:
+                conn.register(["fedra.examples.synthetic:task"])
+            finally:
+                conn.close()
+        with cluster.admin(admin_port=True) as reads, cluster.admin() as direct:
+            expected = [s.site_id for s in direct.sites(page_size=2)]
+            assert sorted(expected) == expected and sorted(ids) == expected
+            assert [s.site_id for s in reads.sites(page_size=2)] == expected
+            assert [s.site_id for s in reads.sites(page_size=3)] == expected
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_every_admin_port_method_refuses_a_site_and_a_revoked_admin(tmp_path: Path) -> None:
+    with LocalCluster(tmp_path / "cluster") as cluster:  # mTLS: real identities
+        cluster.start_coordinator(flags=FAST)
+        site = pki.load_folder(cluster._pki_folder("site", "site-0"))
+        calls = {
+            "SubmitRun": lambda a: a.submit(synthetic_spec(rounds=1)),
+            "GetRun": lambda a: a.status("x"),
+            "ListRuns": lambda a: a.runs(),
+            "WatchRun": lambda a: list(a.watch("x", timeout_s=10)),
+            "CancelRun": lambda a: a.cancel("x"),
+            "ListSites": lambda a: a.sites(),
+            "ExportModel": lambda a: a.export_model("x"),
+        }
+        with AdminClient(cluster.admin_address, tls=site, timeout_s=10) as impostor:
+            for name, call in calls.items():
+                with pytest.raises(grpc.RpcError) as refused:
+                    call(impostor)
+                assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, name
+        fedra_cli("provision", "--out", str(cluster.pki_dir), "--add", "eve", "--role", "admin")
+        eve_folder = cluster.pki_dir / "admins" / "eve"
+        revoked = fedra_cli("revoke", "--state-dir", str(cluster.state_dir), str(eve_folder))
+        assert revoked.returncode == 0, revoked.stderr
+        with AdminClient(cluster.admin_address, tls=pki.load_folder(eve_folder)) as eve:
+            for name, call in calls.items():
+                with pytest.raises(grpc.RpcError) as refused:
+                    call(eve)
+                assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, name
+        with cluster.admin() as direct:
+            assert direct.runs() == []  # nothing any of them sent changed anything
+
+
+def test_a_snapshot_another_daemon_wrote_is_not_used(tmp_path: Path) -> None:
+    store = Store(f"sqlite:///{tmp_path / 'fedra.db'}")
+    try:
+        now = time.time()
+        store.upsert_site("a", ["t"], "1", now - 600)  # long ago, says the database
+        snapshot = tmp_path / "live.json"
+        live = {"pid": 4242, "seq": 1, "written_unix_s": now, "site_timeout_s": 20.0,
+                "runs": {"r": {"waiting": "waiting for sites", "phase": ["driven", False],
+                               "changes": 3}},
+                "pending": ["t1"], "sites": {"a": [True, now]}, "registrations": 1}  # fmt: skip
+        snapshot.write_text(json.dumps(live))
+        with ThreadPoolExecutor(1) as readers:
+            mine = Replica(store, snapshot, readers, daemon_pid=4242)
+            assert mine.waiting_reason("r") == "waiting for sites"
+            assert mine.downloads_pending() == {"t1"} and mine.site_counts() == (1, 1)
+            assert mine.listing_key() is not None
+            other = Replica(store, snapshot, readers, daemon_pid=4343)  # a restarted daemon
+            assert other.waiting_reason("r") == "" and other.downloads_pending() == set()
+            assert other.run_phase("r") == ("not driven",)
+            assert other.site_counts() == (1, 0)  # from the row: heard from long ago
+            assert other.listing_key() is None  # no snapshot: the rows decide, each time
+            assert other.settled_before() == 0.0  # no round counts as final yet
     finally:
         store.close()
