@@ -25,16 +25,13 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import suppress
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 
 from fedra.config import ConfigError
 from fedra.coordinator.auth import Guard
 from fedra.coordinator.errors import Unavailable
-
-if TYPE_CHECKING:
-    from fedra.coordinator.engine import Engine
 
 log = logging.getLogger("fedra.coordinator")
 # A site's agent has a poll, a heartbeat and a transfer (or a secure-aggregation stage)
@@ -127,13 +124,24 @@ def _set_once(future: asyncio.Future[None]) -> None:
 class CallLimiter(grpc.aio.ServerInterceptor):
     """Checks the caller, bounds its calls in flight, and ends stalled request streams."""
 
-    def __init__(self, guard: Guard, engine: Engine, limits: EdgeLimits, refuse: Refuse) -> None:
-        self.guard, self.engine, self.limits, self.refuse = guard, engine, limits, refuse
+    def __init__(
+        self,
+        guard: Guard,
+        limits: EdgeLimits,
+        refuse: Refuse,
+        site_timeout_s: float = math.inf,
+        site_heard: Callable[[str], bool] = lambda site_id: True,
+    ) -> None:
+        """``site_heard`` says whether a site was heard from within ``site_timeout_s``
+        (the engine's liveness): an upload of a site gone silent is ended. A port that
+        takes no uploads (the admin port) needs neither."""
+        self.guard, self.limits, self.refuse = guard, limits, refuse
+        self.site_timeout_s, self.site_heard = site_timeout_s, site_heard
         self._lock = threading.Lock()
         self._in_flight: Counter[tuple[str, str]] = Counter()
         self._streams: dict[Any, _Call] = {}
         self._watchdog: threading.Thread | None = None
-        bound = min(limits.stream_idle_s, engine.settings.site_timeout_s) / 4
+        bound = min(limits.stream_idle_s, site_timeout_s) / 4
         self._tick_s = max(_MIN_TICK_S, min(_MAX_TICK_S, bound))
 
     async def intercept_service(
@@ -243,8 +251,8 @@ class CallLimiter(grpc.aio.ServerInterceptor):
         idle = self.limits.stream_idle_s
         if quiet > idle:
             return f"its request stream was idle for {quiet:.1f} s (--stream-idle-s {idle:g})"
-        timeout = self.engine.settings.site_timeout_s
-        if call.site_id and quiet > timeout and not self.engine.site_heard(call.site_id):
+        timeout = self.site_timeout_s
+        if call.site_id and quiet > timeout and not self.site_heard(call.site_id):
             return (
                 f"site {call.site_id!r} went silent mid-upload: no chunk and no heartbeat for "
                 f"more than {timeout:g} s (--site-timeout-s); its task goes back to the round"

@@ -15,8 +15,14 @@ coordinator --admin-port``), which serves every admin call on a port of its own:
   over a Unix socket in the state directory, naming the admin this process verified,
   so the audit log names the same admin as a call to the site port would.
 
+Its edge is the site port's: each caller's calls in flight bounded (``CallLimiter``,
+``--max-calls-per-admin``), stalled request streams ended, every identity refused written
+to the audit log, and its refusals counted in the daemon's ``/metrics`` (``RefusalTally``,
+read by the daemon from ``reads/refusals.json``).
+
 It imports neither torch nor the engine. It stops when the daemon does (and if the daemon
-dies: ``PR_SET_PDEATHSIG``); the daemon starts it again if it exits (``ReadsProcess``).
+dies: ``PR_SET_PDEATHSIG``); the daemon starts it again if it exits (``ReadsProcess``),
+and names the admin port in ``coordinator.json`` only while it serves.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import asyncio
 import bisect
 import contextlib
 import ctypes
+import functools
 import json
 import logging
 import os
@@ -36,7 +43,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Collection, Iterable
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -46,12 +54,17 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from fedra import logformat, pki
+from fedra.audit import AUDIT_FILE, AuditLog
 from fedra.coordinator.admin_reads import AdminReads, SiteRow
+from fedra.coordinator.audit import AuditTrail
 from fedra.coordinator.auth import Guard
-from fedra.coordinator.edge import mapped, mapped_stream
+from fedra.coordinator.edge import mapped, mapped_stream, refuse
 from fedra.coordinator.errors import PermissionDenied
 from fedra.coordinator.gctune import quieter_gc
 from fedra.coordinator.ledger import page_limit
+from fedra.coordinator.limits import DEFAULT_ADMIN_CALLS, DEFAULT_STREAM_IDLE_S, CallLimiter
+from fedra.coordinator.limits import EdgeLimits
+from fedra.coordinator.observers import Observer, Observers
 from fedra.protos import wire
 from fedra.protos.v1 import admin_pb2, admin_pb2_grpc
 from fedra.storage.records import SiteRecord
@@ -67,6 +80,7 @@ READS_DIR = "reads"  # in the state directory, this user's only (0700)
 SNAPSHOT_FILE = "live.json"
 SPEC_FILE = "spec.json"
 READY_FILE = "ready.json"
+REFUSALS_FILE = "refusals.json"
 ENGINE_SOCKET = "engine.sock"
 SNAPSHOT_S = 0.5  # how often the daemon writes its snapshot: what the reads lag behind
 FORWARDED_ADMIN = "fedra-forwarded-admin"  # metadata: the admin a forwarded call is from
@@ -187,27 +201,26 @@ class ReplicaSpec:
     deny_list: str | None = None
     max_message_bytes: int = 64 * 2**20
     log_level: str = "INFO"
+    calls_per_admin: int = DEFAULT_ADMIN_CALLS  # --max-calls-per-admin
+    stream_idle_s: float = DEFAULT_STREAM_IDLE_S  # --stream-idle-s
 
 
 class ReadsProcess:
     """Starts the read process, starts it again whenever it exits while the daemon runs
-    (on the port it had), and stops it with the daemon."""
+    (on the port it had), and stops it with the daemon; ``serving`` is told each time it
+    stops or starts serving again (``coordinator.json`` names the admin port only while
+    it serves, so that the CLI goes to the site port meanwhile)."""
 
-    def __init__(self, spec: ReplicaSpec, log_to: Any = None) -> None:
+    def __init__(self, spec: ReplicaSpec) -> None:
         self.spec = spec
         self.folder = reads_dir(Path(spec.state_dir))
-        self._log_to = log_to
         self._proc: subprocess.Popen[bytes] | None = None
         self._lock = threading.Lock()
         self._stopping = False
         self._stopped = threading.Event()  # ends a restart's backoff at once
         self._port = spec.port
         self._watcher: threading.Thread | None = None
-        self.restarts = 0
-
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
+        self.serving: Callable[[bool], None] = lambda up: None
 
     def start(self) -> None:
         """Start it (``wait_ready`` waits until it serves): it starts up while the daemon
@@ -237,8 +250,6 @@ class ReadsProcess:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "fedra.coordinator.replica", str(spec_path)],
                 stdin=subprocess.DEVNULL,
-                stdout=self._log_to,
-                stderr=self._log_to,
                 # A session of its own: Linux shares CPU between sessions first
                 # (autogroups), then between the threads of each, so the daemon's busy
                 # threads do not crowd out its few. It still ends with the daemon.
@@ -277,6 +288,8 @@ class ReadsProcess:
             with self._lock:
                 if self._stopping:
                     return
+            if attempt == 0:
+                self._tell(False)
             delay = RESTART_BACKOFF_S[min(attempt, len(RESTART_BACKOFF_S) - 1)]
             log.error(
                 "the operators' read process (admin port %d) exited with %s: starting it "
@@ -287,7 +300,7 @@ class ReadsProcess:
                 return
             try:
                 self._spawn_and_wait(READY_TIMEOUT_S)
-                self.restarts += 1
+                self._tell(True)
                 attempt = 0
             except RuntimeError as exc:
                 if str(exc) == "stopping":
@@ -297,6 +310,12 @@ class ReadsProcess:
             except Exception:  # a full disk, no fork: try again after the next backoff
                 log.exception("could not start the operators' read process again")
                 attempt += 1
+
+    def _tell(self, up: bool) -> None:
+        try:
+            self.serving(up)
+        except Exception:  # the watcher goes on: a restart matters more than the file
+            log.exception("could not announce the admin port %s", "up" if up else "down")
 
     def stop(self, timeout_s: float = 10.0) -> None:
         with self._lock:
@@ -313,6 +332,55 @@ class ReadsProcess:
         if self._watcher is not None:
             self._watcher.join(timeout_s)
         (self.folder / READY_FILE).unlink(missing_ok=True)
+
+
+class RefusalTally(Observer):
+    """The read process's refusals by gRPC status, since it started; ``write`` puts them
+    in ``reads/refusals.json`` (with the process's pid) for the daemon's ``/metrics``."""
+
+    def __init__(self) -> None:
+        self._counts: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self._written: dict[str, int] | None = None
+
+    def refused(self, status: str) -> None:
+        with self._lock:
+            self._counts[status] += 1
+
+    def write(self, folder: Path) -> None:
+        """Write the counts if they changed since the last write."""
+        with self._lock:
+            counts = dict(self._counts)
+        if counts == self._written:
+            return
+        path = folder / REFUSALS_FILE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"pid": os.getpid(), "refusals": counts}))
+        os.replace(tmp, path)
+        self._written = counts
+
+
+class RefusalsRead:
+    """The daemon's side: the refusals the read process counted since the last ``new``
+    (a new read process counts from 0 again), to be added to the daemon's own."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.path = reads_dir(state_dir) / REFUSALS_FILE
+        self._lock = threading.Lock()
+        self._pid = 0
+        self._seen: dict[str, int] = {}
+
+    def new(self) -> Mapping[str, int]:
+        try:
+            doc = json.loads(self.path.read_text())
+            pid = int(doc["pid"])
+            counts = {str(k): int(v) for k, v in dict(doc["refusals"]).items()}
+        except (OSError, ValueError, KeyError, TypeError):  # none yet, or being replaced
+            return {}
+        with self._lock:
+            seen = self._seen if pid == self._pid else {}
+            self._pid, self._seen = pid, counts
+        return {k: n - seen.get(k, 0) for k, n in counts.items() if n > seen.get(k, 0)}
 
 
 # -- the read process's side -----------------------------------------------------------
@@ -454,8 +522,14 @@ class Replica:
 class ReplicaAdmin(AdminReads):
     """The admin service of the read process: reads served here, writes forwarded."""
 
-    def __init__(self, replica: Replica, guard: Guard, channel: grpc.aio.Channel) -> None:
-        super().__init__(replica, guard)
+    def __init__(
+        self,
+        replica: Replica,
+        guard: Guard,
+        channel: grpc.aio.Channel,
+        observers: Observers | None = None,
+    ) -> None:
+        super().__init__(replica, guard, observers)
         self.replica = replica
         self._submit = channel.unary_unary(
             f"/{wire.ADMIN_SERVICE}/SubmitRun",
@@ -483,20 +557,27 @@ class ReplicaAdmin(AdminReads):
     def _forwarded(self, context: Any) -> tuple[tuple[str, str], ...]:
         return ((FORWARDED_ADMIN, self.guard.admin(context)),)
 
+    async def _forward(self, method: Any, request: Any, context: Any) -> Any:
+        """``request`` to the daemon's ``method`` as the admin verified here; its reply, or
+        the daemon's status as it gave it."""
+        call = method(request, metadata=self._forwarded(context), timeout=_left(context))
+        try:
+            return await call
+        except grpc.aio.AioRpcError as exc:
+            await context.abort(*_relayed_status(exc))
+
     @mapped
     async def SubmitRun(
         self, request: admin_pb2.SubmitRunRequest, context: Any
     ) -> admin_pb2.SubmitRunResponse:
-        call = self._submit(request, metadata=self._forwarded(context), timeout=_left(context))
-        reply: admin_pb2.SubmitRunResponse = await _relay(context, call)
+        reply: admin_pb2.SubmitRunResponse = await self._forward(self._submit, request, context)
         return reply
 
     @mapped
     async def CancelRun(
         self, request: admin_pb2.CancelRunRequest, context: Any
     ) -> admin_pb2.CancelRunResponse:
-        call = self._cancel(request, metadata=self._forwarded(context), timeout=_left(context))
-        reply: admin_pb2.CancelRunResponse = await _relay(context, call)
+        reply: admin_pb2.CancelRunResponse = await self._forward(self._cancel, request, context)
         return reply
 
     @mapped_stream
@@ -515,13 +596,6 @@ def _left(context: Any) -> float | None:
     """The caller's deadline, passed on as it is (none: none)."""
     left = context.time_remaining()
     return None if left is None else max(0.0, left)
-
-
-async def _relay(context: Any, call: Any) -> Any:
-    try:
-        return await call
-    except grpc.aio.AioRpcError as exc:
-        await context.abort(*_relayed_status(exc))
 
 
 def _relayed_status(exc: grpc.aio.AioRpcError) -> tuple[grpc.StatusCode, str]:
@@ -547,9 +621,13 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 def _server(
-    spec: ReplicaSpec, admin: ReplicaAdmin, health_servicer: health.aio.HealthServicer
+    spec: ReplicaSpec,
+    admin: ReplicaAdmin,
+    health_servicer: health.aio.HealthServicer,
+    limiter: CallLimiter,
 ) -> grpc.aio.Server:
     server = grpc.aio.server(
+        interceptors=[limiter],
         options=[
             ("grpc.so_reuseport", 0),
             ("grpc.max_receive_message_length", 4 * 2**20),
@@ -571,7 +649,13 @@ async def _serve(spec: ReplicaSpec) -> None:
     folder = Path(spec.state_dir) / READS_DIR
     tls = pki.load_folder(Path(spec.tls_dir), role="coordinator") if spec.tls_dir else None
     deny = pki.DenyList(Path(spec.deny_list)) if spec.deny_list else None
-    guard = Guard(deny, insecure=tls is None)
+    trail = AuditTrail(AuditLog(Path(spec.state_dir) / AUDIT_FILE))
+    guard = Guard(deny, insecure=tls is None, on_refused=trail.identity_refused)
+    tally, observers = RefusalTally(), Observers()
+    observers.add(tally)
+    # calls_per_site: a site's certificate is refused by every admin method anyway.
+    limits = EdgeLimits(calls_per_admin=spec.calls_per_admin, stream_idle_s=spec.stream_idle_s)
+    limiter = CallLimiter(guard, limits, functools.partial(refuse, told=observers))
     store = Store(spec.db_url, migrate=False)
     readers = ThreadPoolExecutor(READER_THREADS, thread_name_prefix="reads")
     replica = Replica(store, folder / SNAPSHOT_FILE, readers, spec.parent_pid)
@@ -579,7 +663,7 @@ async def _serve(spec: ReplicaSpec) -> None:
         f"unix:{spec.engine_socket}",
         options=[("grpc.max_receive_message_length", spec.max_message_bytes)],
     )
-    admin = ReplicaAdmin(replica, guard, channel)
+    admin = ReplicaAdmin(replica, guard, channel, observers)
     health_servicer = health.aio.HealthServicer()
     for name in ("", wire.ADMIN_SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -587,7 +671,7 @@ async def _serve(spec: ReplicaSpec) -> None:
     # when its daemon does, which may have just been killed): bound again until it is free.
     deadline = time.monotonic() + BIND_WAIT_S
     while True:
-        server = _server(spec, admin, health_servicer)
+        server = _server(spec, admin, health_servicer, limiter)
         address = f"{spec.host}:{spec.port}"
         try:
             if tls is None:
@@ -615,10 +699,15 @@ async def _serve(spec: ReplicaSpec) -> None:
     while not stop.is_set() and os.getppid() == spec.parent_pid:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), 1.0)
+        with contextlib.suppress(OSError):  # a full disk: counted again at the next write
+            tally.write(folder)
     await server.stop(2.0)
     await channel.close()
     readers.shutdown(wait=False, cancel_futures=True)
     store.close()
+    with contextlib.suppress(OSError):
+        tally.write(folder)
+    trail.close()
 
 
 def main(argv: Iterable[str] | None = None) -> int:

@@ -35,10 +35,12 @@ from fedra.coordinator.gctune import quieter_gc
 from fedra.coordinator.limits import CallLimiter, EdgeLimits
 from fedra.coordinator.replica import (
     READS_DIR,
+    REFUSALS_FILE,
     SNAPSHOT_FILE,
     ForwardedGuard,
     LiveSnapshot,
     ReadsProcess,
+    RefusalsRead,
     ReplicaSpec,
     engine_socket_path,
     release_socket,
@@ -293,7 +295,9 @@ async def _build(
     api = handle.api = CoordinatorAPI(engine, max_workers)
     handle.admin = AdminService(api, guard)
     told = functools.partial(refuse, told=engine.observers)  # refusals are counted
-    limiter = CallLimiter(guard, engine, limits or EdgeLimits(), told)
+    limiter = CallLimiter(
+        guard, limits or EdgeLimits(), told, engine.settings.site_timeout_s, engine.site_heard
+    )
     server = grpc.aio.server(
         interceptors=[limiter],
         options=server_options(engine.settings.chunk_bytes, stream_window_mb),
@@ -436,7 +440,8 @@ def _serve(config: CoordinatorConfig, tls: pki.TlsFiles | None) -> None:
     try:
         if config.admin_port is not None:  # it starts up while this process does
             socket = engine_socket_path(config.state_dir)
-            (config.state_dir / READS_DIR / SNAPSHOT_FILE).unlink(missing_ok=True)  # the last
+            for last in (SNAPSHOT_FILE, REFUSALS_FILE):  # the previous daemon's
+                (config.state_dir / READS_DIR / last).unlink(missing_ok=True)
             reads = ReadsProcess(_replica_spec(config, socket))
             reads.start()
         # Before the engine starts: resumed runs are told to the trackers as started again.
@@ -444,7 +449,10 @@ def _serve(config: CoordinatorConfig, tls: pki.TlsFiles | None) -> None:
         if tracker is not None:
             engine.observers.add(tracker)
         if config.http:  # bound first too: a port in use fails the start
-            telemetry = Telemetry(lambda: engine.gauges(engine.barred()))
+            telemetry = Telemetry(
+                lambda: engine.gauges(engine.barred()),
+                RefusalsRead(config.state_dir).new if reads is not None else None,
+            )
             engine.observers.add(telemetry)
             pages = StatusPages(engine, config.insecure)
             endpoint = _http_endpoint(config, telemetry, pages, engine.audit)
@@ -485,7 +493,7 @@ def _serve(config: CoordinatorConfig, tls: pki.TlsFiles | None) -> None:
         engine.store.close()
         raise
     try:
-        _run(config, engine, server, port, endpoint, admin_port)
+        _run(config, engine, server, port, endpoint, admin_port, reads)
     finally:  # however it ends, no read process outlives this one's serving
         if reads is not None:
             reads.stop()
@@ -502,34 +510,42 @@ def _run(
     port: int,
     endpoint: HttpEndpoint | None,
     admin_port: int | None,
+    reads: ReadsProcess | None,
 ) -> None:
     """Announce readiness, serve until a signal (or a lost database), stop gracefully."""
     ready = config.state_dir / READY_FILE
     host = config.host if config.host not in ("0.0.0.0", "::", "[::]") else "127.0.0.1"
-    _write_ready_file(
-        ready,
-        {
-            "address": f"{host}:{port}",
-            "port": port,
-            "pid": os.getpid(),
-            "database": _redact(config.database_url),
-            "started_unix_s": time.time(),
-            "insecure": config.insecure,
-            **(
-                {"admin_address": f"{host}:{admin_port}", "admin_port": admin_port}
-                if admin_port is not None
-                else {}
-            ),
-            **(
-                {
-                    "http_address": endpoint.address,
-                    "http_url": f"{endpoint.scheme}://{endpoint.address}/",
-                }
-                if endpoint is not None
-                else {}
-            ),
-        },
-    )
+    announced: dict[str, object] = {
+        "address": f"{host}:{port}",
+        "port": port,
+        "pid": os.getpid(),
+        "database": _redact(config.database_url),
+        "started_unix_s": time.time(),
+        "insecure": config.insecure,
+    }
+    if admin_port is not None:
+        announced.update(admin_address=f"{host}:{admin_port}", admin_port=admin_port)
+    if endpoint is not None:
+        announced.update(
+            http_address=endpoint.address, http_url=f"{endpoint.scheme}://{endpoint.address}/"
+        )
+    _write_ready_file(ready, announced)
+    announcing = threading.Lock()
+    stopping = False
+
+    def admin_port_serving(up: bool) -> None:
+        """While the read process restarts, admin commands given --state-dir go to the
+        site port: coordinator.json names the admin port only while it serves."""
+        with announcing:
+            if stopping:
+                return
+            admin_keys = ("admin_address", "admin_port")
+            shown = {k: v for k, v in announced.items() if up or k not in admin_keys}
+            _write_ready_file(ready, shown)
+        log.info("admin calls: %s", "the admin port again" if up else "the site port meanwhile")
+
+    if reads is not None:
+        reads.serving = admin_port_serving
     if endpoint is not None:
         url = f"{endpoint.scheme}://{endpoint.address}/"
         log.info("status page at %s, metrics at %smetrics", url, url)
@@ -552,7 +568,9 @@ def _run(
     # Lost: in-flight calls end now (their writes would be refused); sites retry theirs.
     grace_s = 0.0 if lost else config.grace_s
     log.info("stopping: finishing in-flight calls (grace %.0f s)", grace_s)
-    ready.unlink(missing_ok=True)
+    with announcing:
+        stopping = True
+        ready.unlink(missing_ok=True)
     shutdown(server, engine, grace_s)
     if endpoint is not None:
         endpoint.stop()
@@ -577,6 +595,8 @@ def _replica_spec(config: CoordinatorConfig, socket: Path) -> ReplicaSpec:
         deny_list=str(config.deny_list_path) if config.tls_dir is not None else None,
         max_message_bytes=config.engine.chunk_bytes + 2**20,
         log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()),
+        calls_per_admin=config.limits.calls_per_admin,
+        stream_idle_s=config.limits.stream_idle_s,
     )
 
 

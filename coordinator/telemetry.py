@@ -12,7 +12,7 @@ import json
 import logging
 import ssl
 import urllib.parse
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
@@ -43,7 +43,14 @@ COMMIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.
 class Telemetry(Observer):
     """The metrics of one coordinator; ``gauges`` says how it stands at a scrape."""
 
-    def __init__(self, gauges: Callable[[], Gauges]) -> None:
+    def __init__(
+        self,
+        gauges: Callable[[], Gauges],
+        refused_elsewhere: Callable[[], Mapping[str, int]] | None = None,
+    ) -> None:
+        """``refused_elsewhere``: calls refused by another process of this coordinator
+        (the admin port's) since it was last asked, by status; added at each scrape."""
+        self.refused_elsewhere = refused_elsewhere
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.rounds = Counter(
@@ -116,6 +123,9 @@ class Telemetry(Observer):
 
     def exposition(self) -> bytes:
         """The metrics in the Prometheus text format."""
+        if self.refused_elsewhere is not None:
+            for status, count in self.refused_elsewhere().items():
+                self.refusals.labels(status).inc(count)
         return generate_latest(self.registry)
 
 

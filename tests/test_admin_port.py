@@ -31,6 +31,8 @@ from fedra.coordinator.replica import (
     READS_DIR,
     READY_FILE,
     ForwardedGuard,
+    RefusalsRead,
+    RefusalTally,
     Replica,
 )
 from fedra.local import LocalCluster
@@ -38,6 +40,7 @@ from fedra.protos.v1 import admin_pb2
 from fedra.storage import Store
 from tests.conftest import fedra_cli, postgres_database
 from tests.test_cluster import FAST, finished, start_synthetic_sites, synthetic_spec, wait_until
+from tests.test_telemetry import scrape
 
 DEADLINE_S = 60.0
 
@@ -120,6 +123,8 @@ def test_the_read_process_is_started_again_and_ends_with_its_daemon(tmp_path: Pa
         cluster.start_coordinator(flags=FAST)
         state = cluster.state_dir
         first = _reads_pid(state)
+        announced = json.loads((state / "coordinator.json").read_text())
+        assert announced["admin_address"] == cluster.admin_address
         with cluster.admin(admin_port=True) as reads:
             assert reads.runs() == []
             os.kill(first, signal.SIGKILL)
@@ -129,6 +134,16 @@ def test_the_read_process_is_started_again_and_ends_with_its_daemon(tmp_path: Pa
             assert not _alive(first)
             # The same port: an operator's address still holds.
             assert _wait(lambda: _answers(reads), "answer on the admin port again")
+        # Meanwhile the CLI was sent to the site port; now to the admin port again.
+        assert cluster.coordinator is not None
+        log = cluster.coordinator.log_path.read_text()
+        assert "admin calls: the site port meanwhile" in log
+        assert _wait(
+            lambda: json.loads((state / "coordinator.json").read_text()) == announced,
+            "name the admin port in coordinator.json again",
+        )
+        listed = fedra_cli("run", "list", "--state-dir", str(state))
+        assert listed.returncode == 0, listed.stderr
         assert cluster.coordinator is not None
         cluster.coordinator.signal(signal.SIGKILL)  # however the daemon dies, it goes too
         _wait(lambda: not _alive(second), "end the read process with its daemon")
@@ -276,7 +291,8 @@ def test_the_admin_port_pages_sites_as_the_site_port_does_on_postgresql(tmp_path
 @pytest.mark.timeout(240)
 def test_every_admin_port_method_refuses_a_site_and_a_revoked_admin(tmp_path: Path) -> None:
     with LocalCluster(tmp_path / "cluster") as cluster:  # mTLS: real identities
-        cluster.start_coordinator(flags=FAST)
+        cluster.start_coordinator(flags=[*FAST, "--http", "127.0.0.1:0"])
+        http = json.loads((cluster.state_dir / "coordinator.json").read_text())["http_address"]
         site = pki.load_folder(cluster._pki_folder("site", "site-0"))
         calls = {
             "SubmitRun": lambda a: a.submit(synthetic_spec(rounds=1)),
@@ -303,6 +319,73 @@ def test_every_admin_port_method_refuses_a_site_and_a_revoked_admin(tmp_path: Pa
                 assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, name
         with cluster.admin() as direct:
             assert direct.runs() == []  # nothing any of them sent changed anything
+        # Refused identities are audited, and the refusals counted in the daemon's metrics.
+        audit = cluster.state_dir / AUDIT_FILE
+        refused_who = _wait(
+            lambda: (
+                (w := {e.who for e in read(audit) if e.event == "identity.refused"})
+                >= {"site site-0", "admin eve"}
+                and w
+            ),
+            "audit the identities the admin port refused",
+        )
+        assert refused_who == {"site site-0", "admin eve"}
+
+        def counted() -> bool:
+            metrics = scrape(http)
+            by_status = {
+                dict(labels)["status"]: value
+                for (name, labels), value in metrics.items()
+                if name == "fedra_refusals_total"
+            }
+            return by_status.get("PERMISSION_DENIED", 0) >= len(calls) and by_status.get(
+                "UNAUTHENTICATED", 0
+            ) >= len(calls)
+
+        _wait(counted, "count the admin port's refusals in /metrics")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_the_admin_port_bounds_each_callers_calls_in_flight(tmp_path: Path) -> None:
+    with LocalCluster(tmp_path / "cluster", secure=False) as cluster:
+        cluster.start_coordinator(flags=[*FAST, "--max-calls-per-admin", "2"])
+        with cluster.admin(admin_port=True) as reads:  # one connection: one caller
+            run_id = reads.submit(synthetic_spec(rounds=500))  # no sites: it waits
+            watches = [reads.watch(run_id, timeout_s=60) for _ in range(2)]
+            for watch in watches:
+                assert next(watch).run_id == run_id  # both streams are open now
+            with pytest.raises(grpc.RpcError) as refused:
+                reads.runs()
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "--max-calls-per-admin" in (refused.value.details() or "")
+            for watch in watches:
+                watch.close()  # type: ignore[attr-defined]
+            assert _wait(lambda: _answers(reads), "admit a call once a watch ended")
+            reads.cancel(run_id)
+
+
+def test_the_daemon_adds_each_read_process_refusals_once(tmp_path: Path) -> None:
+    folder = tmp_path / READS_DIR
+    folder.mkdir()
+    daemon = RefusalsRead(tmp_path)
+    assert daemon.new() == {}  # no read process has counted anything yet
+    tally = RefusalTally()
+    for status in ("UNAUTHENTICATED", "UNAUTHENTICATED", "PERMISSION_DENIED"):
+        tally.refused(status)
+    tally.write(folder)
+    assert daemon.new() == {"UNAUTHENTICATED": 2, "PERMISSION_DENIED": 1}
+    assert daemon.new() == {}  # counted once
+    tally.refused("UNAUTHENTICATED")
+    tally.write(folder)
+    assert daemon.new() == {"UNAUTHENTICATED": 1}
+    # A read process started again counts from 0: its counts are all new.
+    (folder / "refusals.json").write_text(
+        json.dumps({"pid": os.getpid() + 1, "refusals": {"UNAVAILABLE": 4}})
+    )
+    assert daemon.new() == {"UNAVAILABLE": 4}
+    (folder / "refusals.json").write_text("{not json")
+    assert daemon.new() == {}  # a half-written file is read next time
 
 
 def test_a_snapshot_another_daemon_wrote_is_not_used(tmp_path: Path) -> None:
