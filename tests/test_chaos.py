@@ -29,9 +29,9 @@ def _torture(tmp_path: Path, config: str, db: str | None = None) -> dict[str, ob
 
 
 def _check(figures: dict[str, object]) -> None:
-    assert figures["ok"] and figures["state"] == "completed", figures
-    assert figures["identical_rounds"] == figures["rounds"] == 21, figures  # rounds 0..20
-    assert figures["actions_left"] == 0, figures  # the whole plan, before the run ended
+    assert figures["ok"] and figures["state"] == "running", figures  # then cancelled
+    # Every round up to where the run was compared (the whole plan, then 2 more rounds).
+    assert figures["identical_rounds"] == figures["rounds"] >= 4, figures
     assert figures["committed_rounds_lost"] == 0 and figures["duplicate_rounds"] == 0, figures
     assert figures["max_abs_diff"] == 0.0, figures
     assert figures["coordinator_kills"] >= 2 and figures["site_kills"] >= 1, figures  # type: ignore[operator]
