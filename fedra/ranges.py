@@ -84,6 +84,7 @@ RANGES: dict[str, Bound] = {
     "strategy.beta1": _FRACTION,
     "strategy.beta2": _FRACTION,
     "strategy.tau": _positive(10.0),
+    "strategy.bias_correction": Bound(0.0, 1.0),  # a bool: 1.0 (true) or 0.0 (false)
     "codec.block": _int(1, 2**24),
     "codec.fraction": _positive(1.0),
     "aggregation.trim": Bound(0.0, 0.5, high_open=True),

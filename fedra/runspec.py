@@ -15,9 +15,13 @@ from fedra.ranges import check
 
 @dataclass(frozen=True)
 class Param:
-    """A strategy parameter's default; its range is ``ranges.RANGES['strategy.<name>']``."""
+    """A strategy parameter's default; its range is ``ranges.RANGES['strategy.<name>']``.
+
+    ``kind`` is what run.toml writes: a float, or a bool (``true``/``false``), which the
+    spec (and the wire) carries as 1.0 / 0.0 like every other strategy parameter."""
 
     default: float
+    kind: type[float] | type[bool] = float
 
 
 _ADAPTIVE = {
@@ -29,8 +33,11 @@ _ADAPTIVE = {
 STRATEGY_PARAMS: dict[str, dict[str, Param]] = {
     "fedavg": {"server_lr": Param(1.0)},
     "fedavgm": {"server_lr": Param(1.0), "momentum": Param(0.9)},
-    "fedadam": _ADAPTIVE,
+    # Off by default: Reddi et al.'s Algorithm 2. On: Adam's, as Flower's FedAdam applies.
+    "fedadam": {**_ADAPTIVE, "bias_correction": Param(0.0, bool)},
     "fedyogi": _ADAPTIVE,
+    # v accumulates every d^2 (no beta2): the steps shrink as the run goes on.
+    "fedadagrad": {k: v for k, v in _ADAPTIVE.items() if k != "beta2"},
     # Outer Nesterov SGD on the pseudo-gradient; defaults from the DiLoCo paper.
     "diloco": {"server_lr": Param(0.7), "momentum": Param(0.9)},
 }
@@ -455,6 +462,9 @@ class RunSpec:
         check_keys(self.strategy_params, set(known), "strategy")
         for key, value in self.strategy_params.items():
             check(f"strategy.{key}", value)
+            if known[key].kind is bool:
+                require(value in (0.0, 1.0), f"strategy.{key}",
+                        "must be true or false (1 or 0 in a submitted spec)", value)  # fmt: skip
 
     def strategy_param(self, key: str) -> float:
         """The run's value for a strategy parameter, or the strategy's default."""
@@ -529,7 +539,7 @@ def runspec_from_toml(doc: Mapping[str, Any]) -> RunSpec:
     strategy_t = dict(get(doc, "strategy", dict, "", {"name": "fedavg"}))
     strategy_name = get(strategy_t, "name", str, "strategy", "fedavg")
     strategy_t.pop("name", None)
-    strategy_params = {k: get(strategy_t, k, float, "strategy") for k in strategy_t}
+    strategy_params = _strategy_params_from_toml(strategy_name, strategy_t)
     codec_t = get(doc, "codec", dict, "", {})
     check_keys(codec_t, {"name", "block", "fraction", "download"}, "codec")
     codec_name = codec_t.get("name", "none")
@@ -563,6 +573,19 @@ def runspec_from_toml(doc: Mapping[str, Any]) -> RunSpec:
         strategy_params=strategy_params,
     )
     return spec.validate()
+
+
+def _strategy_params_from_toml(name: str, table: Mapping[str, Any]) -> dict[str, float]:
+    """Each parameter read as its kind (a bool as 1.0 / 0.0); an unknown one is refused,
+    naming the key (an unknown strategy by ``validate``)."""
+    known = STRATEGY_PARAMS.get(name)
+    if known is None:
+        return {key: get(table, key, float, "strategy") for key in table}
+    check_keys(table, set(known), "strategy")
+    out = {}
+    for key in table:
+        out[key] = float(get(table, key, known[key].kind, "strategy"))
+    return out
 
 
 def _aggregation_from_toml(t: Mapping[str, Any]) -> AggregationSpec:
