@@ -350,6 +350,7 @@ class SiteAgent:
             learning_rate=task.train.learning_rate,
             seed=_fit_seed(task, self.config.site_id),
             params=task.train.params,
+            proximal_mu=task.train.proximal_mu,
         )
         trained, num_samples, fit_metrics = self.executor.train(
             impl, task.entry_point, task.round, model, data, settings

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import torch
 
 from fedra.client.config import ParallelConfig
+from fedra.client.inner import InnerHooks
 from fedra.client.parallel.extract import HostStager
 from fedra.client.parallel.plan import PlanOptions, World, broadcast_module, get_plan
 from fedra.client.parallel.trainer import TrainStats, train
@@ -62,9 +63,12 @@ class LocalExecutor:
         data: Any,
         settings: FitSettings,
     ) -> tuple[dict[str, torch.Tensor], int, dict[str, float]]:
-        result = impl.fit(model.to(self.device), data, settings)
+        model = model.to(self.device)
+        hooks = InnerHooks(model.parameters(), settings.proximal_mu)
+        with hooks.around_fit(entry_point):
+            result = impl.fit(model, data, settings)
         state = self.stager.to_host(model.state_dict())
-        metrics = dict(result.metrics)
+        metrics = {**result.metrics, **hooks.metrics()}
         if self.device.type == "cuda":
             metrics["extract_gbps"] = self.stager.last_gbps
         return state, result.num_samples, metrics

@@ -271,9 +271,11 @@ class TrainSpec:
     batch_size: int = 32
     learning_rate: float = 0.05
     params: dict[str, str] = field(default_factory=dict)
+    # FedProx: each site adds (mu/2)||w - w_global||^2 to its local loss; 0: off.
+    proximal_mu: float = 0.0
 
     def validate(self) -> None:
-        for key in ("local_steps", "local_epochs", "batch_size", "learning_rate"):
+        for key in ("local_steps", "local_epochs", "batch_size", "learning_rate", "proximal_mu"):
             check(f"train.{key}", getattr(self, key))
         require(
             self.local_steps > 0 or self.local_epochs > 0,
@@ -499,7 +501,9 @@ _TOP_KEYS = {
     "max_round_attempts", "join_timeout_s", "seed", "train", "strategy", "codec",
     "aggregation", "privacy", "secagg", "async", "promotion",
 }  # fmt: skip
-_TRAIN_KEYS = {"local_steps", "local_epochs", "batch_size", "learning_rate", "params"}
+_TRAIN_KEYS = {
+    "local_steps", "local_epochs", "batch_size", "learning_rate", "params", "proximal_mu",
+}  # fmt: skip
 
 
 def param_text(name: str, value: object) -> str:
@@ -535,6 +539,7 @@ def runspec_from_toml(doc: Mapping[str, Any]) -> RunSpec:
         batch_size=get(train_t, "batch_size", int, "train", 32),
         learning_rate=get(train_t, "learning_rate", float, "train", 0.05),
         params={str(k): param_text(f"train.params.{k}", v) for k, v in params_t.items()},
+        proximal_mu=get(train_t, "proximal_mu", float, "train", 0.0),
     )
     strategy_t = dict(get(doc, "strategy", dict, "", {"name": "fedavg"}))
     strategy_name = get(strategy_t, "name", str, "strategy", "fedavg")

@@ -28,6 +28,7 @@ def train_to_proto(t: TrainSpec) -> common_pb2.TrainSettings:
         batch_size=t.batch_size,
         learning_rate=t.learning_rate,
         params=dict(t.params),
+        proximal_mu=t.proximal_mu,
     )
 
 
@@ -38,6 +39,7 @@ def train_from_proto(m: common_pb2.TrainSettings) -> TrainSpec:
         batch_size=m.batch_size,
         learning_rate=m.learning_rate,
         params=dict(m.params),
+        proximal_mu=m.proximal_mu,
     )
 
 

@@ -49,11 +49,14 @@ class TrainSettings(_message.Message):
     BATCH_SIZE_FIELD_NUMBER: _builtins.int
     LEARNING_RATE_FIELD_NUMBER: _builtins.int
     PARAMS_FIELD_NUMBER: _builtins.int
+    PROXIMAL_MU_FIELD_NUMBER: _builtins.int
     local_steps: _builtins.int
     """optimiser steps per round; 0 means use local_epochs"""
     local_epochs: _builtins.int
     batch_size: _builtins.int
     learning_rate: _builtins.float
+    proximal_mu: _builtins.float
+    """FedProx: (mu/2)||w - w_global||^2 added to the local loss; 0 off"""
     @_builtins.property
     def params(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """task-specific, from the run spec's [train.params]"""
@@ -66,10 +69,11 @@ class TrainSettings(_message.Message):
         batch_size: _builtins.int = ...,
         learning_rate: _builtins.float = ...,
         params: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        proximal_mu: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "learning_rate", b"learning_rate", "local_epochs", b"local_epochs", "local_steps", b"local_steps", "params", b"params"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "learning_rate", b"learning_rate", "local_epochs", b"local_epochs", "local_steps", b"local_steps", "params", b"params", "proximal_mu", b"proximal_mu"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
