@@ -80,6 +80,7 @@ RANGES: dict[str, Bound] = {
     "train.batch_size": _int(1, 2**20),
     "train.learning_rate": _positive(100.0),
     "train.proximal_mu": Bound(0.0, 1e4),  # 0: no proximal term
+    "train.reset_optimizer_every": _int(0, 1_000_000),  # rounds; 0: never
     "strategy.server_lr": _positive(100.0),
     "strategy.momentum": _FRACTION,
     "strategy.beta1": _FRACTION,

@@ -273,10 +273,27 @@ class TrainSpec:
     params: dict[str, str] = field(default_factory=dict)
     # FedProx: each site adds (mu/2)||w - w_global||^2 to its local loss; 0: off.
     proximal_mu: float = 0.0
+    # Each site carries its inner optimiser's state from round to round of the run (in its
+    # state_dir) instead of a fresh optimiser every round; reset_optimizer_every = N > 0
+    # starts it afresh in rounds 1, N + 1, 2N + 1, ...
+    keep_optimizer_state: bool = False
+    reset_optimizer_every: int = 0
+
+    def resets_optimizer(self, round_number: int) -> bool:
+        """Whether round ``round_number`` (1 the first trained) starts a fresh optimiser."""
+        n = self.reset_optimizer_every
+        return not self.keep_optimizer_state or (n > 0 and (round_number - 1) % n == 0)
 
     def validate(self) -> None:
-        for key in ("local_steps", "local_epochs", "batch_size", "learning_rate", "proximal_mu"):
+        for key in ("local_steps", "local_epochs", "batch_size", "learning_rate", "proximal_mu",
+                    "reset_optimizer_every"):  # fmt: skip
             check(f"train.{key}", getattr(self, key))
+        require(isinstance(self.keep_optimizer_state, bool), "train.keep_optimizer_state",
+                "must be true or false", self.keep_optimizer_state)  # fmt: skip
+        require(self.keep_optimizer_state or self.reset_optimizer_every == 0,
+                "train.reset_optimizer_every",
+                "only a run that keeps the state resets it (set train.keep_optimizer_state = "
+                "true)", self.reset_optimizer_every)  # fmt: skip
         require(
             self.local_steps > 0 or self.local_epochs > 0,
             "train.local_steps",
@@ -503,6 +520,7 @@ _TOP_KEYS = {
 }  # fmt: skip
 _TRAIN_KEYS = {
     "local_steps", "local_epochs", "batch_size", "learning_rate", "params", "proximal_mu",
+    "keep_optimizer_state", "reset_optimizer_every",
 }  # fmt: skip
 
 
@@ -540,6 +558,8 @@ def runspec_from_toml(doc: Mapping[str, Any]) -> RunSpec:
         learning_rate=get(train_t, "learning_rate", float, "train", 0.05),
         params={str(k): param_text(f"train.params.{k}", v) for k, v in params_t.items()},
         proximal_mu=get(train_t, "proximal_mu", float, "train", 0.0),
+        keep_optimizer_state=get(train_t, "keep_optimizer_state", bool, "train", False),
+        reset_optimizer_every=get(train_t, "reset_optimizer_every", int, "train", 0),
     )
     strategy_t = dict(get(doc, "strategy", dict, "", {"name": "fedavg"}))
     strategy_name = get(strategy_t, "name", str, "strategy", "fedavg")

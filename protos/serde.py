@@ -29,6 +29,8 @@ def train_to_proto(t: TrainSpec) -> common_pb2.TrainSettings:
         learning_rate=t.learning_rate,
         params=dict(t.params),
         proximal_mu=t.proximal_mu,
+        keep_optimizer_state=t.keep_optimizer_state,
+        reset_optimizer_every=t.reset_optimizer_every,
     )
 
 
@@ -40,6 +42,8 @@ def train_from_proto(m: common_pb2.TrainSettings) -> TrainSpec:
         learning_rate=m.learning_rate,
         params=dict(m.params),
         proximal_mu=m.proximal_mu,
+        keep_optimizer_state=m.keep_optimizer_state,
+        reset_optimizer_every=m.reset_optimizer_every,
     )
 
 

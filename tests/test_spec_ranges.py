@@ -54,6 +54,8 @@ def _base_doc(key: str) -> dict[str, Any]:
         doc["privacy"] = {"epsilon": 8.0, "sampling": "poisson", "population": 100}
     elif table == "privacy":
         doc["privacy"] = {"epsilon": 8.0}
+    elif key == "train.reset_optimizer_every":  # only a run that keeps the state resets it
+        doc["train"] = {"keep_optimizer_state": True}
     elif table in ("secagg", "async", "aggregation", "promotion"):
         doc[table] = {}
     return doc

@@ -55,6 +55,7 @@ def train(
         losses.append(_global_mean(loss, world))
     if world.device.type == "cuda":
         torch.cuda.synchronize(world.device)
+    hooks.finish(f"{type(task).__name__} under a parallel plan")
     return TrainStats(losses, time.perf_counter() - started, tokens, hooks.metrics())
 
 
