@@ -15,7 +15,8 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.testing import assert_close
 
-from fedra.client.executor import LocalExecutor
+from fedra.client.config import ParallelConfig
+from fedra.client.executor import LocalExecutor, WorldExecutor
 from fedra.client.inner import InnerOptimizerError, KeepState
 from fedra.client.optstate import (
     CarriedState,
@@ -24,9 +25,10 @@ from fedra.client.optstate import (
     load_file,
     to_bytes,
 )
+from fedra.client.parallel.plan import World
 from fedra.client.task import FitResult, FitSettings
 from fedra.config import ConfigError
-from fedra.examples import synthetic
+from fedra.examples import charlm, synthetic
 from fedra.local import LocalCluster
 from fedra.protos.serde import train_from_proto, train_to_proto
 from fedra.runspec import RunSpec, TrainSpec, runspec_from_toml
@@ -301,3 +303,19 @@ def test_a_round_trained_again_starts_from_the_rounds_before_it(
         assert sorted(p.name for p in tmp_path.iterdir()) == [
             "optimizer-run.prev.safetensors", "optimizer-run.safetensors",
         ]  # fmt: skip
+
+
+def test_a_local_world_of_several_processes_refuses_to_keep_the_state() -> None:
+    """Its ranks would each hold a shard of the state: refused before any rank is told."""
+
+    class _Untouched:
+        def send(self, message: object) -> None:
+            raise AssertionError("no rank should be told to train")
+
+    config = ParallelConfig(nproc=2, plan="dp")
+    world = World(0, 2, "gloo", torch.device("cpu"))
+    executor = WorldExecutor(config, world, _Untouched())  # type: ignore[arg-type]
+    task = charlm.task
+    with pytest.raises(InnerOptimizerError, match=r"^train\.keep_optimizer_state: not supported"):
+        executor.train(task, CHARLM, 1, nn.Linear(1, 1), None,
+                       FitSettings(1, 0, 1, 0.1, seed=0), KeepState(None, 1))  # fmt: skip
