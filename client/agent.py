@@ -24,7 +24,9 @@ from fedra.client import provenance
 from fedra.client.config import SiteConfig
 from fedra.client.connection import TRANSIENT, Assignment, Connection, Session, new_nonce
 from fedra.client.executor import Executor, LocalExecutor, WorldBroken
+from fedra.client.inner import KeepState
 from fedra.client.metrics import RoundMeasures, SiteMetrics, world_restarts, write_site_file
+from fedra.client.optstate import CarriedState, OptimizerStates
 from fedra.client.pending import PendingUpdate, PendingUpdates
 from fedra.client.policy import Policy
 from fedra.client.task import FitSettings, ParallelTask, Task, load_task
@@ -83,6 +85,10 @@ class SiteAgent:
         self.current: Assignment | None = None
         self._compressors: dict[str, Compressor] = {}  # by run: top-k error feedback
         self._pending = PendingUpdates(config.state_dir)  # sent, not yet known to count
+        # [train] keep_optimizer_state: each run's inner optimiser state (in state_dir), and
+        # the state of the round in flight, kept once its update counts.
+        self._optimizer_states = OptimizerStates(config.state_dir)
+        self._inner_state: tuple[str, CarriedState | None] | None = None
         # The last global model of each run (its SHA-256, its tensors): with compressed
         # downloads, the next round's model is this plus a compressed step.
         self._globals: dict[str, tuple[str, dict[str, torch.Tensor]]] = {}
@@ -320,8 +326,12 @@ class SiteAgent:
         upload_bytes: int,
         upload_s: float,
     ) -> None:
-        """Count a delivered update, with the timings the coordinator is sent too."""
+        """Count a delivered update, with the timings the coordinator is sent too; keep
+        the inner optimiser state its training left, if the run keeps it."""
         self.rounds_done += 1
+        held, self._inner_state = self._inner_state, None
+        if held is not None and held[0] == task.run_id and held[1] is not None:
+            self._optimizer_states.save(task.run_id, held[1])
         self.metrics.round_done(
             RoundMeasures(
                 run_id=task.run_id,
@@ -350,12 +360,27 @@ class SiteAgent:
             learning_rate=task.train.learning_rate,
             seed=_fit_seed(task, self.config.site_id),
             params=task.train.params,
+            proximal_mu=task.train.proximal_mu,
         )
+        keep = self._keep_state(task)
         trained, num_samples, fit_metrics = self.executor.train(
-            impl, task.entry_point, task.round, model, data, settings
+            impl, task.entry_point, task.round, model, data, settings, keep
         )
         metrics.update(fit_metrics)
+        if keep is not None:  # saved once the update counts (_round_done)
+            self._inner_state = (task.run_id, keep.result)
         return delta(trained, global_state), num_samples, metrics
+
+    def _keep_state(self, task: Assignment) -> KeepState | None:
+        """With [train] keep_optimizer_state: the state the run's last round here left,
+        unless this round starts afresh (reset_optimizer_every)."""
+        train = task.train
+        if not train.keep_optimizer_state:
+            return None
+        if train.resets_optimizer(task.round):
+            log.info("%s: inner optimiser state reset for round %d", self.tag, task.round)
+            return KeepState(None, task.round)
+        return KeepState(self._optimizer_states.load(task.run_id, task.round), task.round)
 
     def _global_model(
         self, impl: Task, task: Assignment, timeout_s: float

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import torch
 
 from fedra.client.config import ParallelConfig
+from fedra.client.inner import InnerHooks, InnerOptimizerError, KeepState
 from fedra.client.parallel.extract import HostStager
 from fedra.client.parallel.plan import PlanOptions, World, broadcast_module, get_plan
 from fedra.client.parallel.trainer import TrainStats, train
@@ -34,8 +35,12 @@ class Executor(Protocol):
         model: torch.nn.Module,
         data: Any,
         settings: FitSettings,
+        keep: KeepState | None = None,
     ) -> tuple[dict[str, torch.Tensor], int, dict[str, float]]:
-        """Train ``model`` (it holds the global weights): (trained state, samples, metrics)."""
+        """Train ``model`` (it holds the global weights): (trained state, samples, metrics).
+
+        With ``keep``, the task's optimiser starts from ``keep.carried`` and its state after
+        training is left in ``keep.result``."""
         ...
 
     def close(self) -> None: ...
@@ -61,10 +66,14 @@ class LocalExecutor:
         model: torch.nn.Module,
         data: Any,
         settings: FitSettings,
+        keep: KeepState | None = None,
     ) -> tuple[dict[str, torch.Tensor], int, dict[str, float]]:
-        result = impl.fit(model.to(self.device), data, settings)
+        model = model.to(self.device)
+        hooks = InnerHooks(model.parameters(), settings.proximal_mu, keep)
+        with hooks.around_fit(entry_point):
+            result = impl.fit(model, data, settings)
         state = self.stager.to_host(model.state_dict())
-        metrics = dict(result.metrics)
+        metrics = {**result.metrics, **hooks.metrics()}
         if self.device.type == "cuda":
             metrics["extract_gbps"] = self.stager.last_gbps
         return state, result.num_samples, metrics
@@ -125,9 +134,15 @@ class WorldExecutor:
         model: torch.nn.Module,
         data: Any,
         settings: FitSettings,
+        keep: KeepState | None = None,
     ) -> tuple[dict[str, torch.Tensor], int, dict[str, float]]:
         if not isinstance(impl, ParallelTask):
             raise TypeError(f"task {entry_point!r} does not support parallel plans")
+        if keep is not None:  # each rank would hold its shard of the state: not carried yet
+            raise InnerOptimizerError(
+                f"train.keep_optimizer_state: not supported on a site whose local world has "
+                f"{self.world.size} processes (plan {self.config.plan!r}) yet"
+            )
         message = {"cmd": "train", "entry_point": entry_point, "round": round_number}
         message["settings"] = {**asdict(settings), "params": dict(settings.params)}
         options = plan_options(self.config)

@@ -27,6 +27,9 @@ class FitSettings:
     learning_rate: float
     seed: int  # differs per (run, round, site): shuffling and dropout
     params: Mapping[str, str] = field(default_factory=dict)
+    # FedProx's mu: the site adds mu (w - w_global) to each gradient before every step of
+    # the task's torch.optim optimiser (fedra.client.inner); a task need not read it.
+    proximal_mu: float = 0.0
 
 
 @dataclass(frozen=True)

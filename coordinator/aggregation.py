@@ -7,6 +7,7 @@ into the next global model, FedAvg being the plain step.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import NamedTuple
 
@@ -75,10 +76,16 @@ class WeightedSum:
         return out
 
 
-class ServerOptimizer:
-    """FedAvg, FedAvgM, FedAdam, FedYogi and DiLoCo: x <- x + step(mean delta), with state.
+STEP_KEY = "outer_step"  # the outer steps taken, in the state of a rule that counts them
 
-    The rule is the strategy's entry in ``_RULES``, looked up once."""
+
+class ServerOptimizer:
+    """FedAvg, FedAvgM, FedAdam, FedYogi, FedAdagrad and DiLoCo: x <- x + step(mean delta),
+    with state.
+
+    The rule is the strategy's entry in ``_RULES``, looked up once. Each outer step begins
+    with ``begin_step`` (``step`` calls it), then moves the model tensor by tensor or
+    piece by piece (``step_piece``)."""
 
     def __init__(self, spec: RunSpec) -> None:
         rule = _RULES.get(spec.strategy)
@@ -92,9 +99,19 @@ class ServerOptimizer:
         self.params = {k: spec.strategy_param(k) for k in rule.params}
         self.state: dict[str, torch.Tensor] = {}
         self._direction = rule.direction
+        self._counts_steps = rule.counts_steps(self.params)
+        self._t = 0  # the outer step being taken (1 for the first), if the rule counts them
+
+    def begin_step(self) -> None:
+        """Start the next outer step (before any of its ``step_piece`` calls)."""
+        if self._counts_steps:
+            done = self.state.get(STEP_KEY)
+            self._t = (int(done) if done is not None else 0) + 1
+            self.state[STEP_KEY] = torch.tensor(self._t, dtype=torch.int64)
 
     def step(self, model: dict[str, torch.Tensor], mean_delta: Mapping[str, torch.Tensor]) -> None:
         """Apply one outer step to ``model`` in place."""
+        self.begin_step()
         for name, delta in mean_delta.items():
             param = model[name]
             self.step_piece(name, param.shape, 0, param.view(-1), delta.reshape(-1))
@@ -116,7 +133,9 @@ class ServerOptimizer:
         def state(kind: str) -> torch.Tensor:  # the run of state tensor "<kind>.<name>"
             return self._state(f"{kind}.{name}", shape, run, delta)
 
-        update = self._direction(self.params, state, delta)
+        if self._counts_steps and self._t == 0:
+            raise RuntimeError("step_piece before begin_step: the outer step is not counted")
+        update = self._direction(self.params, state, delta, self._t)
         param.add_(update.to(param.dtype), alpha=self.lr)
 
     def _state(
@@ -136,22 +155,23 @@ class ServerOptimizer:
 
 # ``state(kind)``: the run of the rule's state tensor ``kind`` (momenta) matching the delta's.
 _State = Callable[[str], torch.Tensor]
-# A rule's step direction for a run ``d`` of the mean delta, given the strategy's parameters.
-Direction = Callable[[Mapping[str, float], _State, torch.Tensor], torch.Tensor]
+# A rule's step direction for a run ``d`` of the mean delta, given the strategy's parameters
+# and ``t``, the outer step being taken (1 for the first; 0 for a rule that counts none).
+Direction = Callable[[Mapping[str, float], _State, torch.Tensor, int], torch.Tensor]
 
 
-def _fedavg(p: Mapping[str, float], state: _State, d: torch.Tensor) -> torch.Tensor:
+def _fedavg(p: Mapping[str, float], state: _State, d: torch.Tensor, t: int) -> torch.Tensor:
     return d
 
 
-def _fedavgm(p: Mapping[str, float], state: _State, d: torch.Tensor) -> torch.Tensor:
+def _fedavgm(p: Mapping[str, float], state: _State, d: torch.Tensor, t: int) -> torch.Tensor:
     # Hsu et al. 2019: v <- beta v + delta; x <- x + lr v
     m = state("m")
     m.mul_(p["momentum"]).add_(d)
     return m
 
 
-def _diloco(p: Mapping[str, float], state: _State, d: torch.Tensor) -> torch.Tensor:
+def _diloco(p: Mapping[str, float], state: _State, d: torch.Tensor, t: int) -> torch.Tensor:
     # DiLoCo (Douillard et al. 2023): outer SGD with Nesterov momentum on the
     # pseudo-gradient g = global - local = -delta, as torch.optim.SGD(nesterov=True):
     # b <- mu b + g; x <- x - lr (g + mu b). With b' = -b: x <- x + lr (d + mu b').
@@ -162,38 +182,62 @@ def _diloco(p: Mapping[str, float], state: _State, d: torch.Tensor) -> torch.Ten
 
 
 def _adaptive(
-    second_moment: Callable[[torch.Tensor, torch.Tensor, float], None],
+    second_moment: Callable[[torch.Tensor, torch.Tensor, Mapping[str, float]], None],
 ) -> Direction:
-    """FedAdam / FedYogi (Reddi et al. 2021), no bias correction as in the paper:
-    m <- b1 m + (1-b1) d; x <- x + lr m / (sqrt(v) + tau), v by ``second_moment``."""
+    """FedAdam / FedYogi / FedAdagrad (Reddi et al. 2021, Algorithm 2), no bias correction
+    as in the paper: m <- b1 m + (1-b1) d; x <- x + lr m / (sqrt(v) + tau), v by
+    ``second_moment``. With ``bias_correction`` (FedAdam only), Adam's: the step is
+    scaled by sqrt(1 - b2^t) / (1 - b1^t), tau staying outside, as Flower's FedAdam does
+    (Kingma & Ba's alpha_t; Flower's t is its round number + 1, fedra's the outer step)."""
 
-    def direction(p: Mapping[str, float], state: _State, d: torch.Tensor) -> torch.Tensor:
-        b1, b2, tau = p["beta1"], p["beta2"], p["tau"]
+    def direction(p: Mapping[str, float], state: _State, d: torch.Tensor, t: int) -> torch.Tensor:
+        b1, tau = p["beta1"], p["tau"]
         m, v = state("m"), state("v")
         m.mul_(b1).add_(d, alpha=1 - b1)
-        second_moment(v, d * d, b2)
-        return m / (v.sqrt() + tau)
+        second_moment(v, d * d, p)
+        step = m / (v.sqrt() + tau)
+        if t > 0:  # counted only with bias correction
+            step.mul_(math.sqrt(1 - p["beta2"] ** t) / (1 - b1**t))
+        return step
 
     return direction
 
 
-def _adam_v(v: torch.Tensor, squared: torch.Tensor, b2: float) -> None:
-    v.mul_(b2).add_(squared, alpha=1 - b2)  # v <- b2 v + (1-b2) d^2
+def _adam_v(v: torch.Tensor, squared: torch.Tensor, p: Mapping[str, float]) -> None:
+    v.mul_(p["beta2"]).add_(squared, alpha=1 - p["beta2"])  # v <- b2 v + (1-b2) d^2
 
 
-def _yogi_v(v: torch.Tensor, squared: torch.Tensor, b2: float) -> None:
-    v.sub_((1 - b2) * squared * torch.sign(v - squared))  # v <- v - (1-b2) d^2 sign(v - d^2)
+def _yogi_v(v: torch.Tensor, squared: torch.Tensor, p: Mapping[str, float]) -> None:
+    # v <- v - (1-b2) d^2 sign(v - d^2)
+    v.sub_((1 - p["beta2"]) * squared * torch.sign(v - squared))
+
+
+def _adagrad_v(v: torch.Tensor, squared: torch.Tensor, p: Mapping[str, float]) -> None:
+    v.add_(squared)  # v <- v + d^2
+
+
+def _never(params: Mapping[str, float]) -> bool:
+    return False
+
+
+def _if_bias_corrected(params: Mapping[str, float]) -> bool:
+    return params["bias_correction"] != 0.0
 
 
 class _Rule(NamedTuple):
     params: tuple[str, ...]  # the strategy parameters its direction reads
     direction: Direction
+    # Whether, with these parameters, it needs the count of outer steps (kept in the state).
+    counts_steps: Callable[[Mapping[str, float]], bool] = _never
 
 
 _RULES: dict[str, _Rule] = {
     "fedavg": _Rule((), _fedavg),
     "fedavgm": _Rule(("momentum",), _fedavgm),
-    "fedadam": _Rule(("beta1", "beta2", "tau"), _adaptive(_adam_v)),
+    "fedadam": _Rule(
+        ("beta1", "beta2", "tau", "bias_correction"), _adaptive(_adam_v), _if_bias_corrected
+    ),
     "fedyogi": _Rule(("beta1", "beta2", "tau"), _adaptive(_yogi_v)),
+    "fedadagrad": _Rule(("beta1", "tau"), _adaptive(_adagrad_v)),
     "diloco": _Rule(("momentum",), _diloco),
 }

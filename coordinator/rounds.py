@@ -648,6 +648,7 @@ def stepped_model(
     the result is bit for bit ``optimizer.step`` on whole tensors; half-precision ones may
     differ in the last bit at a few elements where a piece ends (torch's CPU kernels round
     short runs differently)."""
+    optimizer.begin_step()
     new: dict[str, torch.Tensor] = {}
     flat: dict[str, torch.Tensor] = {}  # each mean update, flat (a copy only if not contiguous)
     for name, spec in specs.items():

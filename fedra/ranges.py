@@ -79,11 +79,14 @@ RANGES: dict[str, Bound] = {
     "train.local_epochs": _int(0, 10_000),
     "train.batch_size": _int(1, 2**20),
     "train.learning_rate": _positive(100.0),
+    "train.proximal_mu": Bound(0.0, 1e4),  # 0: no proximal term
+    "train.reset_optimizer_every": _int(0, 1_000_000),  # rounds; 0: never
     "strategy.server_lr": _positive(100.0),
     "strategy.momentum": _FRACTION,
     "strategy.beta1": _FRACTION,
     "strategy.beta2": _FRACTION,
     "strategy.tau": _positive(10.0),
+    "strategy.bias_correction": Bound(0.0, 1.0),  # a bool: 1.0 (true) or 0.0 (false)
     "codec.block": _int(1, 2**24),
     "codec.fraction": _positive(1.0),
     "aggregation.trim": Bound(0.0, 0.5, high_open=True),

@@ -15,9 +15,13 @@ from fedra.ranges import check
 
 @dataclass(frozen=True)
 class Param:
-    """A strategy parameter's default; its range is ``ranges.RANGES['strategy.<name>']``."""
+    """A strategy parameter's default; its range is ``ranges.RANGES['strategy.<name>']``.
+
+    ``kind`` is what run.toml writes: a float, or a bool (``true``/``false``), which the
+    spec (and the wire) carries as 1.0 / 0.0 like every other strategy parameter."""
 
     default: float
+    kind: type[float] | type[bool] = float
 
 
 _ADAPTIVE = {
@@ -29,8 +33,11 @@ _ADAPTIVE = {
 STRATEGY_PARAMS: dict[str, dict[str, Param]] = {
     "fedavg": {"server_lr": Param(1.0)},
     "fedavgm": {"server_lr": Param(1.0), "momentum": Param(0.9)},
-    "fedadam": _ADAPTIVE,
+    # Off by default: Reddi et al.'s Algorithm 2. On: Adam's, as Flower's FedAdam applies.
+    "fedadam": {**_ADAPTIVE, "bias_correction": Param(0.0, bool)},
     "fedyogi": _ADAPTIVE,
+    # v accumulates every d^2 (no beta2): the steps shrink as the run goes on.
+    "fedadagrad": {k: v for k, v in _ADAPTIVE.items() if k != "beta2"},
     # Outer Nesterov SGD on the pseudo-gradient; defaults from the DiLoCo paper.
     "diloco": {"server_lr": Param(0.7), "momentum": Param(0.9)},
 }
@@ -264,10 +271,29 @@ class TrainSpec:
     batch_size: int = 32
     learning_rate: float = 0.05
     params: dict[str, str] = field(default_factory=dict)
+    # FedProx: each site adds (mu/2)||w - w_global||^2 to its local loss; 0: off.
+    proximal_mu: float = 0.0
+    # Each site carries its inner optimiser's state from round to round of the run (in its
+    # state_dir) instead of a fresh optimiser every round; reset_optimizer_every = N > 0
+    # starts it afresh in rounds 1, N + 1, 2N + 1, ...
+    keep_optimizer_state: bool = False
+    reset_optimizer_every: int = 0
+
+    def resets_optimizer(self, round_number: int) -> bool:
+        """Whether round ``round_number`` (1 the first trained) starts a fresh optimiser."""
+        n = self.reset_optimizer_every
+        return not self.keep_optimizer_state or (n > 0 and (round_number - 1) % n == 0)
 
     def validate(self) -> None:
-        for key in ("local_steps", "local_epochs", "batch_size", "learning_rate"):
+        for key in ("local_steps", "local_epochs", "batch_size", "learning_rate", "proximal_mu",
+                    "reset_optimizer_every"):  # fmt: skip
             check(f"train.{key}", getattr(self, key))
+        require(isinstance(self.keep_optimizer_state, bool), "train.keep_optimizer_state",
+                "must be true or false", self.keep_optimizer_state)  # fmt: skip
+        require(self.keep_optimizer_state or self.reset_optimizer_every == 0,
+                "train.reset_optimizer_every",
+                "only a run that keeps the state resets it (set train.keep_optimizer_state = "
+                "true)", self.reset_optimizer_every)  # fmt: skip
         require(
             self.local_steps > 0 or self.local_epochs > 0,
             "train.local_steps",
@@ -455,6 +481,9 @@ class RunSpec:
         check_keys(self.strategy_params, set(known), "strategy")
         for key, value in self.strategy_params.items():
             check(f"strategy.{key}", value)
+            if known[key].kind is bool:
+                require(value in (0.0, 1.0), f"strategy.{key}",
+                        "must be true or false (1 or 0 in a submitted spec)", value)  # fmt: skip
 
     def strategy_param(self, key: str) -> float:
         """The run's value for a strategy parameter, or the strategy's default."""
@@ -489,7 +518,10 @@ _TOP_KEYS = {
     "max_round_attempts", "join_timeout_s", "seed", "train", "strategy", "codec",
     "aggregation", "privacy", "secagg", "async", "promotion",
 }  # fmt: skip
-_TRAIN_KEYS = {"local_steps", "local_epochs", "batch_size", "learning_rate", "params"}
+_TRAIN_KEYS = {
+    "local_steps", "local_epochs", "batch_size", "learning_rate", "params", "proximal_mu",
+    "keep_optimizer_state", "reset_optimizer_every",
+}  # fmt: skip
 
 
 def param_text(name: str, value: object) -> str:
@@ -525,11 +557,14 @@ def runspec_from_toml(doc: Mapping[str, Any]) -> RunSpec:
         batch_size=get(train_t, "batch_size", int, "train", 32),
         learning_rate=get(train_t, "learning_rate", float, "train", 0.05),
         params={str(k): param_text(f"train.params.{k}", v) for k, v in params_t.items()},
+        proximal_mu=get(train_t, "proximal_mu", float, "train", 0.0),
+        keep_optimizer_state=get(train_t, "keep_optimizer_state", bool, "train", False),
+        reset_optimizer_every=get(train_t, "reset_optimizer_every", int, "train", 0),
     )
     strategy_t = dict(get(doc, "strategy", dict, "", {"name": "fedavg"}))
     strategy_name = get(strategy_t, "name", str, "strategy", "fedavg")
     strategy_t.pop("name", None)
-    strategy_params = {k: get(strategy_t, k, float, "strategy") for k in strategy_t}
+    strategy_params = _strategy_params_from_toml(strategy_name, strategy_t)
     codec_t = get(doc, "codec", dict, "", {})
     check_keys(codec_t, {"name", "block", "fraction", "download"}, "codec")
     codec_name = codec_t.get("name", "none")
@@ -563,6 +598,19 @@ def runspec_from_toml(doc: Mapping[str, Any]) -> RunSpec:
         strategy_params=strategy_params,
     )
     return spec.validate()
+
+
+def _strategy_params_from_toml(name: str, table: Mapping[str, Any]) -> dict[str, float]:
+    """Each parameter read as its kind (a bool as 1.0 / 0.0); an unknown one is refused,
+    naming the key (an unknown strategy by ``validate``)."""
+    known = STRATEGY_PARAMS.get(name)
+    if known is None:
+        return {key: get(table, key, float, "strategy") for key in table}
+    check_keys(table, set(known), "strategy")
+    out = {}
+    for key in table:
+        out[key] = float(get(table, key, known[key].kind, "strategy"))
+    return out
 
 
 def _aggregation_from_toml(t: Mapping[str, Any]) -> AggregationSpec:

@@ -28,6 +28,9 @@ def train_to_proto(t: TrainSpec) -> common_pb2.TrainSettings:
         batch_size=t.batch_size,
         learning_rate=t.learning_rate,
         params=dict(t.params),
+        proximal_mu=t.proximal_mu,
+        keep_optimizer_state=t.keep_optimizer_state,
+        reset_optimizer_every=t.reset_optimizer_every,
     )
 
 
@@ -38,6 +41,9 @@ def train_from_proto(m: common_pb2.TrainSettings) -> TrainSpec:
         batch_size=m.batch_size,
         learning_rate=m.learning_rate,
         params=dict(m.params),
+        proximal_mu=m.proximal_mu,
+        keep_optimizer_state=m.keep_optimizer_state,
+        reset_optimizer_every=m.reset_optimizer_every,
     )
 
 

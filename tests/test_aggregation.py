@@ -285,7 +285,16 @@ def test_optimizer_defaults_come_from_strategy_params(strategy: str) -> None:
                 sq = d[i] * d[i]
                 v[i] -= (1 - b2) * sq * (v[i] > sq) - (1 - b2) * sq * (v[i] < sq)
                 expected[i] += lr * m[i] / (math.sqrt(v[i]) + tau)
+    elif strategy == "fedadagrad":
+        b1, tau = defaults["beta1"], defaults["tau"]
+        m, v, expected = [0.0] * 3, [0.0] * 3, list(X0)
+        for d in DELTAS:
+            for i in range(3):
+                m[i] = b1 * m[i] + (1 - b1) * d[i]
+                v[i] += d[i] * d[i]
+                expected[i] += lr * m[i] / (math.sqrt(v[i]) + tau)
     else:
+        assert strategy == "fedadam" and defaults["bias_correction"] == 0.0
         expected = _adam_reference(
             X0, DELTAS, lr, defaults["beta1"], defaults["beta2"], defaults["tau"]
         )
@@ -362,6 +371,9 @@ def test_half_precision_params_are_updated_in_their_own_dtype(strategy: str) -> 
         b1, b2, tau = (STRATEGY_PARAMS[strategy][k].default for k in ("beta1", "beta2", "tau"))
         m, v = (1 - b1) * delta, (1 - b2) * delta * delta
         direction = m / (v.sqrt() + tau)
+    elif strategy == "fedadagrad":  # from zero state v = d^2
+        b1, tau = (STRATEGY_PARAMS[strategy][k].default for k in ("beta1", "tau"))
+        direction = (1 - b1) * delta / (delta.abs() + tau)
     elif strategy == "diloco":  # first Nesterov step: d + mu d
         direction = delta * (1 + STRATEGY_PARAMS["diloco"]["momentum"].default)
     else:

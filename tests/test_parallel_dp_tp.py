@@ -78,15 +78,18 @@ def test_data_parallel_without_a_process_group_fails_clearly() -> None:
 # --- in-process: a world of one runs every plan's plumbing --------------------------------
 
 
+@pytest.mark.parametrize("mu", [0.0, 0.5], ids=["plain", "fedprox"])
 @pytest.mark.parametrize("plan", ["dp", "fsdp", "tp", "fsdp+tp"])
-def test_world_of_one_trains_like_one_process(world_of_one: World, plan: str) -> None:
-    settings = FitSettings(2, 0, 4, 1e-3, 0, MOE)
+def test_world_of_one_trains_like_one_process(world_of_one: World, plan: str, mu: float) -> None:
+    """FedProx too: a plan's own (sharded) parameters take the proximal term."""
+    settings = FitSettings(2, 0, 4, 1e-3, 0, MOE, proximal_mu=mu)
     data = task.load_data({"max_bytes": 20_000})
     runner = get_plan(plan)(task.create_model(0, MOE), world_of_one, PlanOptions())
     stats = train(runner, task, data, settings, world_of_one)
     reference = SingleRunner(task.create_model(0, MOE))
     ref_stats = train(reference, task, data, settings, World(0, 1, "none", CPU))
     assert stats.losses == pytest.approx(ref_stats.losses, abs=1e-6)
+    assert stats.inner == ref_stats.inner == ({"proximal_steps": 2.0} if mu else {})
     full, expected = runner.full_state_dict(), reference.full_state_dict()
     assert full is not None and expected is not None
     assert list(full) == list(expected)  # plain names, same order: no `module.` prefix
@@ -96,6 +99,19 @@ def test_world_of_one_trains_like_one_process(world_of_one: World, plan: str) ->
 
 
 # --- real worlds under torchrun -----------------------------------------------------------
+
+
+IDS = [
+    "dp2",
+    "dp2-moe",
+    "fsdp2",
+    "fsdp2-moe",
+    "tp2",
+    "tp2-moe",
+    "fsdp2xtp2",
+    "fsdp2xtp2-moe",
+    "fsdp2-fedprox",
+]
 
 
 @pytest.mark.multiprocess
@@ -110,11 +126,13 @@ def test_world_of_one_trains_like_one_process(world_of_one: World, plan: str) ->
         (2, "tp", ("--experts", "4")),
         (4, "fsdp+tp", ("--tp-size", "2")),
         (4, "fsdp+tp", ("--tp-size", "2", "--experts", "4")),
+        (2, "fsdp", ("--proximal-mu", "0.5")),
     ],
-    ids=["dp2", "dp2-moe", "fsdp2", "fsdp2-moe", "tp2", "tp2-moe", "fsdp2xtp2", "fsdp2xtp2-moe"],
+    ids=IDS,
 )
 def test_parallel_world_matches_one_process(
     tmp_path: Path, nproc: int, plan: str, extra: tuple[str, ...]
 ) -> None:
     report = run_check(tmp_path / "report.json", nproc, plan, *extra)
     assert_matches_one_process(report, nproc, PARAM_TOL, LOSS_TOL)
+    assert report["proximal_steps"] == (3.0 if "--proximal-mu" in extra else 0.0)

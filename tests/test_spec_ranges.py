@@ -54,6 +54,8 @@ def _base_doc(key: str) -> dict[str, Any]:
         doc["privacy"] = {"epsilon": 8.0, "sampling": "poisson", "population": 100}
     elif table == "privacy":
         doc["privacy"] = {"epsilon": 8.0}
+    elif key == "train.reset_optimizer_every":  # only a run that keeps the state resets it
+        doc["train"] = {"keep_optimizer_state": True}
     elif table in ("secagg", "async", "aggregation", "promotion"):
         doc[table] = {}
     return doc
@@ -140,7 +142,8 @@ def test_the_ends_of_each_range_are_accepted(key: str) -> None:
     for end, value in zip(("low", "high"), _inside(RANGES[key]), strict=True):
         if (key, end) in _CROSS_RULES:
             continue
-        doc = _with(_base_doc(key), key, value)
+        written = bool(value) if _is_bool_param(key) else value  # true / false in run.toml
+        doc = _with(_base_doc(key), key, written)
         if key.endswith(("min_sites", "buffer", "select", "byzantine")) or key == "sites_per_round":
             doc["sites_per_round"] = MAX_SITES  # these are bounded by it too
         if key == "train.local_epochs":
@@ -149,6 +152,13 @@ def test_the_ends_of_each_range_are_accepted(key: str) -> None:
             continue  # krum needs 2f + 3 updates: the rule, not the range, limits it
         spec = runspec_from_toml(doc)
         assert spec.validate() is spec
+
+
+def _is_bool_param(key: str) -> bool:
+    table, _, name = key.rpartition(".")
+    return table == "strategy" and any(
+        params[name].kind is bool for params in STRATEGY_PARAMS.values() if name in params
+    )
 
 
 def _proto_with(key: str, value: float) -> admin_pb2.RunSpec:

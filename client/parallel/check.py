@@ -40,6 +40,7 @@ def _args() -> argparse.Namespace:
     p.add_argument("--pp-size", type=int, default=0)
     p.add_argument("--schedule", default="1f1b")
     p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--proximal-mu", type=float, default=0.0, help="FedProx's mu (0: off)")
     p.add_argument("--no-reference", action="store_true", help="skip the one-process run")
     p.add_argument(
         "--warmup", action="store_true", help="run one round first: time the steady state"
@@ -70,7 +71,9 @@ def main() -> None:
         "top_k": "2" if args.experts > 1 else "1",
         "moe_every": "1",
     }
-    settings = FitSettings(args.steps, 0, args.batch_size, args.lr, seed=0, params=params)
+    settings = FitSettings(
+        args.steps, 0, args.batch_size, args.lr, seed=0, params=params, proximal_mu=args.proximal_mu
+    )
     options = PlanOptions(args.tp_size, args.pp_size, args.schedule, args.microbatches)
     data = task.load_data({"part": 0, "num_parts": 1, "max_bytes": 200_000})
 
@@ -85,6 +88,7 @@ def main() -> None:
         assert full is not None
         report: dict[str, Any] = {"plan": args.plan, "world": world.size, "backend": world.backend}
         report.update(losses=stats.losses, tokens_per_s=stats.tokens / stats.seconds)
+        report.update(proximal_steps=stats.inner.get("proximal_steps", 0.0))
         report.update(scatter_s=result.scatter_s, train_s=stats.seconds, gather_s=result.gather_s)
         if not args.no_reference:
             report.update(_compare(full, settings, data, params, world))

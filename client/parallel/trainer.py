@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from fedra.client.inner import InnerHooks
 from fedra.client.parallel.plan import Runner, World
 from fedra.client.task import FitSettings, ParallelTask
 
@@ -18,6 +19,7 @@ class TrainStats:
     losses: list[float]  # the global batch's mean loss, per step
     seconds: float
     tokens: int
+    inner: dict[str, float] = field(default_factory=dict)  # InnerHooks.metrics
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -27,6 +29,7 @@ class TrainStats:
             "tokens": float(self.tokens),
             "tokens_per_s": self.tokens / max(self.seconds, 1e-9),
             "train_s": self.seconds,
+            **self.inner,
         }
 
 
@@ -34,7 +37,10 @@ def train(
     runner: Runner, task: ParallelTask, data: Any, settings: FitSettings, world: World
 ) -> TrainStats:
     """Run the round's local steps with ``runner``; every rank of the world calls this."""
-    optimizer = task.optimizer(runner.parameters(), settings)
+    params = runner.parameters()
+    hooks = InnerHooks(params, settings.proximal_mu)  # before the first step: w_global
+    optimizer = task.optimizer(params, settings)
+    hooks.attach(optimizer)
     steps = task.num_steps(data, settings)
     losses: list[float] = []
     tokens = 0
@@ -49,7 +55,8 @@ def train(
         losses.append(_global_mean(loss, world))
     if world.device.type == "cuda":
         torch.cuda.synchronize(world.device)
-    return TrainStats(losses, time.perf_counter() - started, tokens)
+    hooks.finish(f"{type(task).__name__} under a parallel plan")
+    return TrainStats(losses, time.perf_counter() - started, tokens, hooks.metrics())
 
 
 def _global_mean(loss: torch.Tensor | None, world: World) -> float:

@@ -49,11 +49,20 @@ class TrainSettings(_message.Message):
     BATCH_SIZE_FIELD_NUMBER: _builtins.int
     LEARNING_RATE_FIELD_NUMBER: _builtins.int
     PARAMS_FIELD_NUMBER: _builtins.int
+    PROXIMAL_MU_FIELD_NUMBER: _builtins.int
+    KEEP_OPTIMIZER_STATE_FIELD_NUMBER: _builtins.int
+    RESET_OPTIMIZER_EVERY_FIELD_NUMBER: _builtins.int
     local_steps: _builtins.int
     """optimiser steps per round; 0 means use local_epochs"""
     local_epochs: _builtins.int
     batch_size: _builtins.int
     learning_rate: _builtins.float
+    proximal_mu: _builtins.float
+    """FedProx: (mu/2)||w - w_global||^2 added to the local loss; 0 off"""
+    keep_optimizer_state: _builtins.bool
+    """each site carries its inner optimiser's state across rounds"""
+    reset_optimizer_every: _builtins.int
+    """with it: a fresh optimiser in rounds 1, N+1, ...; 0 never"""
     @_builtins.property
     def params(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """task-specific, from the run spec's [train.params]"""
@@ -66,10 +75,13 @@ class TrainSettings(_message.Message):
         batch_size: _builtins.int = ...,
         learning_rate: _builtins.float = ...,
         params: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        proximal_mu: _builtins.float = ...,
+        keep_optimizer_state: _builtins.bool = ...,
+        reset_optimizer_every: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "learning_rate", b"learning_rate", "local_epochs", b"local_epochs", "local_steps", b"local_steps", "params", b"params"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "keep_optimizer_state", b"keep_optimizer_state", "learning_rate", b"learning_rate", "local_epochs", b"local_epochs", "local_steps", b"local_steps", "params", b"params", "proximal_mu", b"proximal_mu", "reset_optimizer_every", b"reset_optimizer_every"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

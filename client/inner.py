@@ -1,0 +1,152 @@
+"""What a site adds to a task's inner (local) optimiser, whichever task it is.
+
+FedProx (Li et al. 2020) adds ``(mu / 2) ||w - w_global||^2`` to the local loss. Its
+gradient, ``mu (w - w_global)``, is added to each parameter's gradient just before every
+step of the inner optimiser: the same step as the term in the loss, for any task and any
+``torch.optim`` optimiser, however the task computed the gradients (one backward or
+several accumulated microbatches). The site finds the optimiser through a step pre-hook:
+the trainer's own (``ParallelTask``), or, around a task's ``fit``, torch's global one,
+which acts only on optimisers stepping this model's parameters.
+
+With ``[train] keep_optimizer_state`` the same hook gives the task's optimiser, before its
+first step, the state the site's previous round left (``KeepState``), and takes its state
+after training, to carry to the next.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
+
+from fedra.client.optstate import CarriedState
+
+log = logging.getLogger("fedra.site")
+
+
+class InnerOptimizerError(RuntimeError):
+    """A task's training that the run's inner-optimiser options cannot apply to."""
+
+
+@dataclass(eq=False)
+class KeepState:
+    """One round of a run that keeps its inner optimiser's state: what comes in (None:
+    a fresh optimiser), and, after training, what goes to the next round."""
+
+    carried: CarriedState | None
+    round_number: int
+    result: CarriedState | None = None
+    used: bool = False  # whether ``carried`` was loaded into the task's optimiser
+
+
+class InnerHooks:
+    """The site's additions to the inner optimiser of one round's training."""
+
+    def __init__(
+        self,
+        params: Iterable[torch.nn.Parameter],
+        proximal_mu: float = 0.0,
+        keep: KeepState | None = None,
+    ) -> None:
+        trainable = [p for p in params if p.requires_grad]
+        self.proximal_mu = proximal_mu
+        self.keep = keep
+        self._optimizers: list[torch.optim.Optimizer] = []  # those seen stepping ours
+        # By identity: the global hook sees every optimiser of the process (another site's
+        # too, in tests), and acts only on these parameters. The parameters are held, so
+        # their ids stay theirs.
+        self._params = {id(p): p for p in trainable}
+        # w_global: each parameter as training starts (the global model), in its own
+        # layout (a plan's sharded DTensor too), taken before the first step.
+        self._anchors = {id(p): p.detach().clone() for p in trainable} if proximal_mu > 0 else {}
+        self.steps = 0  # steps of an optimiser over these parameters that the hooks saw
+
+    def before_step(
+        self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        """Step pre-hook: add ``mu (w - w_global)`` to the gradients of our parameters."""
+        ours = [p for group in optimizer.param_groups for p in group["params"]
+                if id(p) in self._params]  # fmt: skip
+        if not ours:
+            return
+        # args: (optimizer, *step's own arguments), as torch passes them to pre-hooks.
+        if self._anchors and (args[1:] or kwargs.get("closure") is not None):
+            raise InnerOptimizerError(
+                "train.proximal_mu: the task's optimiser steps with a closure (it computes "
+                "the gradients inside step), which the proximal term cannot be added to"
+            )
+        self.steps += 1
+        if self.keep is not None and not any(o is optimizer for o in self._optimizers):
+            self._first_step(optimizer, self.keep)
+        if not self._anchors:
+            return
+        with torch.no_grad():
+            for p in ours:
+                if p.grad is not None:
+                    p.grad.add_(p.detach() - self._anchors[id(p)], alpha=self.proximal_mu)
+
+    def _first_step(self, optimizer: torch.optim.Optimizer, keep: KeepState) -> None:
+        self._optimizers.append(optimizer)
+        carried = keep.carried
+        if len(self._optimizers) > 1 or carried is None:
+            return
+        if carried.fits(optimizer):
+            carried.load_into(optimizer)
+            keep.used = True
+        else:  # the task's model or optimiser changed shape: nothing to carry over
+            log.warning(
+                "inner optimiser state of round %d does not fit this round's optimiser "
+                "(param groups %s, now %s); starting afresh", carried.after_round,
+                [len(g) for g in carried.groups],
+                [len(g["params"]) for g in optimizer.param_groups],
+            )  # fmt: skip
+
+    def finish(self, entry_point: str) -> None:
+        """After training: check what the run asked for could be done; take the state."""
+        if self._anchors and self.steps == 0:
+            raise InnerOptimizerError(
+                f"train.proximal_mu: task {entry_point!r} stepped no torch.optim optimiser "
+                "over the model's parameters, so the proximal term had nowhere to go (a fit "
+                "that updates the weights by hand cannot take it)"
+            )
+        keep = self.keep
+        if keep is None:
+            return
+        if len(self._optimizers) != 1:
+            raise InnerOptimizerError(
+                f"train.keep_optimizer_state: task {entry_point!r} stepped "
+                f"{len(self._optimizers)} torch.optim optimisers over the model's parameters; "
+                "keeping the state needs exactly one"
+            )
+        rounds = keep.carried.rounds + 1 if keep.used and keep.carried is not None else 1
+        keep.result = CarriedState.of(self._optimizers[0], rounds, keep.round_number)
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> RemovableHandle:
+        """Hook the optimiser a trainer built itself."""
+        return optimizer.register_step_pre_hook(self.before_step)
+
+    @contextmanager
+    def around_fit(self, entry_point: str) -> Iterator[None]:
+        """Hook whatever ``torch.optim`` optimiser the task's ``fit`` steps over the model;
+        then ``finish``."""
+        handle = register_optimizer_step_pre_hook(self.before_step)
+        try:
+            yield
+        finally:
+            handle.remove()
+        self.finish(entry_point)
+
+    def metrics(self) -> dict[str, float]:
+        """What the site reports of them: the inner steps that took the proximal term, the
+        earlier rounds the optimiser's state carried (0: fresh)."""
+        out = {"proximal_steps": float(self.steps)} if self._anchors else {}
+        if self.keep is not None:
+            carried = self.keep.carried
+            out["inner_state_rounds"] = float(carried.rounds if carried and self.keep.used else 0)
+        return out

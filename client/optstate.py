@@ -1,0 +1,176 @@
+"""A site's inner optimiser state, carried from one round of a run to the next.
+
+One file per run in the site's state directory, ``optimizer-<run>.safetensors``: the
+state's tensors (moments, step counts) as safetensors, and, as JSON in the same file's
+header, the rest: which parameter each entry belongs to, the values that are not tensors,
+the param groups' layout, the rounds it carries. One file, so it is replaced whole
+(temporary file, fsync, rename). No pickle: reading it runs no code.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save
+
+from fedra.files import write_atomic
+
+log = logging.getLogger("fedra.site")
+_META_KEY = "fedra.optimizer_state"
+_FORMAT = 1
+_SCALARS = (bool, int, float, str, type(None))
+
+
+class OptimizerStateError(ValueError):
+    """A state file that cannot be read back (damaged, another format)."""
+
+
+@dataclass(eq=False)
+class CarriedState:
+    """``optimizer.state_dict()["state"]`` and its param groups' layout, after a round."""
+
+    state: dict[int, dict[str, Any]]  # parameter index -> its entries (tensors, scalars)
+    groups: list[list[int]]  # each param group's parameter indices, in order
+    rounds: int  # the rounds whose training it carries (1 after the first)
+    after_round: int  # the run's round that left it
+
+    @staticmethod
+    def of(optimizer: torch.optim.Optimizer, rounds: int, after_round: int) -> CarriedState:
+        """A copy of the optimiser's per-parameter state (on the CPU; its hyperparameters
+        are not kept: each round's optimiser brings its own)."""
+        sd = optimizer.state_dict()
+        state = {
+            int(index): {k: _cpu_copy(v) for k, v in entries.items()}
+            for index, entries in sd["state"].items()
+        }
+        groups = [list(g["params"]) for g in sd["param_groups"]]
+        return CarriedState(state, groups, rounds, after_round)
+
+    def fits(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether the optimiser has the same param groups and parameters (by index)."""
+        return self.groups == [list(g["params"]) for g in optimizer.state_dict()["param_groups"]]
+
+    def load_into(self, optimizer: torch.optim.Optimizer) -> None:
+        """Give ``optimizer`` this state, keeping its own hyperparameters (lr, betas...)."""
+        groups = optimizer.state_dict()["param_groups"]
+        state = {i: {k: _cpu_copy(v) for k, v in e.items()} for i, e in self.state.items()}
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _cpu_copy(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True).contiguous()
+    if not isinstance(value, _SCALARS):
+        raise TypeError(
+            f"train.keep_optimizer_state: an optimiser state entry of type "
+            f"{type(value).__name__} cannot be kept (tensors, numbers, strings, None only)"
+        )
+    return value
+
+
+def to_bytes(carried: CarriedState) -> bytes:
+    """The safetensors file: tensors under ``<index>/<name>``; the rest in its header."""
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for index, entries in carried.state.items():
+        for name, value in entries.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{index}/{name}"] = value
+            else:
+                scalars.setdefault(str(index), {})[name] = value
+    meta = {
+        "format": _FORMAT,
+        "indices": sorted(carried.state),
+        "scalars": scalars,
+        "groups": carried.groups,
+        "rounds": carried.rounds,
+        "after_round": carried.after_round,
+    }
+    return save(tensors, metadata={_META_KEY: json.dumps(meta, sort_keys=True)})
+
+
+def load_file(path: Path) -> CarriedState:
+    """Read a file ``to_bytes`` wrote; OptimizerStateError if it is not one."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            header: Mapping[str, str] = f.metadata() or {}
+            tensors = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 - not a dict
+        meta = json.loads(header[_META_KEY])
+        if meta.get("format") != _FORMAT:
+            raise OptimizerStateError(f"{path}: format {meta.get('format')!r}, not {_FORMAT}")
+        state: dict[int, dict[str, Any]] = {int(i): {} for i in meta["indices"]}
+        for index, entries in meta["scalars"].items():
+            state[int(index)].update(entries)
+        for key, tensor in tensors.items():
+            index, _, name = key.partition("/")
+            state[int(index)][name] = tensor
+        groups = [[int(i) for i in g] for g in meta["groups"]]
+        return CarriedState(state, groups, int(meta["rounds"]), int(meta["after_round"]))
+    except OptimizerStateError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as exc:  # damaged, not ours
+        raise OptimizerStateError(f"{path}: not an optimiser state file: {exc}") from exc
+
+
+class OptimizerStates:
+    """Each run's carried state: in the site's state directory, or in memory without one.
+
+    Two generations are kept, the latest and the one before, so that a round trained again
+    (a retried attempt, the same task after a restart) starts from the state the rounds
+    before it left, not from its own first attempt's."""
+
+    def __init__(self, state_dir: Path | None) -> None:
+        self.state_dir = state_dir
+        self._memory: dict[str, list[CarriedState]] = {}  # oldest first, at most two
+
+    def path(self, run_id: str, previous: bool = False) -> Path | None:
+        if self.state_dir is None:
+            return None
+        return self.state_dir / f"optimizer-{run_id}{'.prev' if previous else ''}.safetensors"
+
+    def load(self, run_id: str, before_round: int) -> CarriedState | None:
+        """The latest state a round before ``before_round`` left, or None: none yet, or a
+        file that cannot be read (then the optimiser starts afresh)."""
+        for carried in reversed(self._generations(run_id)):
+            if carried.after_round < before_round:
+                return carried
+        return None
+
+    def _generations(self, run_id: str) -> list[CarriedState]:
+        if self.state_dir is None:
+            return self._memory.get(run_id, [])
+        found = []
+        for previous in (True, False):
+            path = self.path(run_id, previous)
+            if path is None or not path.exists():
+                continue
+            try:
+                found.append(load_file(path))
+            except OptimizerStateError as exc:
+                log.warning("inner optimiser state dropped: %s", exc)
+        return found
+
+    def save(self, run_id: str, carried: CarriedState) -> None:
+        """Keep ``carried`` as the latest; the latest of an earlier round becomes the one
+        before (one of the same round, an earlier attempt's, is replaced)."""
+        path, previous = self.path(run_id), self.path(run_id, previous=True)
+        if path is None or previous is None:
+            kept = [c for c in self._memory.get(run_id, []) if c.after_round < carried.after_round]
+            self._memory = {run_id: [*kept[-1:], carried]}  # one run's at a time
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists():
+            try:
+                latest = load_file(path).after_round
+            except OptimizerStateError:
+                latest = carried.after_round  # unreadable: not worth keeping
+            if latest < carried.after_round:
+                path.replace(previous)  # a rename: the latest stays whole, now as the previous
+        write_atomic(path, [to_bytes(carried)])
