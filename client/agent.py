@@ -586,7 +586,7 @@ def load_tasks(config: SiteConfig) -> dict[str, Task]:
         tasks = {ep: load_task(ep) for ep in config.allowed_tasks}
     except ConfigError as exc:  # a typo in an entry point, a package not installed
         raise ConfigError(f"{_in(config)}allowed_tasks: {exc}") from exc
-    if config.parallel.nproc > 1:
+    if config.parallel.launches_world:
         for ep, impl in tasks.items():
             if not isinstance(impl, ParallelTask):
                 raise ConfigError(

@@ -26,7 +26,9 @@ _KEYS = {
 }  # fmt: skip
 _PARALLEL_KEYS = {
     "nproc", "plan", "backend", "tp_size", "pp_size", "pp_schedule", "microbatches", "max_restarts",
+    "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "rdzv_timeout_s",
 }  # fmt: skip
+MAX_NODES = 1024
 _METRICS_KEYS = {"http"}
 PLAN_NAMES = ("none", "dp", "fsdp", "tp", "fsdp+tp", "pp", "pp+dp", "ep")
 _TWO_D = {"fsdp+tp": "tp_size", "pp+dp": "pp_size"}
@@ -44,10 +46,29 @@ class ParallelConfig:
     pp_schedule: str = "1f1b"
     microbatches: int = 4
     max_restarts: int = 100  # local-world restarts after a rank fails
+    # Several machines (torch's elastic agent and c10d rendezvous, as torchrun): the
+    # number of nodes, fixed or "MIN:MAX"; this node's place (0: the node that talks to
+    # the coordinator); node 0's address for the rendezvous, inside the site's network.
+    min_nodes: int = 1
+    max_nodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str = ""
+    rdzv_id: str = ""  # the site's id where empty
+    rdzv_timeout_s: float = 600.0  # how long a node waits for the others to join
+
+    @property
+    def multi_node(self) -> bool:
+        return self.max_nodes > 1
+
+    @property
+    def launches_world(self) -> bool:
+        """Whether ``fedra site`` becomes an elastic agent (else it trains in-process)."""
+        return self.nproc > 1 or self.multi_node
 
     @staticmethod
     def from_toml(t: dict[str, Any]) -> ParallelConfig:
         check_keys(t, _PARALLEL_KEYS, "parallel")
+        min_nodes, max_nodes = _node_range(t.get("nnodes", 1))
         c = ParallelConfig(
             nproc=get(t, "nproc", int, "parallel", 1),
             plan=get(t, "plan", str, "parallel", "none"),
@@ -57,6 +78,12 @@ class ParallelConfig:
             pp_schedule=get(t, "pp_schedule", str, "parallel", "1f1b"),
             microbatches=get(t, "microbatches", int, "parallel", 4),
             max_restarts=get(t, "max_restarts", int, "parallel", 100),
+            min_nodes=min_nodes,
+            max_nodes=max_nodes,
+            node_rank=get(t, "node_rank", int, "parallel", 0),
+            rdzv_endpoint=get(t, "rdzv_endpoint", str, "parallel", ""),
+            rdzv_id=get(t, "rdzv_id", str, "parallel", ""),
+            rdzv_timeout_s=get(t, "rdzv_timeout_s", float, "parallel", 600.0),
         )
         c.validate()
         return c
@@ -75,22 +102,26 @@ class ParallelConfig:
             "must be auto, gloo or nccl",
             self.backend,
         )
+        self._validate_nodes()
+        single = not self.launches_world
         require(
-            (self.plan == "none") == (self.nproc == 1),
+            (self.plan == "none") == single,
             "parallel.plan",
-            f"'none' is for nproc = 1, the other plans for nproc > 1 (nproc = {self.nproc})",
+            "'none' is for one process (nproc = 1 on one node), the other plans for more "
+            f"(nproc = {self.nproc}, nnodes = {self.nnodes})",
             self.plan,
         )
         if self.plan in _TWO_D:
             key = _TWO_D[self.plan]
             size = getattr(self, key)
-            ok = 1 < size < self.nproc and self.nproc % size == 0
-            require(
-                ok,
-                f"parallel.{key}",
-                f"must divide nproc = {self.nproc} and lie in (1, nproc)",
-                size,
-            )
+            for world in self.world_sizes:
+                require(
+                    1 < size < world and world % size == 0,
+                    f"parallel.{key}",
+                    f"must divide the world's {world} processes (nproc {self.nproc} x "
+                    f"nnodes {self.nnodes}) and lie in (1, {world})",
+                    size,
+                )
         require(
             self.pp_schedule in ("gpipe", "1f1b"),
             "parallel.pp_schedule",
@@ -99,6 +130,75 @@ class ParallelConfig:
         )
         require(self.microbatches >= 1, "parallel.microbatches", "must be >= 1", self.microbatches)
         require(self.max_restarts >= 0, "parallel.max_restarts", "must be >= 0", self.max_restarts)
+
+    @property
+    def nnodes(self) -> str:
+        """As written in site.toml: "2", or "1:2" for an elastic range."""
+        same = self.min_nodes == self.max_nodes
+        return str(self.max_nodes) if same else f"{self.min_nodes}:{self.max_nodes}"
+
+    @property
+    def world_sizes(self) -> range:
+        """The number of processes the world may have: nproc on each node present."""
+        return range(self.nproc * self.min_nodes, self.nproc * self.max_nodes + 1, self.nproc)
+
+    def _validate_nodes(self) -> None:
+        require(
+            0 <= self.node_rank < self.max_nodes,
+            "parallel.node_rank",
+            f"must be in [0, {self.max_nodes}) (nnodes = {self.nnodes}): 0 is the node that "
+            "talks to the coordinator",
+            self.node_rank,
+        )
+        require(
+            math.isfinite(self.rdzv_timeout_s) and 1 <= self.rdzv_timeout_s <= 86_400,
+            "parallel.rdzv_timeout_s",
+            "must be in [1, 86400] seconds",
+            self.rdzv_timeout_s,
+        )
+        if self.rdzv_id:
+            require(
+                is_valid_site_id(self.rdzv_id),
+                "parallel.rdzv_id",
+                f"must follow the rule for site ids: {SITE_ID_RULE}",
+                self.rdzv_id,
+            )
+        if not self.multi_node:
+            require(
+                not self.rdzv_endpoint,
+                "parallel.rdzv_endpoint",
+                "is for a site on several nodes (nnodes > 1): one node needs none",
+                self.rdzv_endpoint,
+            )
+            return
+        require(
+            bool(self.rdzv_endpoint),
+            "parallel.rdzv_endpoint",
+            "required with nnodes > 1: node 0's host:port inside the site's network, where "
+            "the nodes meet",
+            self.rdzv_endpoint,
+        )
+        check_host_port(self.rdzv_endpoint, "parallel.rdzv_endpoint")  # a fixed port
+
+
+def _node_range(value: object) -> tuple[int, int]:
+    """``[parallel] nnodes``: N, or "N", or "MIN:MAX"; ConfigError naming the key."""
+    text = str(value) if isinstance(value, int | str) and not isinstance(value, bool) else ""
+    low, _, high = text.partition(":")
+    try:
+        lo, hi = int(low), int(high or low)
+    except ValueError:
+        raise ConfigError(
+            f'parallel.nnodes: must be a number of nodes or MIN:MAX (e.g. 2 or "1:2"), '
+            f"got {value!r}"
+        ) from None
+    require(
+        1 <= lo <= hi <= MAX_NODES,
+        "parallel.nnodes",
+        f"must satisfy 1 <= MIN <= MAX <= {MAX_NODES}",
+        value,
+    )
+    return lo, hi
 
 
 @dataclass(frozen=True)

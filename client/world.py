@@ -23,28 +23,56 @@ CONTROL_TIMEOUT = timedelta(days=30)
 TRAIN_TIMEOUT = timedelta(minutes=10)
 
 
-def init_world(backend: str = "auto") -> World:
-    """Join the process group torchrun set up in the environment."""
+def init_world(backend: str = "auto", node_rank: int = 0) -> World:
+    """Join the process group torchrun set up in the environment; on several nodes, with
+    the ranks in the order of the nodes' ``node_rank`` (``[parallel]``)."""
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    store = _attempt_store()
     # Training collectives fail after this long rather than hang the site forever.
     dist.init_process_group(
         backend,
-        store=_attempt_store(),
-        rank=int(os.environ["RANK"]),
+        store=store,
+        rank=node_ordered_rank(store, node_rank),
         world_size=int(os.environ["WORLD_SIZE"]),
         timeout=TRAIN_TIMEOUT,
     )
     return World.current()
 
 
+def node_ordered_rank(store: Store, node_rank: int) -> int:
+    """This process's rank with the nodes in ``node_rank`` order: node 0's processes first.
+
+    The rendezvous numbers nodes in the order they joined (``GROUP_RANK``); each node's
+    first process publishes its configured ``node_rank`` under its group rank, and every
+    process ranks the nodes present by it. Rank 0 is then node 0's first process whenever
+    node 0 is in the world."""
+    groups = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+    if groups == 1:
+        return int(os.environ["RANK"])
+    group, local = int(os.environ["GROUP_RANK"]), int(os.environ["LOCAL_RANK"])
+    if local == 0:
+        store.set(f"fedra/node_rank/{group}", str(node_rank))
+    said = [int(store.get(f"fedra/node_rank/{g}")) for g in range(groups)]
+    twice = sorted({r for r in said if said.count(r) > 1})
+    if twice:
+        raise RuntimeError(
+            f"two nodes of this site say [parallel] node_rank {twice[0]}: give each node "
+            "its own node_rank"
+        )
+    order = sorted(range(groups), key=said.__getitem__)
+    return order.index(group) * int(os.environ["LOCAL_WORLD_SIZE"]) + local
+
+
 def _attempt_store() -> Store:
     """The rendezvous store, under a prefix unique to this restart of the local world.
 
     After a restart, a rank could otherwise read the address the previous attempt's
-    rank 0 published and fail to connect to a process that no longer exists.
+    rank 0 published and fail to connect to a process that no longer exists. (A site on
+    several nodes gets a fresh store for each world instead: its nodes' restart counts
+    differ, so none needs a prefix, and none may have one.)
     """
     agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     rank = int(os.environ["RANK"])
@@ -55,6 +83,8 @@ def _attempt_store() -> Store:
         is_master=not agent_hosts_store and rank == 0,
         timeout=timedelta(minutes=5),
     )
+    if not agent_hosts_store:  # a store of this world's own
+        return PrefixStore("fedra/world", store)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return PrefixStore(f"fedra/attempt_{attempt}", store)
 

@@ -31,7 +31,6 @@ import argparse
 import asyncio
 import bisect
 import contextlib
-import ctypes
 import functools
 import json
 import logging
@@ -62,9 +61,14 @@ from fedra.coordinator.edge import mapped, mapped_stream, refuse
 from fedra.coordinator.errors import PermissionDenied
 from fedra.coordinator.gctune import quieter_gc
 from fedra.coordinator.ledger import page_limit
-from fedra.coordinator.limits import DEFAULT_ADMIN_CALLS, DEFAULT_STREAM_IDLE_S, CallLimiter
-from fedra.coordinator.limits import EdgeLimits
+from fedra.coordinator.limits import (
+    DEFAULT_ADMIN_CALLS,
+    DEFAULT_STREAM_IDLE_S,
+    CallLimiter,
+    EdgeLimits,
+)
 from fedra.coordinator.observers import Observer, Observers
+from fedra.lifetime import die_with_parent
 from fedra.protos import wire
 from fedra.protos.v1 import admin_pb2, admin_pb2_grpc
 from fedra.storage.records import SiteRecord
@@ -89,7 +93,6 @@ READY_TIMEOUT_S = 60.0
 BIND_WAIT_S = 20.0  # how long a fixed admin port may stay held by a read process ending
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 _SOCKET_PATH_MAX = 100  # sun_path holds 108 bytes on Linux, 104 elsewhere
-_PR_SET_PDEATHSIG = 1
 
 
 def reads_dir(state_dir: Path) -> Path:
@@ -610,16 +613,6 @@ def _relayed_status(exc: grpc.aio.AioRpcError) -> tuple[grpc.StatusCode, str]:
     return exc.code(), details
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Be sent SIGTERM when the daemon dies, however it dies (Linux); elsewhere the
-    watchdog in ``_serve`` notices within a second."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != parent_pid:  # it died before the line above
-        sys.exit(0)
-
-
 def _server(
     spec: ReplicaSpec,
     admin: ReplicaAdmin,
@@ -632,7 +625,7 @@ def _server(
             ("grpc.so_reuseport", 0),
             ("grpc.max_receive_message_length", 4 * 2**20),
             ("grpc.max_send_message_length", max(spec.max_message_bytes, wire.MAX_STATUS_BYTES)),
-        ]
+        ],
     )
     wire.add_service(
         server,
@@ -715,7 +708,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     parser.add_argument("spec", type=Path, help="the spec the daemon wrote (reads/spec.json)")
     args = parser.parse_args(None if argv is None else list(argv))
     spec = ReplicaSpec(**json.loads(args.spec.read_text()))
-    _die_with_parent(spec.parent_pid)
+    die_with_parent(spec.parent_pid)  # elsewhere than Linux, the watchdog in _serve
     logformat.setup(spec.log_level, os.environ.get(logformat.ENV, "text"))
     try:
         asyncio.run(_serve(spec))

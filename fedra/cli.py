@@ -217,12 +217,13 @@ def _cmd_site(args: argparse.Namespace) -> int:
         config = SiteConfig.from_toml({**load_toml(args.config), "coordinator": args.coordinator})
     if config.threads:
         torch.set_num_threads(config.threads)
-    if config.parallel.nproc > 1:
+    if config.parallel.launches_world:
         from fedra.client.launch import launch_world
 
         if args.coordinator:
             raise ConfigError(
-                "--coordinator: not supported with [parallel] nproc > 1; edit the file"
+                "--coordinator: not supported with [parallel] nproc > 1 or nnodes > 1; "
+                "edit the file"
             )
         launch_world(config, Path(args.config))
         return 0

@@ -161,25 +161,31 @@ class LocalCluster:
         parallel: Mapping[str, Any] | None = None,
         coordinator: str | None = None,
         tables: Mapping[str, Mapping[str, Any]] | None = None,
+        node_rank: int = 0,
     ) -> ManagedProcess:
         """Write ``<site_id>.toml`` (with optional ``[parallel]`` and other ``tables``) and
-        start it."""
+        start it. ``node_rank`` > 0: another node of a site on several nodes (``parallel``
+        names ``nnodes`` and ``rdzv_endpoint``), kept in ``sites`` as
+        ``<site_id>.node<N>`` with a state directory of its own."""
+        name = site_id if node_rank == 0 else f"{site_id}.node{node_rank}"
+        if node_rank:
+            parallel = {**(parallel or {}), "node_rank": node_rank}
         site = {
             "site_id": site_id,
             "coordinator": coordinator or self.address,  # e.g. a WAN-emulating proxy
             "allowed_tasks": tasks,
             "threads": threads,
             "reconnect_max_s": reconnect_max_s,
-            "state_dir": str(self.state_dir / "sites" / site_id),
+            "state_dir": str(self.state_dir / "sites" / name),
         }
         if self.secure:
             site["tls_dir"] = str(self._pki_folder("site", site_id))
         else:
             site["insecure"] = True
-        path = self.state_dir / f"{site_id}.toml"
+        path = self.state_dir / f"{name}.toml"
         config = write_site_config(path, site, data, parallel, tables)
-        proc = self._spawn(site_id, ["site", "--config", str(config)], extra_env)
-        self.sites[site_id] = proc
+        proc = self._spawn(name, ["site", "--config", str(config)], extra_env)
+        self.sites[name] = proc
         return proc
 
     @property

@@ -84,7 +84,7 @@ def test_heterogeneous_sites_train_one_global_model(cluster: LocalCluster) -> No
     for site_id, parallel in plans.items():
         if parallel is not None:  # each parallel site really ran its plan in a local world
             log = cluster.sites[site_id].log_path.read_text()
-            assert f"local world of 2 ranks, plan {parallel['plan']}" in log
+            assert f"local world of 2 ranks on 1 node, plan {parallel['plan']}" in log
     # The global model improves: the sites' held-out loss of the incoming model drops.
     assert rounds[-1].metrics["eval_loss"] < rounds[0].metrics["eval_loss"] - 0.5
 
