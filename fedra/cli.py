@@ -712,6 +712,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         out=Path(args.out) if args.out else None,
         rounds=args.rounds,
         sites=args.sites,
+        strategy=args.strategy,
+        alpha=args.alpha,
+        partition_seed=args.partition_seed,
     )
     return run_demo(options)
 
@@ -1087,6 +1090,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", help="write summary.json here")
     d.add_argument("--rounds", type=int, default=10, help="training rounds")
     d.add_argument("--sites", type=int, default=3, help="site processes")
+    d.add_argument(
+        "--strategy", default="fedavg",
+        help="fedavg, fedavgm, fedadam, fedyogi, fedadagrad, diloco or fedprox",
+    )  # fmt: skip
+    d.add_argument(
+        "--alpha", type=float, default=0.5, help="label skew of the split (smaller: stronger)"
+    )
+    d.add_argument("--partition-seed", type=int, default=0, help="which split of that skew")
     d.set_defaults(func=_cmd_demo)
 
     b = sub.add_parser("bench", help="evaluation reports")

@@ -20,7 +20,7 @@ from fedra.admin import provenance_dict
 from fedra.config import READY_FILE, ConfigError
 from fedra.local import LocalCluster
 from fedra.protos.v1 import admin_pb2
-from fedra.runspec import RunSpec, TrainSpec
+from fedra.runspec import STRATEGY_PARAMS, RunSpec, TrainSpec
 
 if TYPE_CHECKING:
     import torch
@@ -33,14 +33,42 @@ MAX_SITES = 32  # each site is a process on this machine
 
 
 @dataclass(frozen=True)
+class DemoStrategy:
+    """What ``--strategy NAME`` runs: a server strategy (its default parameters) and the
+    sites' proximal term (FedProx's mu; 0: none)."""
+
+    strategy: str
+    proximal_mu: float = 0.0
+
+
+# Every server strategy by its own name, and FedProx: FedAvg with mu = 0.01 at the sites.
+DEMO_STRATEGIES = {name: DemoStrategy(name) for name in STRATEGY_PARAMS} | {
+    "fedprox": DemoStrategy("fedavg", proximal_mu=0.01)
+}
+
+
+@dataclass(frozen=True)
 class DemoOptions:
     state_dir: Path | None = None
     out: Path | None = None
     rounds: int = 10
     sites: int = 3
+    strategy: str = "fedavg"
+    alpha: float = 0.5  # the label skew of the sites' split (Dirichlet; smaller: stronger)
+    partition_seed: int = 0  # which split of that skew
 
     def validate(self) -> DemoOptions:
         """Raise ConfigError naming the command-line flag; returns self for chaining."""
+        if self.strategy not in DEMO_STRATEGIES:
+            raise ConfigError(
+                f"--strategy: must be one of {', '.join(DEMO_STRATEGIES)}, got {self.strategy!r}"
+            )
+        if not (math.isfinite(self.alpha) and 0 < self.alpha <= 1000):
+            raise ConfigError(f"--alpha: must be a number in (0, 1000], got {self.alpha}")
+        if not 0 <= self.partition_seed < 2**31:
+            raise ConfigError(
+                f"--partition-seed: must be from 0 to {2**31 - 1}, got {self.partition_seed}"
+            )
         if not 1 <= self.rounds <= MAX_ROUNDS:
             raise ConfigError(f"--rounds: must be from 1 to {MAX_ROUNDS}, got {self.rounds}")
         if not 1 <= self.sites <= MAX_SITES:
@@ -54,7 +82,8 @@ class DemoOptions:
         return self
 
 
-def demo_spec(rounds: int, sites: int) -> RunSpec:
+def demo_spec(rounds: int, sites: int, strategy: str = "fedavg") -> RunSpec:
+    chosen = DEMO_STRATEGIES[strategy]
     return RunSpec(
         name="digits-demo",
         task=TASK,
@@ -64,8 +93,10 @@ def demo_spec(rounds: int, sites: int) -> RunSpec:
         round_deadline_s=120.0,
         join_timeout_s=30.0,
         seed=0,
-        train=TrainSpec(local_epochs=2, batch_size=32, learning_rate=0.05),
-        strategy="fedavg",
+        train=TrainSpec(
+            local_epochs=2, batch_size=32, learning_rate=0.05, proximal_mu=chosen.proximal_mu
+        ),
+        strategy=chosen.strategy,
     ).validate()
 
 
@@ -81,7 +112,7 @@ def tracking_flags() -> list[str]:
 def run_demo(options: DemoOptions) -> int:
     """Run the demo; returns the process exit code."""
     options.validate()  # and the spec: both before a directory is made
-    spec = demo_spec(options.rounds, options.sites)
+    spec = demo_spec(options.rounds, options.sites, options.strategy)
     import torch  # noqa: PLC0415 - after the options are checked
 
     from fedra.examples import digits  # noqa: PLC0415
@@ -102,15 +133,18 @@ def run_demo(options: DemoOptions) -> int:
         page = json.loads((state_dir / READY_FILE).read_text())["http_url"]
         print(f"coordinator ready on {address}; starting {len(site_ids)} sites", flush=True)
         for i, site_id in enumerate(site_ids):
-            cluster.start_site(site_id, [TASK], {"partition": i, "num_partitions": options.sites})
+            split = {"alpha": options.alpha, "seed": options.partition_seed}
+            data = {"partition": i, "num_partitions": options.sites, **split}
+            cluster.start_site(site_id, [TASK], data)
         print("waiting for the sites to load their data and register...", flush=True)
         cluster.wait_for_sites(site_ids)
         print(f"all {len(site_ids)} sites online; submitting the run", flush=True)
         with cluster.admin() as admin:
             run_id = admin.submit(spec)
             print(
-                f"run {run_id}: {spec.rounds} rounds of {spec.strategy}, "
-                f"{options.sites} sites, label-skewed data\n"
+                f"run {run_id}: {spec.rounds} rounds of {options.strategy}, "
+                f"{options.sites} sites, label-skewed data (alpha {options.alpha:g}, "
+                f"split {options.partition_seed})\n"
                 f"watch it at {page}?run={run_id} (metrics: {page}metrics)\n"
             )
             print(
@@ -237,6 +271,9 @@ def _finish(
         summary = {
             "run_id": run_id,
             "spec": json.loads(spec.to_json()),
+            "strategy": options.strategy,
+            "alpha": options.alpha,
+            "partition_seed": options.partition_seed,
             "sites": sorted({s for r in rounds for s in r["sites"]}),  # those that took part
             "provenance": provenance["sites"],  # by site id: what its updates came from
             "run_provenance": provenance["run"],

@@ -201,6 +201,10 @@ def test_a_site_names_its_file_and_key_for_tasks_and_tls(
         (["--sites", "0"], "--sites: must be from 1 to 32"),
         (["--rounds", "0"], "--rounds: must be from 1 to 1000000, got 0"),
         (["--rounds", "-3"], "--rounds: must be from 1"),
+        (["--strategy", "fedsgd"], "--strategy: must be one of fedavg, fedavgm"),
+        (["--alpha", "0"], "--alpha: must be a number in (0, 1000], got 0.0"),
+        (["--alpha", "nan"], "--alpha: must be a number"),
+        (["--partition-seed", "-1"], "--partition-seed: must be from 0"),
     ],
 )
 def test_demo_names_the_flag_and_makes_no_directory(

@@ -626,10 +626,14 @@ def test_demo_writes_a_summary(tmp_path: Path) -> None:
         str(tmp_path / "demo"),
         "--out",
         str(out),
+        *("--strategy", "fedprox", "--alpha", "1.0", "--partition-seed", "2"),
         timeout_s=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     summary = json.loads((out / "summary.json").read_text())
+    assert (summary["strategy"], summary["alpha"], summary["partition_seed"]) == ("fedprox", 1, 2)
+    assert summary["spec"]["strategy"] == "fedavg"  # FedProx: FedAvg, the term at the sites
+    assert summary["spec"]["train"]["proximal_mu"] == 0.01
     assert summary["sites"] == ["site-0", "site-1", "site-2"]
     for site_id in summary["sites"]:  # what each site's updates came from
         p = summary["provenance"][site_id]

@@ -42,19 +42,17 @@ def _free_port() -> int:
 
 
 def _two_nodes(
-    cluster: LocalCluster, site_id: str, nnodes: str, env: dict[str, str] | None = None
+    cluster: LocalCluster, site_id: str, nnodes: str, plan: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     parallel = {
         "nproc": 1,
-        "plan": "dp",
+        **(plan or {"plan": "dp"}),
         "nnodes": nnodes,
         "rdzv_endpoint": f"127.0.0.1:{_free_port()}",
         "max_restarts": 20,
     }
     for node in (0, 1):
-        cluster.start_site(
-            site_id, [CHARLM], DATA, extra_env=env, parallel=parallel, node_rank=node
-        )
+        cluster.start_site(site_id, [CHARLM], DATA, parallel=parallel, node_rank=node)
     return parallel
 
 
@@ -63,38 +61,47 @@ def _tiny_spec(rounds: int, sites: int, quorum: int) -> RunSpec:
     return replace(s, train=replace(s.train, params=TINY)).validate()
 
 
+# Plans whose ranks talk across the nodes differently: DDP's all-reduce and a pipeline's
+# point-to-point sends between stages.
+PLANS = {"dp": {"plan": "dp"}, "pp": {"plan": "pp", "pp_schedule": "1f1b", "microbatches": 2}}
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-def test_a_site_on_two_nodes_trains_the_bits_of_one_node(cluster: LocalCluster) -> None:
-    """The same site (its id seeds its shuffling), spec and data: a run with the site on
-    two nodes of one process each, then a run with it on one node of two processes."""
+def test_sites_on_two_nodes_train_the_bits_of_one_node(cluster: LocalCluster) -> None:
+    """The same sites (a site's id seeds its shuffling), spec and data: a run with each
+    site on two nodes of one process each, then a run with each on one node of two."""
     cluster.start_coordinator(flags=FAST)
-    _two_nodes(cluster, "site", "2")
-    cluster.wait_for_sites(["site"], timeout_s=240)
+    for site_id, plan in PLANS.items():
+        _two_nodes(cluster, site_id, "2", plan)
+    cluster.wait_for_sites(list(PLANS), timeout_s=240)
     two_nodes = _accepted_updates(cluster)
-    for name in ("site", "site.node1"):
+    for name in [*PLANS, *(f"{s}.node1" for s in PLANS)]:
         cluster.sites.pop(name).stop()
-    cluster.start_site("site", [CHARLM], DATA, parallel={"nproc": 2, "plan": "dp"})
+    for site_id, plan in PLANS.items():
+        cluster.start_site(site_id, [CHARLM], DATA, parallel={"nproc": 2, **plan})
     one_node = _accepted_updates(cluster)
-    assert sorted(two_nodes) == sorted(one_node) == [1, 2], (two_nodes, one_node)
-    assert two_nodes == one_node  # the same update, bit for bit, each round
-    node0 = (cluster.state_dir / "logs" / "site.log").read_text()
-    assert "local world of 2 ranks on 2 nodes, plan dp" in node0  # node 0 has rank 0
-    assert "local world of 2 ranks on 1 node, plan dp" in node0
-    node1 = (cluster.state_dir / "logs" / "site.node1.log").read_text()
-    assert "local world of" not in node1  # node 1 never talks to the coordinator
+    expected = {(s, n) for s in PLANS for n in (1, 2)}
+    assert set(two_nodes) == set(one_node) == expected, (two_nodes, one_node)
+    assert two_nodes == one_node  # the same updates, bit for bit, each round
+    for site_id, plan in PLANS.items():
+        node0 = (cluster.state_dir / "logs" / f"{site_id}.log").read_text()
+        assert f"local world of 2 ranks on 2 nodes, plan {plan['plan']}" in node0  # rank 0
+        assert f"local world of 2 ranks on 1 node, plan {plan['plan']}" in node0
+        node1 = (cluster.state_dir / "logs" / f"{site_id}.node1.log").read_text()
+        assert "local world of" not in node1  # node 1 never talks to the coordinator
 
 
-def _accepted_updates(cluster: LocalCluster) -> dict[int, str | None]:
-    """Run two rounds with the one site; round -> the digest of its accepted update."""
+def _accepted_updates(cluster: LocalCluster) -> dict[tuple[str, int], str | None]:
+    """Run two rounds with every site; (site, round) -> the digest of its accepted update."""
     with cluster.admin() as admin:
-        run_id = admin.submit(_tiny_spec(rounds=2, sites=1, quorum=1))
+        run_id = admin.submit(_tiny_spec(rounds=2, sites=len(PLANS), quorum=len(PLANS)))
     status = finished_status(cluster, run_id)
     assert status.state == "completed", status.reason
     store = Store(f"sqlite:///{cluster.state_dir / 'fedra.db'}", migrate=False)
     try:
         return {
-            p.round_number: p.update_sha256
+            (p.site_id, p.round_number): p.update_sha256
             for p in store.list_participations(run_id)
             if p.state == "accepted" and p.round_number > 0
         }
