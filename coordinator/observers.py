@@ -30,9 +30,10 @@ class RunStarted:
 @dataclass(frozen=True)
 class RoundEnded:
     """A round's attempt closed: committed, or failed (``retried`` if another attempt
-    follows). Bytes are those of this attempt's tasks; ``lost_bytes`` the part of them
-    that cannot count (tasks that failed or expired, transfers cut off, or all of them
-    for an attempt that failed)."""
+    follows). Bytes are those of this attempt's tasks that ended in it (an async task
+    still training moves on to the next round, and is counted where it ends);
+    ``lost_bytes`` the part of them that cannot count (tasks that failed or expired,
+    transfers cut off, or all of them for an attempt that failed)."""
 
     run_id: str
     number: int

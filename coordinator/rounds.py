@@ -24,7 +24,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -422,9 +422,10 @@ class RoundDriver:
         stages["round_s"] = now - run.opened_at
         crash_point("before_commit", number)
         final = "completed" if number == spec.rounds or stop else None
+        carried = [] if final else self._carry_on()
         engine.store.commit_round(
             run.run_id, number, ckpt, metrics, now, final, stages,
-            keep=[] if final else self._carry_on(),
+            keep=carried,
             event=("round_committed", _summary(parts, metrics)), final_reason=stop,
         )  # fmt: skip
         if spec.promotion is not None and number != INIT_ROUND:
@@ -444,7 +445,7 @@ class RoundDriver:
         log.info("%s round %d: committed, %s", self.tag, number, _summary(parts, metrics))
         accepted = [p for p in parts if p.state == "accepted"]
         engine.observers.round_ended(_ended(
-            run.run_id, number, attempt, "committed", opened, now, parts,
+            run.run_id, number, attempt, "committed", opened, now, parts, carried,
             checkpoint_bytes=ckpt.model_bytes, idle_s=idle_s(opened, now, accepted),
             stages=stages, metrics=metrics, model_sha256=model_sha,
         ))  # fmt: skip
@@ -541,8 +542,9 @@ class RoundDriver:
                 )
             why += self._failures(number, attempt)
         reason = f"round {number} attempt {attempt}: {why}"
+        carried = self._carry_on()
         engine.store.expire_attempt(
-            run.run_id, number, attempt, reason, now, self._carry_on(), event=ATTEMPT_FAILED
+            run.run_id, number, attempt, reason, now, carried, event=ATTEMPT_FAILED
         )
         crash_point("after_attempt_failed", number)
         log.warning("%s: %s", self.tag, reason)
@@ -556,7 +558,7 @@ class RoundDriver:
         parts = engine.store.list_participations(run.run_id, number, attempt)
         engine.observers.round_ended(_ended(
             run.run_id, number, attempt, "failed" if gives_up else "retried", run.opened_at,
-            now, parts, reason=reason,
+            now, parts, carried, reason=reason,
         ))  # fmt: skip
         if gives_up:
             self._finish("failed", f"{reason}; gave up after {attempt} attempts")
@@ -710,9 +712,12 @@ def _declined_only(parts: list[ParticipationRecord]) -> bool:
 
 def _ended(
     run_id: str, number: int, attempt: int, outcome: str, opened_at: float, closed_at: float,
-    parts: list[ParticipationRecord], **more: Any,
+    parts: list[ParticipationRecord], carried: Collection[str] = (), **more: Any,
 ) -> RoundEnded:  # fmt: skip
-    """The event of an attempt's close, its bytes counted from its tasks."""
+    """The event of an attempt's close, its bytes counted from its tasks. Tasks
+    ``carried`` on to the next round (async: still training) are neither counted nor
+    lost here: they are in the round they end in."""
+    parts = [p for p in parts if p.task_id not in carried]
     counts = outcome == "committed"
     return RoundEnded(
         run_id, number, attempt, outcome, max(0.0, closed_at - opened_at),

@@ -8,13 +8,16 @@ status``). Each coordinator has a registry of its own, never the process-wide on
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import ssl
+import threading
 import urllib.parse
 from collections.abc import Callable, Iterator, Mapping
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
@@ -37,6 +40,10 @@ STAGE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60
 # A refused caller's reply: no certificate or a revoked one, a deny list unreadable now;
 # anything else (a site's or another role's certificate) is forbidden.
 _HTTP_STATUS: dict[type[FedraError], int] = {Unauthenticated: 401, Unavailable: 503}
+# Ended runs whose per-run series (by run label) are still exported; older ones are
+# dropped, so that a long-lived daemon's scrape does not grow with every run it ever had.
+KEPT_ENDED_RUNS = 16
+ROUND_OUTCOMES = ("committed", "retried", "failed")
 COMMIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5)
 
 
@@ -51,6 +58,8 @@ class Telemetry(Observer):
         """``refused_elsewhere``: calls refused by another process of this coordinator
         (the admin port's) since it was last asked, by status; added at each scrape."""
         self.refused_elsewhere = refused_elsewhere
+        self._ended: list[str] = []  # the latest ended runs, oldest first
+        self._ended_lock = threading.Lock()
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.rounds = Counter(
@@ -113,6 +122,27 @@ class Telemetry(Observer):
 
     def run_ended(self, event: RunEnded) -> None:
         self.runs_ended.labels(event.state).inc()
+        with self._ended_lock:  # the scrape stays the size of the runs that matter
+            if event.run_id in self._ended:
+                return
+            self._ended.append(event.run_id)
+            forgotten = self._ended[:-KEPT_ENDED_RUNS]
+            del self._ended[:-KEPT_ENDED_RUNS]
+        for run_id in forgotten:
+            self._forget(run_id)
+
+    def _forget(self, run_id: str) -> None:
+        """Drop an ended run's series (those by run label)."""
+        labelled: list[tuple[Any, tuple[str, ...]]] = [
+            *((self.rounds, (run_id, o)) for o in ROUND_OUTCOMES),
+            *((self.bytes, (run_id, d)) for d in ("down", "up")),
+            (self.round_seconds, (run_id,)),
+            (self.lost, (run_id,)),
+            (self.checkpoints, (run_id,)),
+        ]
+        for metric, labels in labelled:
+            with contextlib.suppress(KeyError):  # a run that never had that series
+                metric.remove(*labels)
 
     def refused(self, status: str) -> None:
         self.refusals.labels(status).inc()

@@ -1099,7 +1099,7 @@ class Store:
         data: dict[str, float | int | str] | None = None,
     ) -> None:
         with self._tx() as s:
-            s.add(_event_row(run_id, round_number, now, (kind, message), data))
+            self.add_event_op(run_id, kind, message, now, round_number, data)(s)
 
     def add_event_op(
         self,

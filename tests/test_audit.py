@@ -159,12 +159,18 @@ def test_appends_from_several_processes_keep_one_chain(tmp_path: Path) -> None:
     path = tmp_path / "audit.jsonl"
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_append_many, args=(str(path), f"p{k}", 40)) for k in range(3)]
-    for p in procs:
-        p.start()
-    _append_many(str(path), "main", 40)
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
+    try:
+        for p in procs:
+            p.start()
+        _append_many(str(path), "main", 40)
+        for p in procs:
+            p.join(60)
+            assert p.exitcode == 0, f"{p.name} exited with {p.exitcode} (None: it hung)"
+    finally:  # a writer that hangs is not left behind
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(10)
     entries = verify(path)
     assert len(entries) == 160
     assert {e.who for e in entries} == {"p0", "p1", "p2", "main"}

@@ -88,6 +88,57 @@ def test_round_events_become_counters_and_histograms() -> None:
     assert not [k for k in got if any(name == "site" for name, _ in k[1])]
 
 
+def test_only_the_latest_ended_runs_keep_their_series() -> None:
+    from fedra.coordinator.telemetry import KEPT_ENDED_RUNS
+
+    t = Telemetry(lambda: NOW)
+    runs = [f"r{i}" for i in range(KEPT_ENDED_RUNS + 3)]
+    for run_id in runs:
+        t.round_ended(RoundEnded(run_id, 1, 1, "committed", 1.0, 1, bytes_down=10, bytes_up=5))
+        t.round_ended(RoundEnded(run_id, 2, 1, "retried", 1.0, 0, lost_bytes=3))
+    t.run_ended(RunEnded("r0", "completed"))
+    t.run_ended(RunEnded("r0", "completed"))  # told twice: counted once among the kept
+    for run_id in runs[1:-1]:  # the last one still runs
+        t.run_ended(RunEnded(run_id, "failed"))
+
+    def by_run() -> set[str]:
+        return {
+            dict(labels)["run"]
+            for (_, labels) in samples(t.exposition().decode())
+            if "run" in dict(labels)
+        }
+
+    ended = runs[:-1]
+    assert by_run() == {*ended[-KEPT_ENDED_RUNS:], runs[-1]}  # the oldest two are dropped
+    got = samples(t.exposition().decode())
+    assert got[("fedra_runs_ended_total", (("state", "failed"),))] == len(runs) - 2  # kept
+    assert ("fedra_lost_bytes_total", (("run", "r0"),)) not in got
+    assert got[("fedra_lost_bytes_total", (("run", runs[-1]),))] == 3
+
+
+def test_a_round_s_bytes_leave_carried_tasks_to_the_round_they_end_in() -> None:
+    """Async: a task still training when its round closes moves on to the next round
+    (the store moves its row), so it is counted, and lost or not, there only."""
+    from fedra.coordinator.rounds import _ended
+    from fedra.storage.records import ParticipationRecord
+
+    def task(task_id: str, state: str, down: int, up: int, cut: int = 0) -> ParticipationRecord:
+        return ParticipationRecord(
+            task_id, "r", 3, 1, f"site-{task_id}", state, 0.0,
+            bytes_down=down, bytes_up=up, bytes_cut=cut,
+        )  # fmt: skip
+
+    parts = [task("a", "accepted", 10, 5), task("b", "expired", 10, 0, cut=2),
+             task("c", "downloaded", 10, 0)]  # fmt: skip
+    committed = _ended("r", 3, 1, "committed", 0.0, 1.0, parts, carried=["c"])
+    assert (committed.updates, committed.bytes_down, committed.bytes_up) == (1, 20, 5)
+    assert committed.lost_bytes == 2 + 10  # the cut bytes and the expired task's
+    retried = _ended("r", 3, 1, "retried", 0.0, 1.0, parts, carried=["c"])
+    assert (retried.updates, retried.lost_bytes) == (0, 2 + 15 + 10)  # all but the carried
+    # Not carried (a synchronous round's straggler, expired by the commit): lost here.
+    assert _ended("r", 3, 1, "committed", 0.0, 1.0, parts).lost_bytes == 2 + 10 + 10
+
+
 def test_a_failing_observer_fails_nothing_else() -> None:
     t = Telemetry(lambda: NOW)
     told = Observers()
