@@ -26,6 +26,7 @@ from fedra.config import ConfigError
 from fedra.coordinator import scaffold
 from fedra.coordinator.aggregation import ServerOptimizer
 from fedra.coordinator.aggregators import Attempt, ScaffoldMean, make_aggregator
+from fedra.coordinator.engine import EngineSettings
 from fedra.local import LocalCluster
 from fedra.protos.codec import StreamDecoder, decode, decode_chunks, encode, encode_chunks, spec_of
 from fedra.protos.compression import Compressor, Piece, StreamingDecompressor, compressed_specs
@@ -209,6 +210,30 @@ def test_fedra_s_hook_and_update_equal_scaffold_by_hand(tmp_path: Path, populati
     assert any(float(v.abs().max()) > 1e-3 for v in scaffold.controls_of(optimizer.state).values())
 
 
+@pytest.mark.parametrize("codec", ["fp16", "bf16", "int8", "topk"])
+def test_delta_c_travels_compressed_by_every_codec(tmp_path: Path, codec: str) -> None:
+    """The controls are part of the compressed payload's layout and come out of the
+    aggregate as the codec gave them (top-k: the largest entries only)."""
+    codec_spec = CodecSpec(codec, fraction=1.0) if codec == "topk" else CodecSpec(codec)
+    spec = RunSpec(task="m:t", rounds=1, codec=codec_spec, train=TrainSpec(scaffold=True))
+    aggregator = make_aggregator(spec.validate())
+    model = _model().state_dict()
+    specs = spec_of(model)
+    aggregator.begin(Attempt("r", 1, 1, ("a",), specs, tmp_path))
+    update = {k: torch.full_like(v, 0.5) for k, v in model.items()}
+    update.update({CONTROL_PREFIX + k: torch.full_like(v, -2.0) for k, v in model.items()})
+    layout = aggregator.update_specs(specs)
+    assert sorted(compressed_specs(layout, codec_spec)) != sorted(
+        compressed_specs(specs, codec_spec)
+    )
+    aggregator.fold("a", _Spooled(update, layout, codec_spec), 7, 0)
+    mean, _ = aggregator.finish()
+    model_mean, controls = scaffold.split(mean)
+    for k, v in model.items():
+        assert_close(model_mean[k], torch.full_like(v, 0.5), atol=1e-2, rtol=1e-2)
+        assert_close(controls[k], torch.full_like(v, -2.0), atol=1e-2, rtol=1e-2)
+
+
 @pytest.mark.parametrize("kind", ["momentum", "adam"])
 def test_an_inner_optimiser_other_than_plain_sgd_is_refused(kind: str) -> None:
     round_ = ScaffoldRound({}, {}, LR, 1)
@@ -303,46 +328,67 @@ def test_submit_refuses_a_bad_combination_with_invalid_argument(
     assert "train.scaffold" in (info.value.details() or "")
 
 
+SETTINGS = EngineSettings(
+    heartbeat_interval_s=1.0, poll_timeout_s=2.0, site_timeout_s=30.0, inline_model_bytes=0
+)
+
+
+def _download_c(c: InProcessCoordinator, site: str, task: site_pb2.Task) -> dict[str, torch.Tensor]:
+    request = site_pb2.DownloadModelRequest(site_id=site, task_id=task.task_id, controls=True)
+    payload = b"".join(m.data for m in c.site.DownloadModel(request))
+    assert hashlib.sha256(payload).hexdigest() == task.controls_sha256
+    return decode(payload)
+
+
 def test_the_edge_takes_exactly_the_model_and_its_controls_and_publishes_c(
-    coordinator: InProcessCoordinator,
+    tmp_path: Path,
 ) -> None:
     """A SCAFFOLD round over the real gRPC edge: an update without its delta c_i, or with
     a tensor smuggled under the prefix, is refused; c = mean delta c_i (N = |S| = 2) is
-    what round 2's sites download; before it there is nothing to download."""
-    run_id, tasks = start_round_one(coordinator, train=_scaffold_settings())
-    (site, task), (other_site, other_task) = sorted(tasks.items())
-    assert task.settings.scaffold and not task.controls_sha256
-    request = site_pb2.DownloadModelRequest(site_id=site, task_id=task.task_id, controls=True)
-    with pytest.raises(grpc.RpcError) as info:
-        b"".join(m.data for m in coordinator.site.DownloadModel(request))
-    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    state = model_state()
-    model = {k: torch.full_like(v, 0.01) for k, v in state.items()}
+    what round 2's sites download, before and after a coordinator restart; before round 1
+    commits there is nothing to download."""
+    coordinator = InProcessCoordinator(tmp_path / "state", SETTINGS)
+    try:
+        run_id, tasks = start_round_one(coordinator, train=_scaffold_settings())
+        (site, task), (other_site, other_task) = sorted(tasks.items())
+        assert task.settings.scaffold and not task.controls_sha256
+        request = site_pb2.DownloadModelRequest(site_id=site, task_id=task.task_id, controls=True)
+        with pytest.raises(grpc.RpcError) as info:
+            b"".join(m.data for m in coordinator.site.DownloadModel(request))
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        state = model_state()
+        model = {k: torch.full_like(v, 0.01) for k, v in state.items()}
 
-    def controls(value: float) -> dict[str, torch.Tensor]:
-        return {CONTROL_PREFIX + k: torch.full_like(v, value) for k, v in state.items()}
+        def controls(value: float) -> dict[str, torch.Tensor]:
+            return {CONTROL_PREFIX + k: torch.full_like(v, value) for k, v in state.items()}
 
-    refused(coordinator, messages(task, site, encode(model)), grpc.StatusCode.INVALID_ARGUMENT,
-            CONTROL_PREFIX)  # fmt: skip
-    sneaky = {**model, **controls(1.0), CONTROL_PREFIX + "sneaky": torch.zeros(1)}
-    refused(coordinator, messages(task, site, encode(sneaky)), grpc.StatusCode.INVALID_ARGUMENT,
-            "sneaky")  # fmt: skip
-    upload(coordinator, messages(task, site, encode({**model, **controls(1.0)}), num_samples=10))
-    upload(coordinator, messages(other_task, other_site, encode({**model, **controls(3.0)}),
-                                 num_samples=30))  # fmt: skip
-    wait_round(coordinator, run_id, 1, "committed")
-    tasks = tasks_of_round(coordinator, run_id, 2)
-    for site, task in tasks.items():
-        assert task.controls_sha256 and task.controls_bytes > 0
-        chunks = coordinator.site.DownloadModel(
-            site_pb2.DownloadModelRequest(site_id=site, task_id=task.task_id, controls=True)
-        )
-        payload = b"".join(m.data for m in chunks)
-        assert hashlib.sha256(payload).hexdigest() == task.controls_sha256
-        c = decode(payload)
-        assert sorted(c) == sorted(state)
-        for k, v in state.items():  # unweighted: (1 + 3) / 2, whatever the sample counts
-            assert_close(c[k], torch.full_like(v, 2.0))
+        bad = grpc.StatusCode.INVALID_ARGUMENT
+        refused(coordinator, messages(task, site, encode(model)), bad, CONTROL_PREFIX)
+        sneaky = {**model, **controls(1.0), CONTROL_PREFIX + "sneaky": torch.zeros(1)}
+        refused(coordinator, messages(task, site, encode(sneaky)), bad, "sneaky")
+        mine, theirs = {**model, **controls(1.0)}, {**model, **controls(3.0)}
+        upload(coordinator, messages(task, site, encode(mine), num_samples=10))
+        upload(coordinator, messages(other_task, other_site, encode(theirs), num_samples=30))
+        wait_round(coordinator, run_id, 1, "committed")
+        tasks = tasks_of_round(coordinator, run_id, 2)
+        published = {t.controls_sha256 for t in tasks.values()}
+        assert len(published) == 1 and all(t.controls_bytes > 0 for t in tasks.values())
+        for site, task in tasks.items():
+            c = _download_c(coordinator, site, task)
+            assert sorted(c) == sorted(state)
+            for k, v in state.items():  # unweighted: (1 + 3) / 2, whatever the sample counts
+                assert_close(c[k], torch.full_like(v, 2.0))
+    finally:
+        coordinator.close()
+    again = InProcessCoordinator(tmp_path / "state", SETTINGS)
+    try:  # c comes back from the checkpoint, published under the same digest
+        tasks = tasks_of_round(again, run_id, 2)
+        assert {t.controls_sha256 for t in tasks.values()} == published
+        for site, task in tasks.items():
+            assert_close(_download_c(again, site, task)[sorted(state)[0]],
+                         torch.full_like(state[sorted(state)[0]], 2.0))  # fmt: skip
+    finally:
+        again.close()
 
 
 def _controls_file(cluster: LocalCluster, site_id: str, run_id: str) -> Path:
