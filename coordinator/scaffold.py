@@ -17,6 +17,7 @@ from collections.abc import Mapping
 import torch
 
 from fedra.coordinator.aggregation import accumulation_dtype
+from fedra.coordinator.errors import InvalidArgument
 from fedra.protos.codec import TensorSpec
 
 CONTROL_PREFIX = "scaffold.delta_c/"  # a site's delta c_i for tensor <name>, in its update
@@ -33,8 +34,11 @@ def control_specs(model: Mapping[str, TensorSpec]) -> dict[str, TensorSpec]:
 def update_specs(model: Mapping[str, TensorSpec]) -> dict[str, TensorSpec]:
     """A SCAFFOLD update's layout: the model's tensors and their delta c_i."""
     clash = [name for name in model if name.startswith(CONTROL_PREFIX)]
-    if clash:  # never let a model tensor pass for a control (nor the reverse)
-        raise ValueError(f"model tensor {clash[0]!r} uses SCAFFOLD's prefix {CONTROL_PREFIX!r}")
+    if clash:  # never let a model tensor pass for a control (nor the reverse): refused
+        raise InvalidArgument(
+            f"train.scaffold: model tensor {clash[0]!r} uses SCAFFOLD's prefix "
+            f"{CONTROL_PREFIX!r}; rename it to run with train.scaffold"
+        )
     return {**model, **control_specs(model)}
 
 

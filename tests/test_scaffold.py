@@ -27,6 +27,7 @@ from fedra.coordinator import scaffold
 from fedra.coordinator.aggregation import ServerOptimizer
 from fedra.coordinator.aggregators import Attempt, ScaffoldMean, make_aggregator
 from fedra.coordinator.engine import EngineSettings
+from fedra.coordinator.errors import InvalidArgument
 from fedra.local import LocalCluster
 from fedra.protos.codec import StreamDecoder, decode, decode_chunks, encode, encode_chunks, spec_of
 from fedra.protos.compression import Compressor, Piece, StreamingDecompressor, compressed_specs
@@ -269,7 +270,7 @@ def test_the_update_layout_names_exactly_the_model_and_its_controls() -> None:
     layout = scaffold.update_specs(specs)
     assert sorted(layout) == ["n", CONTROL_PREFIX + "w", "w"]
     assert layout[CONTROL_PREFIX + "w"] == specs["w"]
-    with pytest.raises(ValueError, match="prefix"):
+    with pytest.raises(InvalidArgument, match=r"^train\.scaffold: .*prefix"):
         scaffold.update_specs(spec_of({CONTROL_PREFIX + "x": torch.zeros(1)}))
 
 
