@@ -62,8 +62,12 @@ from fedra.coordinator.edge import mapped, mapped_stream, refuse
 from fedra.coordinator.errors import PermissionDenied
 from fedra.coordinator.gctune import quieter_gc
 from fedra.coordinator.ledger import page_limit
-from fedra.coordinator.limits import DEFAULT_ADMIN_CALLS, DEFAULT_STREAM_IDLE_S, CallLimiter
-from fedra.coordinator.limits import EdgeLimits
+from fedra.coordinator.limits import (
+    DEFAULT_ADMIN_CALLS,
+    DEFAULT_STREAM_IDLE_S,
+    CallLimiter,
+    EdgeLimits,
+)
 from fedra.coordinator.observers import Observer, Observers
 from fedra.protos import wire
 from fedra.protos.v1 import admin_pb2, admin_pb2_grpc
@@ -632,7 +636,7 @@ def _server(
             ("grpc.so_reuseport", 0),
             ("grpc.max_receive_message_length", 4 * 2**20),
             ("grpc.max_send_message_length", max(spec.max_message_bytes, wire.MAX_STATUS_BYTES)),
-        ]
+        ],
     )
     wire.add_service(
         server,
