@@ -18,8 +18,10 @@ from torch import nn
 from torch.testing import assert_close
 
 from fedra.client.agent import delta
-from fedra.client.executor import LocalExecutor
+from fedra.client.config import ParallelConfig
+from fedra.client.executor import LocalExecutor, WorldExecutor
 from fedra.client.inner import InnerOptimizerError
+from fedra.client.parallel.plan import World
 from fedra.client.scaffold import CONTROL_PREFIX, ControlStates, ScaffoldRound, load_file
 from fedra.client.task import FitResult, FitSettings
 from fedra.config import ConfigError
@@ -28,6 +30,7 @@ from fedra.coordinator.aggregation import ServerOptimizer
 from fedra.coordinator.aggregators import Attempt, ScaffoldMean, make_aggregator
 from fedra.coordinator.engine import EngineSettings
 from fedra.coordinator.errors import InvalidArgument
+from fedra.examples import charlm
 from fedra.local import LocalCluster
 from fedra.protos.codec import StreamDecoder, decode, decode_chunks, encode, encode_chunks, spec_of
 from fedra.protos.compression import Compressor, Piece, StreamingDecompressor, compressed_specs
@@ -466,3 +469,18 @@ def _server_c(cluster: LocalCluster, run_id: str, number: int) -> dict[str, torc
     assert ckpt is not None and ckpt.optimizer_sha256
     blobs = BlobStore(cluster.state_dir / "blobs")
     return scaffold.controls_of(decode_chunks(blobs.read_chunks(ckpt.optimizer_sha256, 1 << 20)))
+
+
+def test_a_local_world_of_several_processes_refuses_scaffold() -> None:
+    """Its ranks would each hold a shard of c_i: refused before any rank is told."""
+
+    class _Untouched:
+        def send(self, message: object) -> None:
+            raise AssertionError("no rank should be told to train")
+
+    config = ParallelConfig(nproc=2, plan="dp")
+    world = World(0, 2, "gloo", torch.device("cpu"))
+    executor = WorldExecutor(config, world, _Untouched())  # type: ignore[arg-type]
+    settings, round_ = FitSettings(1, 0, 1, 0.1, seed=0), ScaffoldRound({}, {}, 0.1, 1)
+    with pytest.raises(InnerOptimizerError, match=r"^train\.scaffold: not supported"):
+        executor.train(charlm.task, "m:t", 1, nn.Linear(1, 1), None, settings, None, round_)
