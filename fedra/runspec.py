@@ -418,6 +418,12 @@ class RunSpec:
                 "train.scaffold: cannot be combined with aggregation.norm_bound yet (a bound "
                 "on the model update alone would leave delta c_i unbounded)"
             )
+        if self.promotion is not None and self.promotion.on_patience == "rollback":
+            raise ConfigError(
+                "train.scaffold: cannot be combined with promotion.on_patience 'rollback' yet "
+                "(a rollback would set the model and c back, but not the sites' c_i; use "
+                "'stop')"
+            )
 
     def _validate_async(self) -> None:
         if self.asynchronous is None:

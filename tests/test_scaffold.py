@@ -307,6 +307,7 @@ def test_run_toml_keys_and_the_wire() -> None:
         ({"async": {"buffer": 2}}, r"^train\.scaffold: cannot be combined with \[async\]"),
         ({"aggregation": {"rule": "median"}}, r"^train\.scaffold: .*aggregation\.rule 'median'"),
         ({"aggregation": {"norm_bound": 1.0}}, r"^train\.scaffold: .*aggregation\.norm_bound"),
+        ({"promotion": {}}, r"^train\.scaffold: .*promotion\.on_patience 'rollback'"),
         ({"train": {"local_steps": 3, "scaffold": True, "proximal_mu": 0.1}},
          r"^train\.proximal_mu: cannot be combined with train\.scaffold"),
         ({"train": {"local_steps": 3, "scaffold": True, "keep_optimizer_state": True}},
@@ -316,6 +317,11 @@ def test_run_toml_keys_and_the_wire() -> None:
 def test_combinations_refused_at_submit(extra: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         runspec_from_toml({**_toml(), **extra})
+
+
+def test_promotion_that_stops_instead_of_rolling_back_is_allowed() -> None:
+    spec = runspec_from_toml({**_toml(), "promotion": {"on_patience": "stop"}})
+    assert spec.train.scaffold and spec.promotion is not None
 
 
 def _scaffold_settings() -> common_pb2.TrainSettings:
