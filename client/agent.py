@@ -29,6 +29,7 @@ from fedra.client.metrics import RoundMeasures, SiteMetrics, world_restarts, wri
 from fedra.client.optstate import CarriedState, OptimizerStates
 from fedra.client.pending import PendingUpdate, PendingUpdates
 from fedra.client.policy import Policy
+from fedra.client.scaffold import ControlStates, ScaffoldRound, SiteControls
 from fedra.client.task import FitSettings, ParallelTask, Task, load_task
 from fedra.config import ConfigError
 from fedra.faults import attack, crash_point
@@ -89,6 +90,10 @@ class SiteAgent:
         # the state of the round in flight, kept once its update counts.
         self._optimizer_states = OptimizerStates(config.state_dir)
         self._inner_state: tuple[str, CarriedState | None] | None = None
+        # [train] scaffold: each run's c_i (in state_dir), and the round in flight's c_i+,
+        # kept once its update counts.
+        self._control_states = ControlStates(config.state_dir)
+        self._site_controls: tuple[str, SiteControls] | None = None
         # The last global model of each run (its SHA-256, its tensors): with compressed
         # downloads, the next round's model is this plus a compressed step.
         self._globals: dict[str, tuple[str, dict[str, torch.Tensor]]] = {}
@@ -332,6 +337,9 @@ class SiteAgent:
         held, self._inner_state = self._inner_state, None
         if held is not None and held[0] == task.run_id and held[1] is not None:
             self._optimizer_states.save(task.run_id, held[1])
+        controls, self._site_controls = self._site_controls, None
+        if controls is not None and controls[0] == task.run_id:
+            self._control_states.save(task.run_id, controls[1])
         self.metrics.round_done(
             RoundMeasures(
                 run_id=task.run_id,
@@ -363,13 +371,37 @@ class SiteAgent:
             proximal_mu=task.train.proximal_mu,
         )
         keep = self._keep_state(task)
+        scaffold = self._scaffold_round(task, global_state)
         trained, num_samples, fit_metrics = self.executor.train(
-            impl, task.entry_point, task.round, model, data, settings, keep
+            impl, task.entry_point, task.round, model, data, settings, keep, scaffold
         )
         metrics.update(fit_metrics)
         if keep is not None:  # saved once the update counts (_round_done)
             self._inner_state = (task.run_id, keep.result)
-        return delta(trained, global_state), num_samples, metrics
+        update = delta(trained, global_state)
+        if scaffold is not None:  # delta c_i rides with the update; c_i+ kept once it counts
+            update.update(scaffold.finish(update))
+            metrics["scaffold_from_round"] = float(scaffold.from_round)
+            assert scaffold.result is not None
+            self._site_controls = (task.run_id, scaffold.result)
+        return update, num_samples, metrics
+
+    def _scaffold_round(
+        self, task: Assignment, global_state: Mapping[str, torch.Tensor]
+    ) -> ScaffoldRound | None:
+        """With [train] scaffold: the coordinator's c (downloaded; zero before it has one)
+        and the c_i this site's last counted round of the run left (zero at first)."""
+        if not task.train.scaffold:
+            return None
+        server: dict[str, torch.Tensor] = {}
+        if task.controls_sha256:
+            server = self.conn.download(task, timeout_s=max(task.deadline_in_s, 1.0), controls=True)
+            self._downloaded += task.controls_bytes
+        kept = self._control_states.load(task.run_id, task.round)
+        site, since = (kept.tensors, kept.after_round) if kept is not None else ({}, 0)
+        scaffold = ScaffoldRound(server, site, task.train.learning_rate, task.round, since)
+        scaffold.check(global_state)
+        return scaffold
 
     def _keep_state(self, task: Assignment) -> KeepState | None:
         """With [train] keep_optimizer_state: the state the run's last round here left,

@@ -94,6 +94,9 @@ class Assignment:
     model: bytes = field(default=b"", repr=False, compare=False)
     sites_in_round: int = 0  # sampled into this round (0: not said)
     privacy: PrivacySpec | None = None  # the run's differential privacy, if any
+    # [train] scaffold: the server's control variate c to download ('': c is zero).
+    controls_sha256: str = ""
+    controls_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -232,14 +235,18 @@ class Connection:
         timeout_s: float,
         delta: bool = False,
         reuse: Mapping[str, torch.Tensor] | None = None,
+        controls: bool = False,
     ) -> dict[str, torch.Tensor]:
         """Stream the task's global model (or, with ``delta``, its compressed step from the
-        previous model) in, checking its SHA-256 and structure; into ``reuse``'s tensors
-        where they fit (``codec.decode_chunks``), whose values are then lost either way."""
+        previous model; with ``controls``, a SCAFFOLD run's c) in, checking its SHA-256 and
+        structure; into ``reuse``'s tensors where they fit (``codec.decode_chunks``), whose
+        values are then lost either way."""
         request = site_pb2.DownloadModelRequest(
-            site_id=self.site_id, task_id=task.task_id, delta=delta
+            site_id=self.site_id, task_id=task.task_id, delta=delta, controls=controls
         )
         expected = task.delta_sha256 if delta else task.model_sha256
+        if controls:
+            expected = task.controls_sha256
         digest = hashlib.sha256()
 
         def chunks() -> Iterator[memoryview]:
@@ -414,4 +421,6 @@ def _assignment(t: site_pb2.Task, model: bytes = b"") -> Assignment:
         model=model if t.kind == site_pb2.TASK_KIND_TRAIN else b"",
         sites_in_round=t.sites_in_round,
         privacy=privacy_from_proto(t.privacy) if t.HasField("privacy") else None,
+        controls_sha256=t.controls_sha256,
+        controls_bytes=t.controls_bytes,
     )

@@ -19,6 +19,7 @@ from fedra.client.inner import InnerHooks, InnerOptimizerError, KeepState
 from fedra.client.parallel.extract import HostStager
 from fedra.client.parallel.plan import PlanOptions, World, broadcast_module, get_plan
 from fedra.client.parallel.trainer import TrainStats, train
+from fedra.client.scaffold import ScaffoldRound
 from fedra.client.task import FitSettings, ParallelTask, Task
 from fedra.client.world import ControlChannel
 from fedra.faults import crash_point
@@ -36,11 +37,13 @@ class Executor(Protocol):
         data: Any,
         settings: FitSettings,
         keep: KeepState | None = None,
+        scaffold: ScaffoldRound | None = None,
     ) -> tuple[dict[str, torch.Tensor], int, dict[str, float]]:
         """Train ``model`` (it holds the global weights): (trained state, samples, metrics).
 
         With ``keep``, the task's optimiser starts from ``keep.carried`` and its state after
-        training is left in ``keep.result``."""
+        training is left in ``keep.result``. With ``scaffold``, every inner step is
+        corrected by its ``c - c_i`` and the steps are counted in ``scaffold.steps``."""
         ...
 
     def close(self) -> None: ...
@@ -67,11 +70,17 @@ class LocalExecutor:
         data: Any,
         settings: FitSettings,
         keep: KeepState | None = None,
+        scaffold: ScaffoldRound | None = None,
     ) -> tuple[dict[str, torch.Tensor], int, dict[str, float]]:
         model = model.to(self.device)
-        hooks = InnerHooks(model.parameters(), settings.proximal_mu, keep)
+        corrections, lr = None, 0.0  # SCAFFOLD: c - c_i, and the rate its c_i+ assumes
+        if scaffold is not None:
+            corrections, lr = scaffold.corrections(model), scaffold.learning_rate
+        hooks = InnerHooks(model.parameters(), settings.proximal_mu, keep, corrections, lr)
         with hooks.around_fit(entry_point):
             result = impl.fit(model, data, settings)
+        if scaffold is not None:
+            scaffold.steps = hooks.steps
         state = self.stager.to_host(model.state_dict())
         metrics = {**result.metrics, **hooks.metrics()}
         if self.device.type == "cuda":
@@ -135,12 +144,18 @@ class WorldExecutor:
         data: Any,
         settings: FitSettings,
         keep: KeepState | None = None,
+        scaffold: ScaffoldRound | None = None,
     ) -> tuple[dict[str, torch.Tensor], int, dict[str, float]]:
         if not isinstance(impl, ParallelTask):
             raise TypeError(f"task {entry_point!r} does not support parallel plans")
         if keep is not None:  # each rank would hold its shard of the state: not carried yet
             raise InnerOptimizerError(
                 f"train.keep_optimizer_state: not supported on a site whose local world has "
+                f"{self.world.size} processes (plan {self.config.plan!r}) yet"
+            )
+        if scaffold is not None:  # c_i would be sharded like the plan's parameters
+            raise InnerOptimizerError(
+                f"train.scaffold: not supported on a site whose local world has "
                 f"{self.world.size} processes (plan {self.config.plan!r}) yet"
             )
         message = {"cmd": "train", "entry_point": entry_point, "round": round_number}

@@ -8,6 +8,10 @@ several accumulated microbatches). The site finds the optimiser through a step p
 the trainer's own (``ParallelTask``), or, around a task's ``fit``, torch's global one,
 which acts only on optimisers stepping this model's parameters.
 
+With ``[train] scaffold`` the hook adds SCAFFOLD's correction ``c - c_i`` to each
+gradient instead (``client/scaffold.py``), after checking the optimiser is plain SGD at
+the run's learning rate, which option II's control update assumes.
+
 With ``[train] keep_optimizer_state`` the same hook gives the task's optimiser, before its
 first step, the state the site's previous round left (``KeepState``), and takes its state
 after training, to carry to the next.
@@ -16,7 +20,8 @@ after training, to carry to the next.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+import math
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -53,10 +58,15 @@ class InnerHooks:
         params: Iterable[torch.nn.Parameter],
         proximal_mu: float = 0.0,
         keep: KeepState | None = None,
+        corrections: Mapping[int, torch.Tensor] | None = None,
+        learning_rate: float = 0.0,
     ) -> None:
         trainable = [p for p in params if p.requires_grad]
         self.proximal_mu = proximal_mu
         self.keep = keep
+        # SCAFFOLD: c - c_i by parameter id, and the run's learning rate its steps must take.
+        self.corrections = corrections
+        self.learning_rate = learning_rate
         self._optimizers: list[torch.optim.Optimizer] = []  # those seen stepping ours
         # By identity: the global hook sees every optimiser of the process (another site's
         # too, in tests), and acts only on these parameters. The parameters are held, so
@@ -82,6 +92,8 @@ class InnerHooks:
                 "the gradients inside step), which the proximal term cannot be added to"
             )
         self.steps += 1
+        if self.corrections is not None:
+            self._correct(optimizer, ours, args, kwargs)
         if self.keep is not None and not any(o is optimizer for o in self._optimizers):
             self._first_step(optimizer, self.keep)
         if not self._anchors:
@@ -90,6 +102,31 @@ class InnerHooks:
             for p in ours:
                 if p.grad is not None:
                     p.grad.add_(p.detach() - self._anchors[id(p)], alpha=self.proximal_mu)
+
+    def _correct(
+        self,
+        optimizer: torch.optim.Optimizer,
+        ours: list[torch.Tensor],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> None:
+        """SCAFFOLD: refuse what option II's c_i+ does not hold for; add ``c - c_i``."""
+        assert self.corrections is not None
+        if args[1:] or kwargs.get("closure") is not None:
+            raise InnerOptimizerError(
+                "train.scaffold: the task's optimiser steps with a closure, which the "
+                "control-variate correction cannot be added to"
+            )
+        why = _not_plain_sgd(optimizer, self.learning_rate)
+        if why:
+            raise InnerOptimizerError(
+                f"train.scaffold: option II's control update assumes plain SGD steps at "
+                f"train.learning_rate ({self.learning_rate:g}), but the task's optimiser {why}"
+            )
+        with torch.no_grad():
+            for p in ours:
+                if p.grad is not None:
+                    p.grad.add_(self.corrections[id(p)])
 
     def _first_step(self, optimizer: torch.optim.Optimizer, keep: KeepState) -> None:
         self._optimizers.append(optimizer)
@@ -109,6 +146,11 @@ class InnerHooks:
 
     def finish(self, entry_point: str) -> None:
         """After training: check what the run asked for could be done; take the state."""
+        if self.corrections is not None and self.steps == 0:
+            raise InnerOptimizerError(
+                f"train.scaffold: task {entry_point!r} stepped no torch.optim optimiser over "
+                "the model's parameters, so the control variates had nowhere to go"
+            )
         if self._anchors and self.steps == 0:
             raise InnerOptimizerError(
                 f"train.proximal_mu: task {entry_point!r} stepped no torch.optim optimiser "
@@ -146,7 +188,22 @@ class InnerHooks:
         """What the site reports of them: the inner steps that took the proximal term, the
         earlier rounds the optimiser's state carried (0: fresh)."""
         out = {"proximal_steps": float(self.steps)} if self._anchors else {}
+        if self.corrections is not None:
+            out["scaffold_steps"] = float(self.steps)
         if self.keep is not None:
             carried = self.keep.carried
             out["inner_state_rounds"] = float(carried.rounds if carried and self.keep.used else 0)
         return out
+
+
+def _not_plain_sgd(optimizer: torch.optim.Optimizer, learning_rate: float) -> str:
+    """Why ``optimizer`` is not plain SGD at ``learning_rate`` ('' when it is)."""
+    if not isinstance(optimizer, torch.optim.SGD):
+        return f"is {type(optimizer).__name__}"
+    for group in optimizer.param_groups:
+        if group.get("momentum", 0) or group.get("nesterov", False):
+            return f"has momentum {group.get('momentum')}"
+        lr = float(group["lr"])
+        if not math.isclose(lr, learning_rate, rel_tol=1e-6):
+            return f"steps at lr {lr:g} (a schedule, or another rate)"
+    return ""

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -119,31 +119,50 @@ def load_file(path: Path) -> CarriedState:
         raise OptimizerStateError(f"{path}: not an optimiser state file: {exc}") from exc
 
 
-class OptimizerStates:
-    """Each run's carried state: in the site's state directory, or in memory without one.
+class Dated(Protocol):
+    """What a kept state says of itself: the run's round that left it."""
+
+    @property
+    def after_round(self) -> int: ...
+
+
+T = TypeVar("T", bound=Dated)
+
+
+class TwoGenerations(Generic[T]):
+    """Each run's kept state of one kind: ``<stem>-<run>.safetensors`` in the site's state
+    directory, or in memory without one.
 
     Two generations are kept, the latest and the one before, so that a round trained again
     (a retried attempt, the same task after a restart) starts from the state the rounds
-    before it left, not from its own first attempt's."""
+    before it left, not from its own first attempt's. A file that cannot be read
+    (``decode`` raises ``OptimizerStateError``) is dropped with a warning."""
 
-    def __init__(self, state_dir: Path | None) -> None:
-        self.state_dir = state_dir
-        self._memory: dict[str, list[CarriedState]] = {}  # oldest first, at most two
+    def __init__(
+        self,
+        state_dir: Path | None,
+        stem: str,
+        encode: Callable[[T], bytes],
+        decode: Callable[[Path], T],
+    ) -> None:
+        self.state_dir, self.stem = state_dir, stem
+        self._encode, self._decode = encode, decode
+        self._memory: dict[str, list[T]] = {}  # oldest first, at most two
 
     def path(self, run_id: str, previous: bool = False) -> Path | None:
         if self.state_dir is None:
             return None
-        return self.state_dir / f"optimizer-{run_id}{'.prev' if previous else ''}.safetensors"
+        return self.state_dir / f"{self.stem}-{run_id}{'.prev' if previous else ''}.safetensors"
 
-    def load(self, run_id: str, before_round: int) -> CarriedState | None:
+    def load(self, run_id: str, before_round: int) -> T | None:
         """The latest state a round before ``before_round`` left, or None: none yet, or a
-        file that cannot be read (then the optimiser starts afresh)."""
-        for carried in reversed(self._generations(run_id)):
-            if carried.after_round < before_round:
-                return carried
+        file that cannot be read (then the state starts afresh)."""
+        for kept in reversed(self._generations(run_id)):
+            if kept.after_round < before_round:
+                return kept
         return None
 
-    def _generations(self, run_id: str) -> list[CarriedState]:
+    def _generations(self, run_id: str) -> list[T]:
         if self.state_dir is None:
             return self._memory.get(run_id, [])
         found = []
@@ -152,25 +171,32 @@ class OptimizerStates:
             if path is None or not path.exists():
                 continue
             try:
-                found.append(load_file(path))
+                found.append(self._decode(path))
             except OptimizerStateError as exc:
-                log.warning("inner optimiser state dropped: %s", exc)
+                log.warning("%s state dropped: %s", self.stem, exc)
         return found
 
-    def save(self, run_id: str, carried: CarriedState) -> None:
-        """Keep ``carried`` as the latest; the latest of an earlier round becomes the one
+    def save(self, run_id: str, kept: T) -> None:
+        """Keep ``kept`` as the latest; the latest of an earlier round becomes the one
         before (one of the same round, an earlier attempt's, is replaced)."""
         path, previous = self.path(run_id), self.path(run_id, previous=True)
         if path is None or previous is None:
-            kept = [c for c in self._memory.get(run_id, []) if c.after_round < carried.after_round]
-            self._memory = {run_id: [*kept[-1:], carried]}  # one run's at a time
+            older = [c for c in self._memory.get(run_id, []) if c.after_round < kept.after_round]
+            self._memory = {run_id: [*older[-1:], kept]}  # one run's at a time
             return
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.exists():
             try:
-                latest = load_file(path).after_round
+                latest = self._decode(path).after_round
             except OptimizerStateError:
-                latest = carried.after_round  # unreadable: not worth keeping
-            if latest < carried.after_round:
+                latest = kept.after_round  # unreadable: not worth keeping
+            if latest < kept.after_round:
                 path.replace(previous)  # a rename: the latest stays whole, now as the previous
-        write_atomic(path, [to_bytes(carried)])
+        write_atomic(path, [self._encode(kept)])
+
+
+class OptimizerStates(TwoGenerations[CarriedState]):
+    """Each run's carried inner optimiser state, ``optimizer-<run>.safetensors``."""
+
+    def __init__(self, state_dir: Path | None) -> None:
+        super().__init__(state_dir, "optimizer", to_bytes, load_file)

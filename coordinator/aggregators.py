@@ -12,7 +12,10 @@ is looked up in ``_AGGREGATORS`` and nowhere else. The choices:
 - ``RobustAggregate``: median, trimmed mean, Krum and Multi-Krum over every update of the
   attempt, spilled to disk past ``aggregation.spill_mb``;
 - ``SecureSum`` and ``PrivateSecureSum``: ``[secagg]``, a sum of masked integers whose key
-  exchange runs around the uploads; only the survivors' sum is ever unmasked.
+  exchange runs around the uploads; only the survivors' sum is ever unmasked;
+- ``ScaffoldMean``: rule ``mean`` with ``[train] scaffold``: the model deltas as
+  ``StreamingMean``, and each site's delta c_i (extra tensors of its update) in an
+  unweighted mean beside them (``fedra.coordinator.scaffold``).
 
 The outer step (FedAvg, FedAvgM, FedAdam, FedYogi, DiLoCo) is the run's
 ``ServerOptimizer``, applied to whichever mean update ``finish`` returns.
@@ -34,6 +37,7 @@ import torch
 from fedra.config import ConfigError
 from fedra.coordinator.aggregation import WeightedSum
 from fedra.coordinator.robust import RobustError, RobustRule, UpdateStore, aggregate
+from fedra.coordinator.scaffold import CONTROL_PREFIX, control_specs, update_specs
 from fedra.faults import crash_point
 from fedra.privacy import add_secure_gaussian_, clip_factor
 from fedra.protos.codec import TensorSpec
@@ -115,6 +119,10 @@ class Aggregator(ABC):
         """The attempt's secure-aggregation key exchange, which the sites take part in."""
         return None
 
+    def update_specs(self, model: Mapping[str, TensorSpec]) -> dict[str, TensorSpec]:
+        """The tensors a site's update must hold (before the codec): the model's."""
+        return dict(model)
+
     @abstractmethod
     def begin(self, attempt: Attempt) -> None:
         """Start the aggregate of a training round's attempt (the previous one dropped)."""
@@ -189,6 +197,45 @@ class StreamingMean(Aggregator):
 
     def drop(self) -> None:
         self._sum = None
+
+
+class ScaffoldMean(StreamingMean):
+    """Rule ``mean`` with ``[train] scaffold``: the model part of each update folded as
+    ``StreamingMean`` folds it (sample-weighted), its delta c_i into an unweighted sum
+    (Algorithm 1 averages them over sites); ``finish`` returns both, the controls under
+    ``CONTROL_PREFIX``, for the commit to split (``scaffold.split``)."""
+
+    def __init__(self, spec: RunSpec) -> None:
+        super().__init__(spec)
+        self._controls: WeightedSum | None = None
+
+    def update_specs(self, model: Mapping[str, TensorSpec]) -> dict[str, TensorSpec]:
+        return update_specs(model)
+
+    def begin(self, attempt: Attempt) -> None:
+        super().begin(attempt)
+        self._controls = WeightedSum(control_specs(attempt.specs))
+
+    def fold(self, site_id: str, update: SpooledUpdate, samples: int, staleness: int) -> None:
+        assert self._sum is not None and self._controls is not None
+        weight = float(samples)
+        for piece in update.dense():
+            if piece.name.startswith(CONTROL_PREFIX):
+                self._controls.add_pieces((piece,), 1.0)
+            else:
+                self._sum.add_pieces((piece,), weight)
+            del piece
+        self._sum.finish_update(weight)
+        self._controls.finish_update(1.0)
+
+    def finish(self) -> tuple[dict[str, torch.Tensor], int]:
+        assert self._controls is not None
+        mean, count = super().finish()
+        return {**mean, **self._controls.mean()}, count
+
+    def drop(self) -> None:
+        super().drop()
+        self._controls = None
 
 
 class PrivateMean(StreamingMean):
@@ -337,19 +384,24 @@ class PrivateSecureSum(SecureSum):
 
 
 class Choice(NamedTuple):
-    """What a run spec asks of aggregation: its rule, and whether [secagg] and [privacy]
-    are on."""
+    """What a run spec asks of aggregation: its rule, whether [secagg] and [privacy] are
+    on, and whether its updates carry SCAFFOLD's control deltas."""
 
     rule: str
     secure: bool
     private: bool
+    scaffold: bool = False
 
     @classmethod
     def of(cls, spec: RunSpec) -> Choice:
-        return cls(spec.aggregation.rule, spec.secagg is not None, spec.privacy is not None)
+        return cls(
+            spec.aggregation.rule, spec.secagg is not None, spec.privacy is not None,
+            spec.train.scaffold,
+        )  # fmt: skip
 
     def __str__(self) -> str:
-        tables = [t for t, on in (("[secagg]", self.secure), ("[privacy]", self.private)) if on]
+        tables = [t for t, on in (("[secagg]", self.secure), ("[privacy]", self.private),
+                                  ("train.scaffold", self.scaffold)) if on]  # fmt: skip
         return f"rule {self.rule!r}" + (f" with {' and '.join(tables)}" if tables else "")
 
 
@@ -358,6 +410,7 @@ _AGGREGATORS: dict[Choice, Callable[[RunSpec], Aggregator]] = {
     Choice("mean", secure=False, private=True): PrivateMean,
     Choice("mean", secure=True, private=False): SecureSum,
     Choice("mean", secure=True, private=True): PrivateSecureSum,
+    Choice("mean", secure=False, private=False, scaffold=True): ScaffoldMean,
     Choice("median", secure=False, private=False): RobustAggregate,
     Choice("trimmed_mean", secure=False, private=False): RobustAggregate,
     Choice("krum", secure=False, private=False): functools.partial(

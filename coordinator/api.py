@@ -232,11 +232,19 @@ class CoordinatorAPI:
             raise
 
     async def download(
-        self, site_id: str, task_id: str, delta: bool, frame: Callable[[int], bytes]
+        self,
+        site_id: str,
+        task_id: str,
+        delta: bool,
+        frame: Callable[[int], bytes],
+        controls: bool = False,
     ) -> AsyncIterator[bytes]:
-        """The task's model (or compressed step), each chunk led by ``frame(len)``."""
+        """The task's model (or compressed step, or SCAFFOLD's c), each chunk led by
+        ``frame(len)``."""
         engine = self.engine
-        digest, size, base = await self.quick(engine.open_download, site_id, task_id, delta)
+        digest, size, base = await self.quick(
+            engine.open_download, site_id, task_id, delta, controls
+        )
         started, sent = time.monotonic(), 0  # sent: handed to gRPC, frames included
         await self.quick(engine.transfer, site_id, True)
         try:

@@ -104,6 +104,9 @@ class TaskView:
     # What a site's policy may hold the run to: its round's cohort, its privacy.
     sites_in_round: int = 0
     privacy: PrivacySpec | None = None
+    # [train] scaffold: the server's control variate c to download ('': c is zero).
+    controls_sha256: str = ""
+    controls_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -486,6 +489,8 @@ class Engine:
             delta_bytes=0 if init else run.delta_bytes,
             sites_in_round=run.cohort_size,
             privacy=run.spec.privacy,
+            controls_sha256="" if init else run.controls_sha256,
+            controls_bytes=0 if init else run.controls_bytes,
         )
 
     def is_async_task(self, task_id: str) -> bool:
@@ -546,10 +551,11 @@ class Engine:
             self.changed.wait(1.0)
 
     def open_download(
-        self, site_id: str, task_id: str, delta: bool = False
+        self, site_id: str, task_id: str, delta: bool = False, controls: bool = False
     ) -> tuple[str, int, int]:
         """Check a site may download its task's model (or the compressed step to it from
-        the previous model); returns (sha256, size, the round whose model it is)."""
+        the previous model, or a SCAFFOLD run's control variate c); returns (sha256, size,
+        the round whose model it is)."""
         with self.lock:
             run, _ = self.current_task(site_id, task_id)
             if run.open_round == INIT_ROUND:
@@ -563,6 +569,13 @@ class Engine:
                         "download the whole model"
                     )
                 found = run.delta_sha256, run.delta_bytes, run.open_round or 0
+            elif controls:
+                if not run.controls_sha256:
+                    raise FailedPrecondition(
+                        f"round {run.open_round} of run {run.run_id} has no control variate "
+                        "to download (a run without train.scaffold, or c still zero)"
+                    )
+                found = run.controls_sha256, run.controls_bytes, run.open_round or 0
             else:
                 found = run.model_sha256, run.model_bytes, run.open_round or 0
             # Under way until record_download, or downloads.abandoned if the call ends early.

@@ -135,10 +135,11 @@ class _Spooled:
 
 def _dense_pieces(engine: Engine, run: ActiveRun, digest: str) -> Iterator[Piece]:
     """The decompressed pieces of a spooled update, chunk by chunk."""
-    assert run.model_specs is not None
+    specs = run.update_specs
+    assert specs is not None
     codec = run.spec.codec
-    decoder = StreamDecoder(compressed_specs(run.model_specs, codec), copy=False)
-    dense = StreamingDecompressor(run.model_specs, codec)
+    decoder = StreamDecoder(compressed_specs(specs, codec), copy=False)
+    dense = StreamingDecompressor(specs, codec)
     first = True  # (not enumerate: its cached result tuple would hold the last block)
     for chunk in engine.updates.read_chunks(digest):
         yield from dense.feed(decoder.feed(chunk))

@@ -21,6 +21,7 @@ from fedra.coordinator.rounds import (
     ACCOUNTANT_KEY,
     LEGACY_ACCOUNTANT_KEY,
     RESIDUAL_PREFIX,
+    publish_controls,
     start_aggregate,
 )
 from fedra.coordinator.state import ATTEMPT_FAILED, INIT_ROUND, ActiveRun
@@ -77,6 +78,7 @@ def restore_run(engine: Engine, record: RunRecord) -> ActiveRun | None:
                 if k.startswith(RESIDUAL_PREFIX)
             }
             run.optimizer.load_state_dict(state)
+            run.controls_sha256, run.controls_bytes = publish_controls(engine, run)
         if ckpt.delta_sha256:
             previous = engine.store.get_checkpoint(record.id, ckpt.round_number - 1)
             if previous is not None:

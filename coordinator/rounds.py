@@ -31,7 +31,7 @@ import torch
 
 from fedra import logformat
 from fedra.accounting import Accountant
-from fedra.coordinator import promotion
+from fedra.coordinator import promotion, scaffold
 from fedra.coordinator.aggregation import ServerOptimizer
 from fedra.coordinator.aggregators import AggregationError, Attempt
 from fedra.coordinator.folding import fold_ready, fold_remaining, has_turn
@@ -361,6 +361,11 @@ class RoundDriver:
             bad = _first_non_finite(mean)
             if bad:  # finite updates can still overflow in the sum: never commit that
                 return self._retry_or_fail(count, f"the mean update's {bad} is not finite")
+            mean, mean_delta_c = scaffold.split(mean)
+            if mean_delta_c:  # SCAFFOLD: c moves beside the model, in the optimiser's state
+                population = spec.scaffold_population()
+                scaffold.absorb(run.optimizer.state, mean_delta_c, count, population)
+                del mean_delta_c
             if spec.codec.download:  # the step is compressed from the whole old and new models
                 model = self._committed_model()
                 before: dict[str, torch.Tensor] | None = {k: v.clone() for k, v in model.items()}
@@ -410,6 +415,7 @@ class RoundDriver:
                 log.warning("%s round %d: rolled back to round %d's model: %s", self.tag,
                             number, decision.state.promoted_round, decision.why)  # fmt: skip
             pending_promotion = decision.state
+        controls_sha, controls_bytes = publish_controls(engine, run)
         ckpt = CheckpointRecord(
             run.run_id, number, model_sha, engine.models.size(model_sha), opt_sha, now,
             delta_sha or None,
@@ -437,6 +443,7 @@ class RoundDriver:
             run.delta_sha256 = delta_sha
             run.delta_bytes = engine.models.size(delta_sha) if delta_sha else 0
             run.download_residual = residual
+            run.controls_sha256, run.controls_bytes = controls_sha, controls_bytes
             run.model_sha256, run.model_bytes = model_sha, ckpt.model_bytes
             run.accountant = accountant or run.accountant
             run.set_closed(next_round=number + 1)
@@ -633,6 +640,16 @@ def draw(spec: RunSpec, number: int, attempt: int, eligible: list[str], wanted: 
         q = spec.sites_per_round / privacy.population
         return sorted(s for s in eligible if rng.random() < q)
     return sorted(rng.sample(eligible, max(0, min(wanted, len(eligible)))))
+
+
+def publish_controls(engine: Engine, run: ActiveRun) -> tuple[str, int]:
+    """SCAFFOLD: the server's c (as the optimiser's state holds it) as a blob the sites
+    download, and its size; ('', 0) while there is none (c is zero)."""
+    controls = scaffold.controls_of(run.optimizer.state)
+    if not controls:
+        return "", 0
+    digest = engine.models.put_chunks(encode_chunks(controls))
+    return digest, engine.models.size(digest)
 
 
 def stepped_model(

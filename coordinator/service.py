@@ -57,6 +57,8 @@ def _task_to_proto(t: TaskView) -> site_pb2.Task:
         delta_bytes=t.delta_bytes,
         sites_in_round=t.sites_in_round,
         privacy=privacy_to_proto(t.privacy) if t.privacy is not None else None,
+        controls_sha256=t.controls_sha256,
+        controls_bytes=t.controls_bytes,
     )
 
 
@@ -143,8 +145,9 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
         self.guard.site(context, request.site_id)
         self.api.touch(request.site_id)
         chunks = self.api.download(
-            request.site_id, request.task_id, request.delta, wire.model_chunk_frame
-        )
+            request.site_id, request.task_id, request.delta, wire.model_chunk_frame,
+            controls=request.controls,
+        )  # fmt: skip
         async for chunk in chunks:
             yield chunk
             del chunk

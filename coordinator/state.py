@@ -115,6 +115,10 @@ class ActiveRun:
     delta_sha256: str = ""
     delta_bytes: int = 0
     download_residual: dict[str, torch.Tensor] = field(default_factory=dict)
+    # [train] scaffold: the server's control variate c as published to the sites ('':
+    # none yet, c is zero), from the optimiser state of the last commit.
+    controls_sha256: str = ""
+    controls_bytes: int = 0
     next_round: int = INIT_ROUND
     next_attempt: int = 1
     # The round in progress (open_round is None between rounds):
@@ -174,6 +178,14 @@ class ActiveRun:
         """The running sum of a streaming-mean attempt, else None (tests look into it)."""
         agg = self.aggregator
         return agg.running_sum if isinstance(agg, StreamingMean) else None
+
+    @property
+    def update_specs(self) -> dict[str, TensorSpec] | None:
+        """What a training round's update holds before the codec (the aggregator says:
+        the model's tensors, and SCAFFOLD's control deltas); None before the first model."""
+        if self.model_specs is None:
+            return None
+        return self.aggregator.update_specs(self.model_specs)
 
     @property
     def upload_codec(self) -> CodecSpec:

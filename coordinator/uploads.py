@@ -91,7 +91,9 @@ class UploadTicket:
     round: int
     attempt: int
     codec: CodecSpec
-    model: dict[str, TensorSpec] | None  # the global model's specs; None for the initial model
+    # The update's tensors before the codec (the model's, and a SCAFFOLD run's control
+    # deltas); None for the initial model.
+    model: dict[str, TensorSpec] | None
     started: float = field(default_factory=time.monotonic)
     # A small update, whole and checked: its bytes go into its accept (storage.spool).
     payload: bytes | None = field(default=None, repr=False)
@@ -137,7 +139,7 @@ def begin_upload(engine: Engine, h: UpdateHeader) -> UploadTicket:
                 f"codec {h.codec!r} does not match the run's codec {codec.name!r}"
             )
         ticket = UploadTicket(
-            h, run, a, run.open_round, run.attempt, codec, None if init else run.model_specs
+            h, run, a, run.open_round, run.attempt, codec, None if init else run.update_specs
         )
         limit = _size_limit(engine, ticket.expected)
         if h.payload_bytes > limit:

@@ -81,6 +81,7 @@ RANGES: dict[str, Bound] = {
     "train.learning_rate": _positive(100.0),
     "train.proximal_mu": Bound(0.0, 1e4),  # 0: no proximal term
     "train.reset_optimizer_every": _int(0, 1_000_000),  # rounds; 0: never
+    "train.scaffold_population": _int(0, MAX_POPULATION),  # 0: sites_per_round
     "strategy.server_lr": _positive(100.0),
     "strategy.momentum": _FRACTION,
     "strategy.beta1": _FRACTION,

@@ -278,6 +278,11 @@ class TrainSpec:
     # starts it afresh in rounds 1, N + 1, 2N + 1, ...
     keep_optimizer_state: bool = False
     reset_optimizer_every: int = 0
+    # SCAFFOLD (Karimireddy et al. 2020, option II): control variates correct each site's
+    # drift; scaffold_population is the N of c <- c + (|S| / N) mean(delta c_i), the sites
+    # the rounds are drawn from (0: sites_per_round, every site in every round).
+    scaffold: bool = False
+    scaffold_population: int = 0
 
     def resets_optimizer(self, round_number: int) -> bool:
         """Whether round ``round_number`` (1 the first trained) starts a fresh optimiser."""
@@ -286,7 +291,7 @@ class TrainSpec:
 
     def validate(self) -> None:
         for key in ("local_steps", "local_epochs", "batch_size", "learning_rate", "proximal_mu",
-                    "reset_optimizer_every"):  # fmt: skip
+                    "reset_optimizer_every", "scaffold_population"):  # fmt: skip
             check(f"train.{key}", getattr(self, key))
         require(isinstance(self.keep_optimizer_state, bool), "train.keep_optimizer_state",
                 "must be true or false", self.keep_optimizer_state)  # fmt: skip
@@ -294,6 +299,17 @@ class TrainSpec:
                 "train.reset_optimizer_every",
                 "only a run that keeps the state resets it (set train.keep_optimizer_state = "
                 "true)", self.reset_optimizer_every)  # fmt: skip
+        require(isinstance(self.scaffold, bool), "train.scaffold", "must be true or false",
+                self.scaffold)  # fmt: skip
+        require(self.scaffold or self.scaffold_population == 0, "train.scaffold_population",
+                "only a SCAFFOLD run uses it (set train.scaffold = true)",
+                self.scaffold_population)  # fmt: skip
+        if self.scaffold:  # option II's c_i+ assumes plain SGD steps on the loss alone
+            require(self.proximal_mu == 0, "train.proximal_mu",
+                    "cannot be combined with train.scaffold yet", self.proximal_mu)  # fmt: skip
+            require(not self.keep_optimizer_state, "train.keep_optimizer_state",
+                    "cannot be combined with train.scaffold (its inner optimiser is plain "
+                    "SGD, which keeps no state)", self.keep_optimizer_state)  # fmt: skip
         require(
             self.local_steps > 0 or self.local_epochs > 0,
             "train.local_steps",
@@ -353,6 +369,7 @@ class RunSpec:
             self.min_sites,
         )
         self.train.validate()
+        self._validate_scaffold()
         self._validate_strategy()
         self._validate_aggregation()
         self._validate_async()
@@ -364,6 +381,49 @@ class RunSpec:
                     "that a next round's sites evaluate)"
                 )
         return self
+
+    def scaffold_population(self) -> int:
+        """SCAFFOLD's N: the declared population, or sites_per_round."""
+        return self.train.scaffold_population or self.sites_per_round
+
+    def _validate_scaffold(self) -> None:
+        """SCAFFOLD at first only with the plain streaming mean: its delta c_i must reach
+        the coordinator in the clear, unclipped and unmixed with stale rounds."""
+        if not self.train.scaffold:
+            return
+        population = self.train.scaffold_population
+        require(population == 0 or population >= self.sites_per_round,
+                "train.scaffold_population",
+                f"must be at least sites_per_round ({self.sites_per_round}), or 0",
+                population)  # fmt: skip
+        why = {
+            "secagg": "the coordinator must see each site's delta c_i, not a masked sum",
+            "privacy": "the control variates would need their own clipping and noise",
+            "async": "a stale site's delta c_i would move c by a step it was not trained on",
+        }
+        for table, value in (("secagg", self.secagg), ("privacy", self.privacy),
+                             ("async", self.asynchronous)):  # fmt: skip
+            if value is not None:
+                raise ConfigError(
+                    f"train.scaffold: cannot be combined with [{table}] yet ({why[table]})"
+                )
+        if self.aggregation.robust:
+            raise ConfigError(
+                f"train.scaffold: cannot be combined with aggregation.rule "
+                f"{self.aggregation.rule!r} yet (SCAFFOLD's c is the plain mean of the sites' "
+                "delta c_i; use rule 'mean')"
+            )
+        if self.aggregation.norm_bound:
+            raise ConfigError(
+                "train.scaffold: cannot be combined with aggregation.norm_bound yet (a bound "
+                "on the model update alone would leave delta c_i unbounded)"
+            )
+        if self.promotion is not None and self.promotion.on_patience == "rollback":
+            raise ConfigError(
+                "train.scaffold: cannot be combined with promotion.on_patience 'rollback' yet "
+                "(a rollback would set the model and c back, but not the sites' c_i; use "
+                "'stop')"
+            )
 
     def _validate_async(self) -> None:
         if self.asynchronous is None:
@@ -520,7 +580,7 @@ _TOP_KEYS = {
 }  # fmt: skip
 _TRAIN_KEYS = {
     "local_steps", "local_epochs", "batch_size", "learning_rate", "params", "proximal_mu",
-    "keep_optimizer_state", "reset_optimizer_every",
+    "keep_optimizer_state", "reset_optimizer_every", "scaffold", "scaffold_population",
 }  # fmt: skip
 
 
@@ -560,6 +620,8 @@ def runspec_from_toml(doc: Mapping[str, Any]) -> RunSpec:
         proximal_mu=get(train_t, "proximal_mu", float, "train", 0.0),
         keep_optimizer_state=get(train_t, "keep_optimizer_state", bool, "train", False),
         reset_optimizer_every=get(train_t, "reset_optimizer_every", int, "train", 0),
+        scaffold=get(train_t, "scaffold", bool, "train", False),
+        scaffold_population=get(train_t, "scaffold_population", int, "train", 0),
     )
     strategy_t = dict(get(doc, "strategy", dict, "", {"name": "fedavg"}))
     strategy_name = get(strategy_t, "name", str, "strategy", "fedavg")

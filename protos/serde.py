@@ -31,6 +31,8 @@ def train_to_proto(t: TrainSpec) -> common_pb2.TrainSettings:
         proximal_mu=t.proximal_mu,
         keep_optimizer_state=t.keep_optimizer_state,
         reset_optimizer_every=t.reset_optimizer_every,
+        scaffold=t.scaffold,
+        scaffold_population=t.scaffold_population,
     )
 
 
@@ -44,6 +46,8 @@ def train_from_proto(m: common_pb2.TrainSettings) -> TrainSpec:
         proximal_mu=m.proximal_mu,
         keep_optimizer_state=m.keep_optimizer_state,
         reset_optimizer_every=m.reset_optimizer_every,
+        scaffold=m.scaffold,
+        scaffold_population=m.scaffold_population,
     )
 
 

@@ -56,6 +56,8 @@ def _base_doc(key: str) -> dict[str, Any]:
         doc["privacy"] = {"epsilon": 8.0}
     elif key == "train.reset_optimizer_every":  # only a run that keeps the state resets it
         doc["train"] = {"keep_optimizer_state": True}
+    elif key == "train.scaffold_population":  # only a SCAFFOLD run has one
+        doc["train"] = {"scaffold": True}
     elif table in ("secagg", "async", "aggregation", "promotion"):
         doc[table] = {}
     return doc

@@ -52,6 +52,8 @@ class TrainSettings(_message.Message):
     PROXIMAL_MU_FIELD_NUMBER: _builtins.int
     KEEP_OPTIMIZER_STATE_FIELD_NUMBER: _builtins.int
     RESET_OPTIMIZER_EVERY_FIELD_NUMBER: _builtins.int
+    SCAFFOLD_FIELD_NUMBER: _builtins.int
+    SCAFFOLD_POPULATION_FIELD_NUMBER: _builtins.int
     local_steps: _builtins.int
     """optimiser steps per round; 0 means use local_epochs"""
     local_epochs: _builtins.int
@@ -63,6 +65,12 @@ class TrainSettings(_message.Message):
     """each site carries its inner optimiser's state across rounds"""
     reset_optimizer_every: _builtins.int
     """with it: a fresh optimiser in rounds 1, N+1, ...; 0 never"""
+    scaffold: _builtins.bool
+    """SCAFFOLD (option II): each site corrects its gradients by c - c_i and uploads delta c_i
+    beside its model update; scaffold_population is N in c += (|S|/N) mean(delta c_i).
+    """
+    scaffold_population: _builtins.int
+    """0: sites_per_round"""
     @_builtins.property
     def params(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """task-specific, from the run spec's [train.params]"""
@@ -78,10 +86,12 @@ class TrainSettings(_message.Message):
         proximal_mu: _builtins.float = ...,
         keep_optimizer_state: _builtins.bool = ...,
         reset_optimizer_every: _builtins.int = ...,
+        scaffold: _builtins.bool = ...,
+        scaffold_population: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "keep_optimizer_state", b"keep_optimizer_state", "learning_rate", b"learning_rate", "local_epochs", b"local_epochs", "local_steps", b"local_steps", "params", b"params", "proximal_mu", b"proximal_mu", "reset_optimizer_every", b"reset_optimizer_every"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "keep_optimizer_state", b"keep_optimizer_state", "learning_rate", b"learning_rate", "local_epochs", b"local_epochs", "local_steps", b"local_steps", "params", b"params", "proximal_mu", b"proximal_mu", "reset_optimizer_every", b"reset_optimizer_every", "scaffold", b"scaffold", "scaffold_population", b"scaffold_population"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

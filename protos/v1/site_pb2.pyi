@@ -185,6 +185,8 @@ class Task(_message.Message):
     DELTA_BYTES_FIELD_NUMBER: _builtins.int
     SITES_IN_ROUND_FIELD_NUMBER: _builtins.int
     PRIVACY_FIELD_NUMBER: _builtins.int
+    CONTROLS_SHA256_FIELD_NUMBER: _builtins.int
+    CONTROLS_BYTES_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     run_id: _builtins.str
     round: _builtins.int
@@ -208,6 +210,11 @@ class Task(_message.Message):
     """What the site's policy may hold the run to: the sites sampled into this round, and
     the run's differential privacy (unset: none).
     """
+    controls_sha256: _builtins.str
+    """SCAFFOLD runs: the server's control variate c, a safetensors blob named like the
+    model's floating-point tensors (DownloadModelRequest.controls). Empty: c is zero.
+    """
+    controls_bytes: _builtins.int
     @_builtins.property
     def settings(self) -> _common_pb2.TrainSettings: ...
     @_builtins.property
@@ -241,10 +248,12 @@ class Task(_message.Message):
         delta_bytes: _builtins.int = ...,
         sites_in_round: _builtins.int = ...,
         privacy: _common_pb2.Privacy | None = ...,
+        controls_sha256: _builtins.str = ...,
+        controls_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["compression", b"compression", "privacy", b"privacy", "secagg", b"secagg", "settings", b"settings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_sha256", b"base_sha256", "codec", b"codec", "compression", b"compression", "deadline_in_s", b"deadline_in_s", "delta_bytes", b"delta_bytes", "delta_sha256", b"delta_sha256", "entry_point", b"entry_point", "kind", b"kind", "model_bytes", b"model_bytes", "model_sha256", b"model_sha256", "privacy", b"privacy", "round", b"round", "run_id", b"run_id", "secagg", b"secagg", "seed", b"seed", "settings", b"settings", "sites_in_round", b"sites_in_round", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_sha256", b"base_sha256", "codec", b"codec", "compression", b"compression", "controls_bytes", b"controls_bytes", "controls_sha256", b"controls_sha256", "deadline_in_s", b"deadline_in_s", "delta_bytes", b"delta_bytes", "delta_sha256", b"delta_sha256", "entry_point", b"entry_point", "kind", b"kind", "model_bytes", b"model_bytes", "model_sha256", b"model_sha256", "privacy", b"privacy", "round", b"round", "run_id", b"run_id", "secagg", b"secagg", "seed", b"seed", "settings", b"settings", "sites_in_round", b"sites_in_round", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -328,20 +337,24 @@ class DownloadModelRequest(_message.Message):
     SITE_ID_FIELD_NUMBER: _builtins.int
     TASK_ID_FIELD_NUMBER: _builtins.int
     DELTA_FIELD_NUMBER: _builtins.int
+    CONTROLS_FIELD_NUMBER: _builtins.int
     site_id: _builtins.str
     task_id: _builtins.str
     delta: _builtins.bool
     """stream the round's compressed step instead of the whole model"""
+    controls: _builtins.bool
+    """stream the run's SCAFFOLD control variate c (Task.controls_sha256)"""
     def __init__(
         self,
         *,
         site_id: _builtins.str = ...,
         task_id: _builtins.str = ...,
         delta: _builtins.bool = ...,
+        controls: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["delta", b"delta", "site_id", b"site_id", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["controls", b"controls", "delta", b"delta", "site_id", b"site_id", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
