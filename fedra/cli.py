@@ -735,6 +735,8 @@ def _cmd_bench_compare(args: argparse.Namespace) -> int:
         latency_ms=args.latency_ms,
         target_loss=args.target_loss,
         state_dir=Path(args.state_dir) if args.state_dir else None,
+        price_compute_hour=args.price_compute_hour,
+        price_gb=args.price_gb,
     )
     try:
         report = run_compare(config, log=lambda line: print(line, flush=True))
@@ -1092,7 +1094,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--sites", type=int, default=3, help="site processes")
     d.add_argument(
         "--strategy", default="fedavg",
-        help="fedavg, fedavgm, fedadam, fedyogi, fedadagrad, diloco or fedprox",
+        help="fedavg, fedavgm, fedadam, fedyogi, fedadagrad, diloco, fedprox or scaffold",
     )  # fmt: skip
     d.add_argument(
         "--alpha", type=float, default=0.5, help="label skew of the split (smaller: stronger)"
@@ -1119,6 +1121,10 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument(
         "--quick", action="store_true", help="a tiny set-up (tests): 16 steps, H 4 16, fast link"
     )
+    q.add_argument(
+        "--price-compute-hour", type=float, help="the cost line: per process-hour (default 1)"
+    )
+    q.add_argument("--price-gb", type=float, help="the cost line: per GB moved (default 0.09)")
     q.set_defaults(func=_cmd_bench_compare)
     return p
 

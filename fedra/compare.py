@@ -5,6 +5,9 @@ Configurations (all on ``fedra.examples.charlm:task``, the same model, seed, bat
 learning rate and number of inner steps per site):
 
 - ``centralised``: one process, the pooled data of every site, one AdamW for all steps;
+- ``ddp``: what a team would run instead, PyTorch DDP across the same sites (a process
+  each, gloo all-reduce of the gradients every step) over the same emulated link
+  (``fedra.compare_ddp``);
 - ``every-step``: FedAvg with ``local_steps = 1``, one round per inner step;
 - ``diloco-h{H}`` and ``diloco-h{H}-int8``: DiLoCo with H local steps per round, updates
   sent as fp32, or as int8 both ways (``[codec] download``: the sites fetch only the
@@ -31,8 +34,8 @@ from typing import Any
 import grpc
 import torch
 
+from fedra import compare_ddp, compare_report
 from fedra import compare_metrics as m
-from fedra import compare_report
 from fedra.admin import AdminClient, provenance_dict
 from fedra.client.task import FitSettings
 from fedra.config import ConfigError, require
@@ -42,7 +45,7 @@ from fedra.runspec import STRATEGY_PARAMS, CodecSpec, RunSpec, TrainSpec
 from fedra.wan import Link, WanProxy
 
 TASK = "fedra.examples.charlm:task"
-CENTRALISED, EVERY_STEP = "centralised", "every-step"
+CENTRALISED, EVERY_STEP, DDP = "centralised", "every-step", "ddp"
 DEFAULT_MODEL = {"seq_len": "64", "d_model": "128", "n_layers": "2", "n_heads": "4", "d_ff": "512"}
 QUICK_MODEL = {"seq_len": "32", "d_model": "32", "n_layers": "1", "n_heads": "2", "d_ff": "64"}
 Log = Callable[[str], None]
@@ -68,6 +71,10 @@ class CompareConfig:
     state_dir: Path | None = None  # None: a temporary directory, removed afterwards
     round_deadline_s: float = 600.0
     run_timeout_s: float = 3600.0  # per federated configuration
+    # The cost line: what a compute-hour (one site's process for an hour) and a GB moved
+    # over the link cost, in any currency; the report states them.
+    price_compute_hour: float = 1.0
+    price_gb: float = 0.09
 
     def __post_init__(self) -> None:
         require(self.steps >= 1, "--steps", "must be >= 1", self.steps)
@@ -91,6 +98,11 @@ class CompareConfig:
             Link(self.bandwidth_mbit, self.latency_ms)
         except ValueError as exc:
             raise ConfigError("--" + str(exc).replace("_", "-", 1)) from exc
+        for flag, price in (
+            ("--price-compute-hour", self.price_compute_hour), ("--price-gb", self.price_gb)
+        ):  # fmt: skip
+            ok = math.isfinite(price) and price >= 0
+            require(ok, flag, "must be a finite number >= 0", price)
         if self.target_loss is not None:
             ok = math.isfinite(self.target_loss) and self.target_loss > 0
             require(ok, "--target-loss", "must be a finite number > 0", self.target_loss)
@@ -151,9 +163,10 @@ class Configuration:
 
 
 def configurations(config: CompareConfig) -> list[Configuration]:
-    """Centralised, every-step, then DiLoCo at each H without and with int8."""
+    """Centralised, DDP, every-step, then DiLoCo at each H without and with int8."""
     out = [
         Configuration(CENTRALISED, CENTRALISED, config.steps),
+        Configuration(DDP, DDP, 1),
         Configuration(EVERY_STEP, "fedavg", 1),
     ]
     for h in sorted(config.h_values):
@@ -174,17 +187,21 @@ def run_compare(config: CompareConfig, log: Log = print) -> dict[str, Any]:
         setup = describe_setup(config)
         data = pooled_data(config)
         plan = configurations(config)
-        results = [run_centralised(config, data, log)]
+        results = [run_centralised(config, data, log), run_ddp(config, log)]
+        federated = [c for c in plan if c.strategy not in (CENTRALISED, DDP)]
         with federation(config, log) as admin:
-            results += [run_federated(admin, config, c, data, log) for c in plan[1:]]
+            results += [run_federated(admin, config, c, data, log) for c in federated]
     finally:
         torch.set_num_threads(threads)
     target = config.target_loss or 1.1 * results[0]["final_eval_loss"]
     for result in results:
         points = [(p["seconds"], p["eval_loss"]) for p in result["curve"]]
         result["time_to_target_s"] = m.time_to_target(points, target)
+        processes = 1 if result["strategy"] == CENTRALISED else config.sites
+        result["cost"] = m.cost(processes, result, config.price_compute_hour, config.price_gb)
     setup["target_loss"] = target
     setup["target_loss_rule"] = "given" if config.target_loss else "1.1 x centralised final"
+    setup["prices"] = {"compute_hour": config.price_compute_hour, "gb": config.price_gb}
     setup["elapsed_s"] = time.time() - setup["started_unix_s"]
     setup["load_average_end"] = list(os.getloadavg())
     by_name = {r["name"]: r for r in results}
@@ -314,6 +331,64 @@ def run_centralised(config: CompareConfig, data: charlm.CharLMData, log: Log) ->
     }
 
 
+def run_ddp(config: CompareConfig, log: Log) -> dict[str, Any]:
+    """(a'): DDP across the sites, every step, over the emulated link."""
+    log(f"{DDP}: {config.steps} steps on {config.sites} sites, gloo all-reduce every step")
+    load_before = os.getloadavg()[0]
+    got = compare_ddp.run(config, config.run_timeout_s)
+    c = Configuration(DDP, DDP, 1)
+    result: dict[str, Any] = {
+        **_identity(c, rounds=config.steps),
+        "state": got["state"],
+        "reason": got["reason"],
+        "load_average": [load_before, os.getloadavg()[0]],
+        "rounds": [],
+    }
+    ranks = got["ranks"]
+    if not ranks:
+        log(f"{DDP}: {got['state']}: {got['reason']}")
+        nan = math.nan
+        return {**result, "final_eval_loss": None, "wall_s": nan, "curve": [],
+                "bytes_per_site": {"down": nan, "up": nan, "total": nan}, "bytes_by_site": {},
+                "bytes_per_inner_step": nan, "compute_s_by_site": {},
+                "utilisation": {"mean": nan, "min": nan, "by_site": {}},
+                "round_time_s": m.percentiles([]),
+                "failures": {"failed": config.sites, "participations": config.sites, "rate": 1.0},
+                "rounds_committed": 0}  # fmt: skip
+    wall = max(r["wall_s"] for r in ranks)
+    sites = [f"site-{i}" for i in range(config.sites)]
+    # A rank sends and receives the same: 2 (n - 1) / n of the gradients every step.
+    by_site = {s: {"down": int(r["wire_bytes"]), "up": int(r["wire_bytes"])}
+               for s, r in zip(sites, ranks, strict=True)}  # fmt: skip
+    per_site = m.mean_bytes_per_site(by_site)
+    compute = {s: r["compute_s"] for s, r in zip(sites, ranks, strict=True)}
+    util = m.utilisation(compute, wall)
+    final = got["curve"][-1]["eval_loss"]
+    result.update(
+        rounds_committed=config.steps,
+        final_eval_loss=final,
+        wall_s=wall,
+        bytes_per_site=per_site,
+        bytes_by_site=by_site,
+        bytes_per_inner_step=m.bytes_per_step(per_site["total"], config.steps),
+        compute_s_by_site=compute,
+        utilisation={
+            "mean": sum(util.values()) / len(util),
+            "min": min(util.values()),
+            "by_site": util,
+        },
+        round_time_s=m.percentiles([t for r in ranks for t in r["steps_s"]]),  # a step
+        failures={"failed": 0, "participations": config.sites, "rate": 0.0},
+        curve=got["curve"],
+    )
+    log(
+        f"{DDP}: final eval loss {final:.4f} after {wall:.1f} s, "
+        f"{result['bytes_per_inner_step']:.0f} B per inner step, "
+        f"utilisation {result['utilisation']['mean']:.1%}"
+    )
+    return result
+
+
 def _loss(model: torch.nn.Module, data: charlm.CharLMData) -> float:
     return charlm.task.evaluate(model, data)["loss"]
 
@@ -358,6 +433,9 @@ def run_spec(config: CompareConfig, c: Configuration) -> RunSpec:
             batch_size=config.batch_size,
             learning_rate=config.learning_rate,
             params=dict(config.params),
+            # Each site's AdamW goes on from round to round, as DiLoCo's inner optimiser
+            # does (and as DDP's and the centralised run's do).
+            keep_optimizer_state=True,
         ),
         strategy=c.strategy,
         codec=CodecSpec(name=c.codec, download=c.codec != "none"),

@@ -202,6 +202,29 @@ def loss_curve(rounds: Sequence[RoundRow], final_eval_loss: float | None) -> lis
     return points
 
 
+def cost(
+    processes: int, result: Mapping[str, Any], price_compute_hour: float, price_gb: float
+) -> dict[str, float | None]:
+    """What a configuration cost: its processes' compute-hours over its wall time, and
+    the GB every site moved, at the stated prices; and the same up to the time it first
+    reached the target (``time_to_target_s``; None if it never did): the useful result."""
+    wall = result["wall_s"]
+    hours = processes * wall / 3600 if math.isfinite(wall) else math.nan
+    total_bytes = result.get("bytes_per_site", {}).get("total", 0.0) * (
+        len(result.get("bytes_by_site", {})) or 0
+    )
+    gb = total_bytes / 1e9
+    whole = hours * price_compute_hour + gb * price_gb
+    reached = result.get("time_to_target_s")
+    share = reached / wall if reached is not None and wall and math.isfinite(wall) else None
+    return {
+        "compute_hours": hours,
+        "gb": gb,
+        "total": whole,
+        "to_target": None if share is None else whole * min(1.0, share),
+    }
+
+
 def time_to_target(points: Iterable[tuple[float, float]], target: float) -> float | None:
     """The first time (of ``(seconds, loss)`` points, in time order) the loss is at or
     below ``target``; None if it never is."""

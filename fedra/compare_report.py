@@ -33,6 +33,17 @@ DEFINITIONS = """\
 - **round time**: each committed training round's `stages["round_s"]` (opening to
   commit), percentiles with linear interpolation.
 - **failures**: failed or expired participations / all participations.
+- **ddp**: PyTorch DDP across the same sites, one process each on its own site's data,
+  gloo's all-reduce of the gradients after every step, one AdamW per rank. gloo's ranks
+  connect to each other directly, so the same link (bandwidth, one-way latency) is
+  applied to each gradient bucket by DDP's communication hook: the bucket is reduced by
+  gloo for real and handed back no earlier than a ring all-reduce of it would have
+  arrived over the link (2 (n - 1) / n of its bytes sent and received by each rank, in
+  2 (n - 1) latencies, buckets queued at the link's bandwidth), overlapping the rest of
+  the backward pass as DDP does. Its bytes per site are what each rank sends (up) and
+  receives (down); its round time is a step's; its utilisation is each step's time less
+  the backward pass's wait for the last bucket, over the run's wall time; its model is
+  evaluated from copies kept every `eval_every` steps (no evaluation in its clock).
 """
 
 
@@ -110,6 +121,7 @@ def markdown(report: Mapping[str, Any]) -> str:
     loads = [load for c in report["configurations"] for load in c.get("load_average", [])]
     lines = ["# fedra bench compare", "", setup_text(setup, loads), "", "## Results", ""]
     lines += results_table(report["configurations"])
+    lines += ["", "## Cost", "", *cost_lines(report)]
     lines += ["", "## Headline", "", headline_text(report), "", "## Definitions", "", DEFINITIONS]
     lines += ["", "## Provenance", "", *provenance_lines(report["configurations"])]
     return "\n".join(lines)
@@ -198,6 +210,30 @@ def results_table(configs: Sequence[Mapping[str, Any]]) -> list[str]:
             + " |"
         )
     return rows
+
+
+def cost_lines(report: Mapping[str, Any]) -> list[str]:
+    """Compute-hours and bytes at the stated prices, for the whole run and up to the
+    target (the useful result), per configuration."""
+    prices = report["setup"].get("prices", {"compute_hour": 1.0, "gb": 0.09})
+    lines = [
+        f"At {prices['compute_hour']:g} per compute-hour (one site's process for an hour; "
+        f"the centralised run is one process) and {prices['gb']:g} per GB moved over the "
+        "link (`--price-compute-hour`, `--price-gb`). *To target*: the cost up to the first "
+        "evaluation at or below the target loss, pro rata of the run's time; — if never.",
+        "",
+        "| configuration | compute-hours | GB moved (all sites) | cost | cost to target |",
+        "|---|---|---|---|---|",
+    ]
+    for c in report["configurations"]:
+        k = c.get("cost")
+        if not k:
+            continue
+        lines.append(
+            f"| {c['name']} | {_num(k['compute_hours'], '.4f')} | {_num(k['gb'], '.4f')} "
+            f"| {_num(k['total'], '.4f')} | {_num(k['to_target'], '.4f')} |"
+        )
+    return lines
 
 
 def headline_text(report: Mapping[str, Any]) -> str:

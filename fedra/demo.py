@@ -39,11 +39,15 @@ class DemoStrategy:
 
     strategy: str
     proximal_mu: float = 0.0
+    scaffold: bool = False
+    momentum: str = "0.9"  # the digits task's inner SGD momentum
 
 
-# Every server strategy by its own name, and FedProx: FedAvg with mu = 0.01 at the sites.
+# Every server strategy by its own name; FedProx: FedAvg with mu = 0.01 at the sites;
+# SCAFFOLD: FedAvg with control variates, whose correction assumes plain SGD inside.
 DEMO_STRATEGIES = {name: DemoStrategy(name) for name in STRATEGY_PARAMS} | {
-    "fedprox": DemoStrategy("fedavg", proximal_mu=0.01)
+    "fedprox": DemoStrategy("fedavg", proximal_mu=0.01),
+    "scaffold": DemoStrategy("fedavg", scaffold=True, momentum="0"),
 }
 
 
@@ -94,7 +98,12 @@ def demo_spec(rounds: int, sites: int, strategy: str = "fedavg") -> RunSpec:
         join_timeout_s=30.0,
         seed=0,
         train=TrainSpec(
-            local_epochs=2, batch_size=32, learning_rate=0.05, proximal_mu=chosen.proximal_mu
+            local_epochs=2,
+            batch_size=32,
+            learning_rate=0.05,
+            params={"momentum": chosen.momentum},
+            proximal_mu=chosen.proximal_mu,
+            scaffold=chosen.scaffold,
         ),
         strategy=chosen.strategy,
     ).validate()

@@ -148,8 +148,11 @@ def test_config_errors_name_the_option(capsys: pytest.CaptureFixture[str]) -> No
         CompareConfig(bandwidth_mbit=0.0)
     assert main(["bench", "compare", "--quick", "--steps", "10", "--h", "3"]) == 2
     assert "--h: must divide --steps 10" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="--price-gb"):
+        CompareConfig(price_gb=-1.0)
     assert [c.name for c in configurations(CompareConfig.build(quick=True))] == [
         "centralised",
+        "ddp",
         "every-step",
         "diloco-h4",
         "diloco-h4-int8",
@@ -195,9 +198,36 @@ def test_quick_compare_writes_a_consistent_report(tmp_path: Path) -> None:
     steps = report["setup"]["steps"]
     every = configs["every-step"]
     assert "## Provenance" in (out / "report.md").read_text()
+    # DDP: every step, each rank sends and receives 2 (n - 1) / n of the fp32 gradients.
+    ddp, n = configs["ddp"], report["setup"]["sites"]
+    assert ddp["state"] == "completed", ddp
+    grads = report["setup"]["model_bytes_fp32"]
+    assert ddp["bytes_per_inner_step"] == pytest.approx(2 * 2 * (n - 1) / n * grads)
+    assert ddp["bytes_per_site"]["down"] == ddp["bytes_per_site"]["up"]
+    assert 0.0 < ddp["utilisation"]["mean"] <= 1.0
+    assert 0.0 < ddp["round_time_s"]["p50"] <= ddp["round_time_s"]["p95"]
+    evals = steps // report["setup"]["centralised_eval_every"]
+    assert [p.get("step", 0) for p in ddp["curve"]] == [
+        k * (steps // evals) for k in range(evals + 1)
+    ]
+    assert ddp["final_eval_loss"] < ddp["curve"][0]["eval_loss"]  # it learned
+    for c in configs.values():  # the cost line: compute-hours and bytes at the stated prices
+        k, prices = c["cost"], report["setup"]["prices"]
+        gb = (
+            c["bytes_per_site"]["total"] * len(c["bytes_by_site"]) / 1e9
+            if c.get("bytes_by_site")
+            else 0.0
+        )
+        assert k["gb"] == pytest.approx(gb)
+        assert k["total"] == pytest.approx(
+            k["compute_hours"] * prices["compute_hour"] + gb * prices["gb"]
+        )
+    assert "## Cost" in (out / "report.md").read_text()
     for name, c in configs.items():
         assert c["state"] == "completed", c
         assert math.isfinite(c["final_eval_loss"])
+        if name == "ddp":
+            continue  # above
         if name != "centralised":  # each federated run: what its sites' updates came from
             sites = c["provenance"]["sites"]
             assert sites and all(len(p["task_source_sha256"]) == 64 for p in sites.values())
