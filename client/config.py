@@ -26,7 +26,7 @@ _KEYS = {
 }  # fmt: skip
 _PARALLEL_KEYS = {
     "nproc", "plan", "backend", "tp_size", "pp_size", "pp_schedule", "microbatches", "max_restarts",
-    "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "rdzv_timeout_s",
+    "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "rdzv_timeout_s", "rdzv_last_call_s",
 }  # fmt: skip
 MAX_NODES = 1024
 _METRICS_KEYS = {"http"}
@@ -55,6 +55,8 @@ class ParallelConfig:
     rdzv_endpoint: str = ""
     rdzv_id: str = ""  # the site's id where empty
     rdzv_timeout_s: float = 600.0  # how long a node waits for the others to join
+    # Elastic: once MIN nodes are in, how long the world waits for more before it forms.
+    rdzv_last_call_s: float = 30.0
 
     @property
     def multi_node(self) -> bool:
@@ -84,6 +86,7 @@ class ParallelConfig:
             rdzv_endpoint=get(t, "rdzv_endpoint", str, "parallel", ""),
             rdzv_id=get(t, "rdzv_id", str, "parallel", ""),
             rdzv_timeout_s=get(t, "rdzv_timeout_s", float, "parallel", 600.0),
+            rdzv_last_call_s=get(t, "rdzv_last_call_s", float, "parallel", 30.0),
         )
         c.validate()
         return c
@@ -155,6 +158,12 @@ class ParallelConfig:
             "parallel.rdzv_timeout_s",
             "must be in [1, 86400] seconds",
             self.rdzv_timeout_s,
+        )
+        require(
+            math.isfinite(self.rdzv_last_call_s) and 0 <= self.rdzv_last_call_s <= 3600,
+            "parallel.rdzv_last_call_s",
+            "must be in [0, 3600] seconds",
+            self.rdzv_last_call_s,
         )
         if self.rdzv_id:
             require(

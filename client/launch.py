@@ -14,6 +14,7 @@ comes back; with a fixed count it waits for the missing node.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import uuid
@@ -49,7 +50,11 @@ def launch_world(config: SiteConfig, config_path: Path) -> None:
         rdzv_backend="c10d",
         rdzv_endpoint=endpoint,
         # Node 0 hosts the rendezvous at its endpoint; the others join it there.
-        rdzv_configs={"join_timeout": p.rdzv_timeout_s, "is_host": p.node_rank == 0},
+        rdzv_configs={  # whole seconds: torch's rendezvous reads them as ints
+            "join_timeout": math.ceil(p.rdzv_timeout_s),
+            "last_call_timeout": math.ceil(p.rdzv_last_call_s),
+            "is_host": p.node_rank == 0,
+        },
         max_restarts=p.max_restarts,
         monitor_interval=0.5,
         start_method="spawn",

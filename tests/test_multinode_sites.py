@@ -49,6 +49,7 @@ def _two_nodes(
         **(plan or {"plan": "dp"}),
         "nnodes": nnodes,
         "rdzv_endpoint": f"127.0.0.1:{_free_port()}",
+        "rdzv_last_call_s": 2.0,  # an elastic world forms 2 s after its first node is in
         "max_restarts": 20,
     }
     for node in (0, 1):
@@ -219,6 +220,7 @@ def test_nodes_in_the_configuration() -> None:
         ({"nnodes": 2, "plan": "none", "rdzv_endpoint": "h:1"}, "parallel.plan"),
         ({"nnodes": 2, "plan": "dp", "rdzv_endpoint": "h:1", "rdzv_id": "a b"}, "rdzv_id"),
         ({"nnodes": 2, "plan": "dp", "rdzv_endpoint": "h:1", "rdzv_timeout_s": 0}, "timeout"),
+        ({"nnodes": "1:2", "plan": "dp", "rdzv_endpoint": "h:1", "rdzv_last_call_s": -1}, "last"),
         # tp_size must divide every world the elastic range allows: 2 x 1 and 2 x 2 -> 2 only
         (
             {"nproc": 2, "nnodes": "1:2", "plan": "fsdp+tp", "tp_size": 2, "rdzv_endpoint": "h:1"},
