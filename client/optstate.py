@@ -96,15 +96,28 @@ def to_bytes(carried: CarriedState) -> bytes:
     return save(tensors, metadata={_META_KEY: json.dumps(meta, sort_keys=True)})
 
 
-def load_file(path: Path) -> CarriedState:
-    """Read a file ``to_bytes`` wrote; OptimizerStateError if it is not one."""
+def read_tagged(
+    path: Path, meta_key: str, fmt: int, what: str
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A safetensors file's tensors and the JSON its header keeps under ``meta_key``,
+    whose ``format`` must be ``fmt``; OptimizerStateError naming ``what`` otherwise."""
     try:
         with safe_open(str(path), framework="pt") as f:
             header: Mapping[str, str] = f.metadata() or {}
             tensors = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 - not a dict
-        meta = json.loads(header[_META_KEY])
-        if meta.get("format") != _FORMAT:
-            raise OptimizerStateError(f"{path}: format {meta.get('format')!r}, not {_FORMAT}")
+        meta: dict[str, Any] = json.loads(header[meta_key])
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as exc:  # damaged, not ours
+        raise OptimizerStateError(f"{path}: not {what}: {exc}") from exc
+    if not isinstance(meta, dict) or meta.get("format") != fmt:
+        got = meta.get("format") if isinstance(meta, dict) else meta
+        raise OptimizerStateError(f"{path}: format {got!r}, not {fmt}")
+    return tensors, meta
+
+
+def load_file(path: Path) -> CarriedState:
+    """Read a file ``to_bytes`` wrote; OptimizerStateError if it is not one."""
+    tensors, meta = read_tagged(path, _META_KEY, _FORMAT, "an optimiser state file")
+    try:
         state: dict[int, dict[str, Any]] = {int(i): {} for i in meta["indices"]}
         for index, entries in meta["scalars"].items():
             state[int(index)].update(entries)
@@ -113,9 +126,7 @@ def load_file(path: Path) -> CarriedState:
             state[int(index)][name] = tensor
         groups = [[int(i) for i in g] for g in meta["groups"]]
         return CarriedState(state, groups, int(meta["rounds"]), int(meta["after_round"]))
-    except OptimizerStateError:
-        raise
-    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as exc:  # damaged, not ours
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:  # a header not ours
         raise OptimizerStateError(f"{path}: not an optimiser state file: {exc}") from exc
 
 

@@ -24,10 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
 
-from fedra.client.optstate import OptimizerStateError, TwoGenerations
+from fedra.client.optstate import OptimizerStateError, TwoGenerations, read_tagged
 
 CONTROL_PREFIX = "scaffold.delta_c/"  # as the coordinator's update layout names them
 _META_KEY = "fedra.scaffold"
@@ -54,17 +53,10 @@ def to_bytes(controls: SiteControls) -> bytes:
 
 def load_file(path: Path) -> SiteControls:
     """Read a file ``to_bytes`` wrote; OptimizerStateError if it is not one."""
+    tensors, meta = read_tagged(path, _META_KEY, _FORMAT, "a SCAFFOLD control file")
     try:
-        with safe_open(str(path), framework="pt") as f:
-            header: Mapping[str, str] = f.metadata() or {}
-            tensors = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 - not a dict
-        meta = json.loads(header[_META_KEY])
-        if meta.get("format") != _FORMAT:
-            raise OptimizerStateError(f"{path}: format {meta.get('format')!r}, not {_FORMAT}")
         return SiteControls(tensors, int(meta["after_round"]))
-    except OptimizerStateError:
-        raise
-    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as exc:
+    except (ValueError, KeyError, TypeError) as exc:
         raise OptimizerStateError(f"{path}: not a SCAFFOLD control file: {exc}") from exc
 
 
