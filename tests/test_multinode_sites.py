@@ -120,21 +120,22 @@ def test_a_node_killed_mid_round_fails_that_round_and_the_world_forms_again(
     cluster.start_site("single", [CHARLM], {**DATA, "part": 1})
     cluster.wait_for_sites(["elastic", "single"], timeout_s=240)
     node0 = cluster.sites["elastic"]
-    _wait_for_log(node0.log_path, "local world of 2 ranks on 2 nodes", 1)
+    _wait_for_log(node0.log_path, BOTH, 1)
     with cluster.admin() as admin:
         run_id = admin.submit(_tiny_spec(rounds=10_000, sites=2, quorum=1))
         _wait_for(lambda: _accepted_after(admin, run_id, 1, "elastic"), 300)
         # Node 1 dies as a machine does: its agent and its worker at once, mid-run (a
         # round takes a fraction of a second; the next collective finds it gone).
         killed_after = max(r.number for r in admin.status(run_id).rounds)
+        alone_before, both_before = _count(node0.log_path, ALONE), _count(node0.log_path, BOTH)
         _kill_node(cluster.sites["elastic.node1"].pid)
         cluster.sites["elastic.node1"].popen.wait(30)
         # The world forms again with node 0 alone, and the site takes part again.
-        _wait_for_log(node0.log_path, "local world of 1 ranks on 1 node", 1, timeout_s=300)
+        _wait_for_log(node0.log_path, ALONE, alone_before + 1, timeout_s=300)
         alone = _wait_for(lambda: _accepted_after(admin, run_id, killed_after + 1, "elastic"), 300)
         # Node 1 comes back: the world forms again with both nodes.
         cluster.start_site("elastic", [CHARLM], DATA, parallel=parallel, node_rank=1)
-        _wait_for_log(node0.log_path, "local world of 2 ranks on 2 nodes", 2, timeout_s=300)
+        _wait_for_log(node0.log_path, BOTH, both_before + 1, timeout_s=300)
         both = _wait_for(lambda: _accepted_after(admin, run_id, alone, "elastic"), 300)
         admin.cancel(run_id)
         status = admin.status(run_id)
@@ -186,8 +187,16 @@ def _wait_for(probe: Any, timeout_s: float) -> Any:
     return result
 
 
+ALONE, BOTH = "local world of 1 ranks on 1 node", "local world of 2 ranks on 2 nodes"
+
+
+def _count(path: Path, line: str) -> int:
+    return path.read_text(errors="replace").count(line)
+
+
 def _wait_for_log(path: Path, line: str, times: int, timeout_s: float = 240) -> None:
-    _wait_for(lambda: path.read_text(errors="replace").count(line) >= times, timeout_s)
+    """Until ``line`` is in the log ``times`` times (each a world that formed)."""
+    _wait_for(lambda: _count(path, line) >= times, timeout_s)
 
 
 # -- unit --------------------------------------------------------------------------

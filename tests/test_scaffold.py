@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import signal
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -428,14 +429,11 @@ def test_a_scaffold_run_across_processes_through_a_site_sigkill(cluster: LocalCl
     spec = RunSpec(task=DIGITS, rounds=4, sites_per_round=2, seed=5, round_deadline_s=60.0,
                    join_timeout_s=60.0, train=train, codec=CodecSpec("fp16"),
                    ).validate()  # fmt: skip
-    seen: dict[str, list[torch.Tensor]] = {s: [] for s in ids}
     with cluster.admin() as admin:
         run_id = admin.submit(spec)
         for status in admin.watch(run_id, timeout_s=120):
             if any(r.number == 1 and r.status == "committed" for r in status.rounds):
                 break
-        for site_id in ids:  # round 1's c_i, before the kill
-            seen[site_id].append(_first(load_file(_controls_file(cluster, site_id, run_id))))
         cluster.sites["site-0"].signal(signal.SIGKILL)
         assert cluster.sites["site-0"].popen.wait(30) == -signal.SIGKILL
         cluster.start_site("site-0", [DIGITS], data[0])
@@ -451,11 +449,15 @@ def test_a_scaffold_run_across_processes_through_a_site_sigkill(cluster: LocalCl
             assert p.metrics["scaffold_steps"] == steps
             assert p.metrics["scaffold_from_round"] == r.number - 1, (p.site_id, r.number)
     for site_id in ids:
-        kept = load_file(_controls_file(cluster, site_id, run_id))
-        assert kept.after_round == 4
-        assert not torch.equal(_first(kept), seen[site_id][0])  # it moved after round 1
-        prev = cluster.state_dir / "sites" / site_id / f"scaffold-{run_id}.prev.safetensors"
-        assert load_file(prev).after_round == 3
+        # Saved once the site hears its update was accepted: a moment after the commit.
+        path = _controls_file(cluster, site_id, run_id)
+        deadline = time.monotonic() + 60
+        while (kept := load_file(path)).after_round != 4:
+            assert time.monotonic() < deadline, f"{site_id}: c_i of round {kept.after_round}"
+            time.sleep(0.1)  # polling the site's file, with a deadline
+        prev = load_file(path.with_name(f"scaffold-{run_id}.prev.safetensors"))
+        assert prev.after_round == 3
+        assert not torch.equal(_first(kept), _first(prev))  # c_i moved in round 4
     cs = [_server_c(cluster, run_id, n) for n in (1, 4)]
     assert cs[0] and sorted(cs[0]) == sorted(cs[1])
     assert any(not torch.equal(cs[0][k], cs[1][k]) for k in cs[0])
