@@ -26,10 +26,10 @@ from fedra.client.connection import TRANSIENT, Assignment, Connection, Session, 
 from fedra.client.executor import Executor, LocalExecutor, WorldBroken
 from fedra.client.inner import KeepState
 from fedra.client.metrics import RoundMeasures, SiteMetrics, world_restarts, write_site_file
-from fedra.client.optstate import CarriedState, OptimizerStates
+from fedra.client.optstate import OptimizerStates
 from fedra.client.pending import PendingUpdate, PendingUpdates
 from fedra.client.policy import Policy
-from fedra.client.scaffold import ControlStates, ScaffoldRound, SiteControls
+from fedra.client.scaffold import ControlStates, ScaffoldRound
 from fedra.client.task import FitSettings, ParallelTask, Task, load_task
 from fedra.config import ConfigError
 from fedra.faults import attack, crash_point
@@ -86,14 +86,11 @@ class SiteAgent:
         self.current: Assignment | None = None
         self._compressors: dict[str, Compressor] = {}  # by run: top-k error feedback
         self._pending = PendingUpdates(config.state_dir)  # sent, not yet known to count
-        # [train] keep_optimizer_state: each run's inner optimiser state (in state_dir), and
-        # the state of the round in flight, kept once its update counts.
+        # [train] keep_optimizer_state: each run's inner optimiser state; [train] scaffold:
+        # each run's c_i. In state_dir; a round's is staged before its update is sent and
+        # promoted once the update is accepted (_keep).
         self._optimizer_states = OptimizerStates(config.state_dir)
-        self._inner_state: tuple[str, CarriedState | None] | None = None
-        # [train] scaffold: each run's c_i (in state_dir), and the round in flight's c_i+,
-        # kept once its update counts.
         self._control_states = ControlStates(config.state_dir)
-        self._site_controls: tuple[str, SiteControls] | None = None
         # The last global model of each run (its SHA-256, its tensors): with compressed
         # downloads, the next round's model is this plus a compressed step.
         self._globals: dict[str, tuple[str, dict[str, torch.Tensor]]] = {}
@@ -309,14 +306,19 @@ class SiteAgent:
         before = compressor.residual  # a snapshot: the residual until the update counts
         wire = compressor.compress(payload)  # once: a retried upload resends the same bytes
         nonce = new_nonce()  # one per update: a retry of the same update reuses it
-        keep = task.codec.name == "topk"
-        if keep:  # kept (on disk first) until the next task says it counted: _settle
+        topk = task.codec.name == "topk"
+        after: dict[str, torch.Tensor] = {}
+        if topk:  # the residual moves on only once the update counted
             after = compressor.residual
             self._compressors[task.run_id] = Compressor(task.codec, before or None)
+        if topk or (_stages_state(task) and not task.init):  # on disk first; _settle
             self._pending.hold(PendingUpdate(task, nonce, num_samples, dict(metrics), wire, after))
         sending = time.monotonic()
         sent = self._upload(task, wire, num_samples, metrics, nonce)
+        crash_point("after_upload", task.round)  # accepted, nothing of it kept here yet
         self._round_done(task, num_samples, metrics, sent, time.monotonic() - sending)
+        if not topk:  # accepted is all a staged state waits for; a residual waits on
+            self._pending.drop(task.run_id)
         log.info(
             "%s: update accepted (%s)",
             tag,
@@ -332,14 +334,9 @@ class SiteAgent:
         upload_s: float,
     ) -> None:
         """Count a delivered update, with the timings the coordinator is sent too; keep
-        the inner optimiser state its training left, if the run keeps it."""
+        the state its training staged (inner optimiser state, c_i), if the run keeps it."""
         self.rounds_done += 1
-        held, self._inner_state = self._inner_state, None
-        if held is not None and held[0] == task.run_id and held[1] is not None:
-            self._optimizer_states.save(task.run_id, held[1])
-        controls, self._site_controls = self._site_controls, None
-        if controls is not None and controls[0] == task.run_id:
-            self._control_states.save(task.run_id, controls[1])
+        self._keep(task, counted=True)
         self.metrics.round_done(
             RoundMeasures(
                 run_id=task.run_id,
@@ -376,15 +373,24 @@ class SiteAgent:
             impl, task.entry_point, task.round, model, data, settings, keep, scaffold
         )
         metrics.update(fit_metrics)
-        if keep is not None:  # saved once the update counts (_round_done)
-            self._inner_state = (task.run_id, keep.result)
+        if keep is not None and keep.result is not None:  # promoted once accepted: _keep
+            self._optimizer_states.stage(task.run_id, keep.result)
         update = delta(trained, global_state)
         if scaffold is not None:  # delta c_i rides with the update; c_i+ kept once it counts
             update.update(scaffold.finish(update))
             metrics["scaffold_from_round"] = float(scaffold.from_round)
             assert scaffold.result is not None
-            self._site_controls = (task.run_id, scaffold.result)
+            self._control_states.stage(task.run_id, scaffold.result)
         return update, num_samples, metrics
+
+    def _keep(self, task: Assignment, counted: bool) -> None:
+        """Promote the states ``task``'s training staged, or forget them: its update
+        was accepted, or will never count."""
+        for states in (self._optimizer_states, self._control_states):
+            if counted:
+                states.promote(task.run_id, task.round)
+            else:
+                states.discard(task.run_id)
 
     def _scaffold_round(
         self, task: Assignment, global_state: Mapping[str, torch.Tensor]
@@ -544,8 +550,9 @@ class SiteAgent:
             compressor.save(path)
 
     def _settle(self, task: Assignment) -> bool:
-        """Learn whether the run's pending top-k update counted, by sending it again with
-        its nonce; adopt its residual if so. True if it was ``task``'s own update."""
+        """Learn whether the run's pending update counted, by sending it again with its
+        nonce; adopt what it left (a top-k residual, staged optimiser state and c_i) if
+        so. True if it was ``task``'s own update."""
         pending = self._pending.get(task.run_id)
         if pending is None:
             return False
@@ -560,16 +567,22 @@ class SiteAgent:
                 "%s: the update for round %d did not count (%s); its top-k residual is dropped",
                 self.tag, p.task.round, _details(exc),
             )  # fmt: skip
+            self._keep(p.task, counted=False)
             self._pending.drop(task.run_id)
             return False
-        if same:  # its attempt is still open: keep it pending
+        self._keep(p.task, counted=True)  # accepted: what its training staged is kept
+        topk = p.task.codec.name == "topk"
+        if same:  # its attempt is still open: a top-k residual stays pending
             log.info("%s: the update sent before a restart is in", self.tag)
             self.rounds_done += 1
             self.metrics.round_done(RoundMeasures(run_id=task.run_id))  # measured before it
+            if not topk:
+                self._pending.drop(task.run_id)
             return True
-        compressor = Compressor(p.task.codec, p.residual or None)
-        self._save_residual(p.task, compressor)
-        self._compressors[task.run_id] = compressor
+        if topk:
+            compressor = Compressor(p.task.codec, p.residual or None)
+            self._save_residual(p.task, compressor)
+            self._compressors[task.run_id] = compressor
         self._pending.drop(task.run_id)
         return False
 
@@ -733,3 +746,8 @@ class _Heartbeat:
     def __exit__(self, *exc: object) -> None:
         self.done.set()
         self.thread.join()
+
+
+def _stages_state(task: Assignment) -> bool:
+    """Whether the task's training leaves state that is kept only if its update counts."""
+    return task.train.keep_optimizer_state or task.train.scaffold

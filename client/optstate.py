@@ -20,7 +20,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
 
-from fedra.files import write_atomic
+from fedra.files import fsync_dir, write_atomic
 
 log = logging.getLogger("fedra.site")
 _META_KEY = "fedra.optimizer_state"
@@ -147,7 +147,13 @@ class TwoGenerations(Generic[T]):
     Two generations are kept, the latest and the one before, so that a round trained again
     (a retried attempt, the same task after a restart) starts from the state the rounds
     before it left, not from its own first attempt's. A file that cannot be read
-    (``decode`` raises ``OptimizerStateError``) is dropped with a warning."""
+    (``decode`` raises ``OptimizerStateError``) is dropped with a warning.
+
+    A round's state is first *staged* (``<stem>-<run>.staged.safetensors``), written whole
+    before its update leaves the site, and *promoted* to the latest once the update is
+    known to be accepted: a site killed between the coordinator's accept and its own
+    bookkeeping still has the state its counted round left, and promotes it when it
+    learns the update counted (``fedra.client.pending``)."""
 
     def __init__(
         self,
@@ -159,51 +165,83 @@ class TwoGenerations(Generic[T]):
         self.state_dir, self.stem = state_dir, stem
         self._encode, self._decode = encode, decode
         self._memory: dict[str, list[T]] = {}  # oldest first, at most two
+        self._staged: dict[str, T] = {}  # without a state_dir
 
-    def path(self, run_id: str, previous: bool = False) -> Path | None:
+    def path(self, run_id: str, generation: str = "") -> Path | None:
+        """The file of the latest state, or of ``generation`` ("prev", "staged")."""
         if self.state_dir is None:
             return None
-        return self.state_dir / f"{self.stem}-{run_id}{'.prev' if previous else ''}.safetensors"
+        tail = f".{generation}" if generation else ""
+        return self.state_dir / f"{self.stem}-{run_id}{tail}.safetensors"
 
     def load(self, run_id: str, before_round: int) -> T | None:
         """The latest state a round before ``before_round`` left, or None: none yet, or a
-        file that cannot be read (then the state starts afresh)."""
+        file that cannot be read (then the state starts afresh). Staged states are not
+        seen: they count once promoted."""
         for kept in reversed(self._generations(run_id)):
             if kept.after_round < before_round:
                 return kept
         return None
 
+    def _read(self, path: Path | None) -> T | None:
+        if path is None or not path.exists():
+            return None
+        try:
+            return self._decode(path)
+        except OptimizerStateError as exc:
+            log.warning("%s state dropped: %s", self.stem, exc)
+            return None
+
     def _generations(self, run_id: str) -> list[T]:
         if self.state_dir is None:
             return self._memory.get(run_id, [])
-        found = []
-        for previous in (True, False):
-            path = self.path(run_id, previous)
-            if path is None or not path.exists():
-                continue
-            try:
-                found.append(self._decode(path))
-            except OptimizerStateError as exc:
-                log.warning("%s state dropped: %s", self.stem, exc)
-        return found
+        found = (self._read(self.path(run_id, g)) for g in ("prev", ""))
+        return [kept for kept in found if kept is not None]
 
-    def save(self, run_id: str, kept: T) -> None:
-        """Keep ``kept`` as the latest; the latest of an earlier round becomes the one
-        before (one of the same round, an earlier attempt's, is replaced)."""
-        path, previous = self.path(run_id), self.path(run_id, previous=True)
-        if path is None or previous is None:
-            older = [c for c in self._memory.get(run_id, []) if c.after_round < kept.after_round]
-            self._memory = {run_id: [*older[-1:], kept]}  # one run's at a time
+    def stage(self, run_id: str, kept: T) -> None:
+        """Keep ``kept`` aside, durably, until ``promote`` (or the next ``stage``)."""
+        path = self.path(run_id, "staged")
+        if path is None:
+            self._staged = {run_id: kept}  # one run's at a time
             return
         path.parent.mkdir(parents=True, exist_ok=True)
-        if path.exists():
-            try:
-                latest = self._decode(path).after_round
-            except OptimizerStateError:
-                latest = kept.after_round  # unreadable: not worth keeping
-            if latest < kept.after_round:
-                path.replace(previous)  # a rename: the latest stays whole, now as the previous
         write_atomic(path, [self._encode(kept)])
+
+    def promote(self, run_id: str, round_number: int) -> bool:
+        """Make the state staged for ``round_number`` the latest; the latest of an earlier
+        round becomes the one before (one of the same round, an earlier attempt's, is
+        replaced). Nothing staged for that round: nothing to do (so doing it twice, as a
+        restart may, is harmless). Whether a state was promoted."""
+        staged, latest, previous = (self.path(run_id, g) for g in ("staged", "", "prev"))
+        if staged is None or latest is None or previous is None:
+            kept = self._staged.get(run_id)
+            if kept is None or kept.after_round != round_number:
+                return False
+            del self._staged[run_id]
+            older = [c for c in self._memory.get(run_id, []) if c.after_round < round_number]
+            self._memory = {run_id: [*older[-1:], kept]}  # one run's at a time
+            return True
+        found = self._read(staged)
+        if found is None or found.after_round != round_number:
+            return False  # none, or another round's left by a kill before its upload
+        current = self._read(latest)
+        if current is not None and current.after_round < round_number:
+            latest.replace(previous)  # renames: a crash between them leaves no latest, and
+        staged.replace(latest)  # the staged file, which promoting again moves on
+        fsync_dir(latest.parent)
+        return True
+
+    def discard(self, run_id: str) -> None:
+        """Forget the staged state: its update did not count."""
+        self._staged.pop(run_id, None)
+        path = self.path(run_id, "staged")
+        if path is not None:
+            path.unlink(missing_ok=True)
+
+    def save(self, run_id: str, kept: T) -> None:
+        """Keep ``kept`` as the latest at once (``stage`` then ``promote``)."""
+        self.stage(run_id, kept)
+        self.promote(run_id, kept.after_round)
 
 
 class OptimizerStates(TwoGenerations[CarriedState]):

@@ -1,12 +1,16 @@
-"""A top-k update that was sent but is not yet known to count, kept until it is.
+"""An update that was sent but is not yet known to count, kept until it is.
 
-Top-k error feedback carries what an update did not send into the next one, so the
-residual may move on only if the update counted in a committed round. A site learns
-that when its next task of the run arrives: it sends the update once more with the same
-nonce, and the coordinator answers it as accepted (it counted, or is counting) or
-refuses it (its attempt failed, or it never arrived). Until then the update and the
-residual it would leave are kept here, in one file written atomically before the
-first byte is sent, so a site killed at any instant settles it when it is back.
+Some updates leave state behind that may move on only if they count: top-k error
+feedback carries what an update did not send into the next one, and a run that keeps the
+inner optimiser state or SCAFFOLD's c_i stages the round's (``optstate.TwoGenerations``)
+until its update is accepted. A site killed after the coordinator accepted the update
+but before it heard so would otherwise lose that state, or keep state from an update that
+never counted. So the update, as sent, is kept here, in one file written atomically before
+the first byte is sent. A site that comes back settles it with its next task of the run:
+it sends the update once more with the same nonce, and the coordinator answers it as
+accepted (it counted, or is counting) or refuses it (its attempt failed, or it never
+arrived). A staged state is promoted on an accept; a top-k residual moves on only once
+the next task shows the round counted.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ folded, not answered), ``mid_fold`` (folding an update has read its first block)
 ``during_startup`` (a restarted daemon has restored the run at that round, before
 serving). Site points: ``after_download`` (the model of round N is in, no training
 done), ``after_secagg_setup`` (keys and key shares sent, no masked update) and
-``after_upload`` (its masked update is in, no shares revealed).
+``after_upload`` (its update is accepted, nothing of it kept at the site; a masked
+update: no shares revealed).
 
 ``FEDRA_FAULT_ATTACK=scale:-10`` makes a site Byzantine: every update it sends is its
 honest update times the factor (robust-aggregation tests).
