@@ -18,8 +18,10 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+
+import torch
 
 from fedra import __version__, logsafe
 from fedra.config import SITE_ID_RULE, is_valid_site_id
@@ -48,10 +50,11 @@ from fedra.coordinator.state import (
 )
 from fedra.coordinator.wakeups import Wakeups, run_key, site_key, stage_key
 from fedra.faults import crash_point
-from fedra.protos.codec import DEFAULT_CHUNK_BYTES
+from fedra.protos.codec import DEFAULT_CHUNK_BYTES, all_finite, decode_chunks, encode_chunks
 from fedra.protos.serde import Provenance, SecAggRound
 from fedra.runspec import MAX_TASK_CHARS, CodecSpec, PrivacySpec, RunSpec, TrainSpec
 from fedra.storage import BlobStore, Store
+from fedra.storage.blobs import BLOCK_BYTES
 from fedra.storage.records import CheckpointRecord, RunRecord, SiteRecord
 from fedra.storage.spool import SMALL_UPDATE_BYTES, UpdateSpool
 
@@ -119,6 +122,26 @@ class Gauges:
     downloads_in_flight: int
     uploads_in_flight: int
     waiting_calls: int  # long polls, secure aggregation stages, run watches
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """What a committed round gave: its model, and the updates that counted in it."""
+
+    tensors: dict[str, torch.Tensor]
+    num_samples: int  # summed over the counted updates
+    sites: int  # how many updates counted
+    metrics: dict[str, float]  # weighted by samples, as the round recorded them
+
+
+@dataclass(frozen=True)
+class GivenModel:
+    """A model a run starts from instead of one a site builds: taken as the checkpoint
+    of round ``after_round``, so the run's first round is the one after it (a region's
+    run of an upstream round: fedra.region)."""
+
+    tensors: Mapping[str, torch.Tensor]
+    after_round: int = 0
 
 
 class Engine:
@@ -643,34 +666,71 @@ class Engine:
 
     # -- admin -----------------------------------------------------------------
 
-    def submit(self, spec: RunSpec, who: str = "") -> tuple[str, list[str]]:
+    def submit(
+        self, spec: RunSpec, who: str = "", start: GivenModel | None = None
+    ) -> tuple[str, list[str]]:
         """Validate and persist a run, then start driving it; returns its id and why it
-        cannot start yet, if so (``submit_warnings``). ``who``: the admin, audited."""
+        cannot start yet, if so (``submit_warnings``). ``who``: the admin, audited.
+        ``start``: the run starts from that model, as the checkpoint of its round
+        ``start.after_round``, instead of having a site build one (a region's run)."""
         try:
             spec.validate()
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from exc
         run_id = uuid.uuid4().hex[:12]
         now = self.clock()
-        self.store.create_run(run_id, spec.name or run_id, spec.task, spec.to_json(), now)
-        self.store.add_event(run_id, "submitted", f"task {spec.task}, {spec.rounds} rounds", now)
+        given = None if start is None else self._given_checkpoint(run_id, spec, start, now)
+        summary = f"task {spec.task}, {spec.rounds} rounds"
+        if given is not None:
+            summary += f", from a given model as round {given.round_number}"
+        record = self.store.create_run(
+            run_id, spec.name or run_id, spec.task, spec.to_json(), now,
+            start=given, event=("submitted", summary),
+        )  # fmt: skip
         task = logsafe.safe(spec.task)  # the admin's text, free-form after its colon
         log.info("run %s: submitted (%s, %d rounds, %s)", run_id, task, spec.rounds, spec.strategy)
         self.audit.record(
             "run.submit", who, run=run_id, name=spec.name, task=spec.task,
             spec_sha256=hashlib.sha256(spec.to_json().encode()).hexdigest(),
+            **({} if given is None else {"start_model_sha256": given.model_sha256}),
         )  # fmt: skip
         warnings = self.submit_warnings(spec)
         for warning in warnings:
             log.warning("run %s: %s", run_id, logsafe.safe(warning, logsafe.MESSAGE_CHARS))
-        self._launch(ActiveRun(run_id=run_id, spec=spec, optimizer=ServerOptimizer(spec)))
+        if given is None:
+            run: ActiveRun | None = ActiveRun(
+                run_id=run_id, spec=spec, optimizer=ServerOptimizer(spec)
+            )
+        else:  # as a restart finds it: its checkpoint is the given model
+            run = restore_run(self, record)
+        if run is not None:
+            self._launch(run)
         return run_id, warnings
+
+    def _given_checkpoint(
+        self, run_id: str, spec: RunSpec, start: GivenModel, now: float
+    ) -> CheckpointRecord:
+        """The given model, durable in the model store, as the checkpoint a run starts
+        after; InvalidArgument naming what is wrong with it."""
+        k = start.after_round
+        if not 0 <= k < spec.rounds:
+            raise InvalidArgument(
+                f"a run given its model starts after a round from 0 to rounds - 1 "
+                f"({spec.rounds - 1}), got {k}"
+            )
+        if not start.tensors:
+            raise InvalidArgument("the model a run is given has no tensors")
+        for name, tensor in start.tensors.items():
+            if not all_finite(tensor):
+                raise InvalidArgument(f"the model a run is given has non-finite values in {name!r}")
+        tensors = {k: v.detach().cpu().contiguous() for k, v in start.tensors.items()}
+        sha = self.models.put_chunks(encode_chunks(tensors, BLOCK_BYTES))
+        return CheckpointRecord(run_id, k, sha, self.models.size(sha), None, now, None)
 
     def submit_warnings(self, spec: RunSpec) -> list[str]:
         """Why a run of ``spec`` cannot start yet, from the sites known now (registered
         at some time, online or not): it is accepted all the same and waits for them."""
-        with self.lock:
-            serving = sum(spec.task in tasks for tasks in self._site_tasks.values())
+        serving = self.sites_serving(spec.task)
         if serving == 0:
             return [
                 f"no site known to this coordinator allows task {spec.task}: the run waits "
@@ -793,6 +853,28 @@ class Engine:
         without the lock (a torn read is just another phase)."""
         run = self.runs.get(run_id)
         return ("not driven",) if run is None else ("driven", run.cancelled)
+
+    def runs_named_from(self, prefix: str) -> list[RunRecord]:
+        """The runs whose name starts with ``prefix``, oldest first (a region's own)."""
+        return [r for r in self.store.list_runs() if r.name.startswith(prefix)]
+
+    def sites_serving(self, task: str) -> int:
+        """How many sites known to this coordinator allow ``task``."""
+        with self.lock:
+            return sum(task in tasks for tasks in self._site_tasks.values())
+
+    def round_outcome(self, run_id: str, number: int) -> RoundOutcome:
+        """A committed round's model, the samples and sites its counted updates had, and
+        its metrics; NotFound if the round is not committed."""
+        rnd = self.store.get_round(run_id, number)
+        ckpt = self.store.get_checkpoint(run_id, number)
+        if rnd is None or ckpt is None or rnd.state != "committed":
+            raise NotFound(f"run {run_id} has no committed round {number}")
+        parts = self.store.list_participations(run_id, number, rnd.attempt)
+        counted = [p for p in parts if p.state == "accepted"]
+        tensors = decode_chunks(self.models.read_chunks(ckpt.model_sha256))
+        samples = sum(p.num_samples for p in counted)
+        return RoundOutcome(tensors, samples, len(counted), dict(rnd.metrics))
 
     def export_checkpoint(
         self, run_id: str, round_number: int | None, who: str = ""

@@ -53,6 +53,7 @@ from fedra.files import LockHeld, ProcessLock
 from fedra.httpserve import tls_context
 from fedra.protos import wire
 from fedra.protos.v1 import admin_pb2, admin_pb2_grpc, site_pb2, site_pb2_grpc
+from fedra.region import Region, RegionConfig
 from fedra.storage import BlobStore, Store
 from fedra.storage.store import InUseError
 
@@ -93,6 +94,8 @@ class CoordinatorConfig:
     # The admin port, served by the operators' read process (replica.py); None: admin
     # calls only on the site port, in this process.
     admin_port: int | None = None
+    # --upstream: this coordinator is a region, one site of the coordinator above it.
+    region: RegionConfig | None = None
 
     def __post_init__(self) -> None:
         if (self.tls_dir is None) == (not self.insecure):
@@ -437,6 +440,7 @@ def _serve(config: CoordinatorConfig, tls: pki.TlsFiles | None) -> None:
     reads: ReadsProcess | None = None
     snapshot: LiveSnapshot | None = None
     socket: Path | None = None
+    region: Region | None = None
     try:
         if config.admin_port is not None:  # it starts up while this process does
             socket = engine_socket_path(config.state_dir)
@@ -473,11 +477,16 @@ def _serve(config: CoordinatorConfig, tls: pki.TlsFiles | None) -> None:
         server.start()
         if endpoint is not None:
             endpoint.start()
+        if config.region is not None:  # once it serves its own sites: a region's rounds need them
+            region = Region(config.region, engine)
+            region.start()
         if reads is not None:
             assert server.guard is not None
             snapshot = LiveSnapshot(engine, server.guard, config.state_dir)
             snapshot.start()
     except BaseException:  # nothing may drive runs, or hold the database, after this
+        if region is not None:
+            region.stop()
         if reads is not None:
             reads.stop()
         if socket is not None:
@@ -493,7 +502,7 @@ def _serve(config: CoordinatorConfig, tls: pki.TlsFiles | None) -> None:
         engine.store.close()
         raise
     try:
-        _run(config, engine, server, port, endpoint, admin_port, reads)
+        _run(config, engine, server, port, endpoint, admin_port, reads, region)
     finally:  # however it ends, no read process outlives this one's serving
         if reads is not None:
             reads.stop()
@@ -511,6 +520,7 @@ def _run(
     endpoint: HttpEndpoint | None,
     admin_port: int | None,
     reads: ReadsProcess | None,
+    region: Region | None = None,
 ) -> None:
     """Announce readiness, serve until a signal (or a lost database), stop gracefully."""
     ready = config.state_dir / READY_FILE
@@ -571,6 +581,8 @@ def _run(
     with announcing:
         stopping = True
         ready.unlink(missing_ok=True)
+    if region is not None:  # no longer a site upstream: its round stays for the next start
+        region.stop()
     shutdown(server, engine, grace_s)
     if endpoint is not None:
         endpoint.stop()

@@ -80,6 +80,30 @@ def _check_db_url(url: str) -> None:
         engine.dispose()
 
 
+def _region(args: argparse.Namespace) -> Any:
+    """--upstream and its flags: the RegionConfig, or None; ConfigError naming the flag."""
+    given = [f for f in ("region_id", "upstream_tls_dir") if getattr(args, f)]
+    if args.region_task or args.upstream_insecure:
+        given.append("region_task" if args.region_task else "upstream_insecure")
+    if not args.upstream:
+        if given:
+            raise ConfigError(f"--{given[0].replace('_', '-')}: needs --upstream")
+        return None
+    check_host_port(args.upstream, "--upstream")
+    from fedra.region import RegionConfig
+
+    return RegionConfig(
+        upstream=args.upstream,
+        region_id=args.region_id or "",
+        tasks=tuple(args.region_task),
+        state_dir=Path(args.state_dir) / "upstream",
+        tls_dir=Path(args.upstream_tls_dir) if args.upstream_tls_dir else None,
+        insecure=args.upstream_insecure,
+        sites_per_round=args.region_sites,
+        min_sites=args.region_min_sites,
+    )
+
+
 def _cmd_coordinator(args: argparse.Namespace) -> int:
     # The flags first: the daemon's modules take seconds to import.
     if not 0 <= args.port <= 65535:
@@ -126,6 +150,7 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
         http=args.http or "",
         track=tuple(args.track),
         admin_port=admin_port,
+        region=_region(args),
         **window,
     )
     made_state_dir = not config.state_dir.exists()
@@ -980,6 +1005,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="write each run's spec and committed rounds to tensorboard[=DIR] (default "
         "STATE_DIR/tensorboard) or mlflow[=URI] (default sqlite:///STATE_DIR/mlruns/mlflow.db); "
         "repeat for both; needs the tracking extra (default: none)",
+    )  # fmt: skip
+    g = c.add_argument_group(
+        "a region", "with --upstream this coordinator is one site of the coordinator above "
+        "it: each upstream task is a round of its own sites (docs/regions.md)",
+    )  # fmt: skip
+    g.add_argument("--upstream", metavar="HOST:PORT", help="the coordinator above this one")
+    g.add_argument("--region-id", help="this region's site id upstream")
+    g.add_argument(
+        "--region-task", action="append", default=[], metavar="ENTRY_POINT",
+        help="a task the region serves upstream (repeat for more; installed here)",
+    )  # fmt: skip
+    g.add_argument(
+        "--upstream-tls-dir", help="the region's folder from the upstream's `fedra provision`"
+    )
+    g.add_argument(
+        "--upstream-insecure", action="store_true",
+        help="plaintext to an --insecure upstream: localhost development",
+    )  # fmt: skip
+    g.add_argument(
+        "--region-sites", type=int, default=0,
+        help="sites in each regional round (default 0: every site known to allow the task)",
+    )  # fmt: skip
+    g.add_argument(
+        "--region-min-sites", type=int, default=0,
+        help="the fewest a regional round commits with (default 0: --region-sites)",
     )  # fmt: skip
     c.set_defaults(func=_cmd_coordinator)
 

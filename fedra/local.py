@@ -210,6 +210,11 @@ class LocalCluster:
             pki.add_participant(self.pki_dir, role, name)
         return folder
 
+    def site_tls_folder(self, site_id: str) -> Path:
+        """A site's certificate folder from this cluster's CA (provisioned on first use):
+        e.g. for a region, a site of this coordinator that is a coordinator itself."""
+        return self._pki_folder("site", site_id)
+
     def admin(self, admin_port: bool = False) -> AdminClient:
         """An admin client of the site port's admin service, or with ``admin_port`` of the
         operators' read process."""

@@ -605,21 +605,51 @@ class Store:
     # -- runs ----------------------------------------------------------------
 
     def create_run(
-        self, run_id: str, name: str, task: str, spec_json: str, now: float
+        self,
+        run_id: str,
+        name: str,
+        task: str,
+        spec_json: str,
+        now: float,
+        start: CheckpointRecord | None = None,
+        event: tuple[str, str] | None = None,
     ) -> RunRecord:
+        """A new run, pending; ``event`` (kind, message) written with it. ``start``: the
+        run begins after that checkpoint's round (a model given to it, its blobs durable
+        already): that round is recorded committed with it, with no participations, and
+        the run is running, all in the same transaction."""
         with self._tx() as s:
             row = m.Run(
                 id=run_id,
                 name=name,
                 task=task,
                 spec_json=spec_json,
-                state="pending",
+                state="pending" if start is None else "running",
                 reason="",
-                rounds_completed=0,
+                rounds_completed=0 if start is None else start.round_number,
                 created_at=now,
                 updated_at=now,
             )
             s.add(row)
+            s.flush()  # the rows below refer to it
+            if event is not None:
+                s.add(_event_row(run_id, start.round_number if start else None, now, event))
+            if start is not None:
+                s.add(
+                    m.Round(
+                        run_id=run_id, number=start.round_number, attempt=1,
+                        state="committed", sampled_json="[]", opened_at=now,
+                        deadline_at=now, closed_at=now,
+                    )
+                )  # fmt: skip
+                s.add(
+                    m.Checkpoint(
+                        run_id=run_id, round_number=start.round_number,
+                        model_sha256=start.model_sha256, model_bytes=start.model_bytes,
+                        optimizer_sha256=start.optimizer_sha256, created_at=start.created_at,
+                        delta_sha256=start.delta_sha256,
+                    )
+                )  # fmt: skip
             s.flush()
             return rows.run_record(row)
 

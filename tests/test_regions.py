@@ -1,0 +1,216 @@
+"""Regional coordinators (fedra.region): a run given its starting model (the engine's
+side), the flags, and two-level federations across real processes (an upstream, two
+regions, two sites under each) against the flat federation of the same sites and seeds,
+through a region's crash."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from fedra.admin import AdminClient
+from fedra.config import ConfigError
+from fedra.coordinator.engine import EngineSettings, GivenModel
+from fedra.coordinator.errors import InvalidArgument
+from fedra.local import LocalCluster
+from fedra.protos.v1 import admin_pb2
+from fedra.region import RUN_PREFIX, RegionConfig
+from fedra.runspec import RunSpec, TrainSpec
+from tests.conftest import InProcessCoordinator, fedra_cli
+
+SYNTHETIC = "fedra.examples.synthetic:task"
+SITES = {"region-a": ["site-0", "site-1"], "region-b": ["site-2", "site-3"]}
+FAST = ["--heartbeat-s", "0.5", "--site-timeout-s", "10", "--poll-timeout-s", "5",
+        "--admin-port", "none"]  # fmt: skip
+
+
+def spec(rounds: int, sites: int) -> RunSpec:
+    return RunSpec(
+        task=SYNTHETIC, rounds=rounds, sites_per_round=sites, round_deadline_s=90.0,
+        join_timeout_s=60.0, seed=11, strategy="fedavg",
+        train=TrainSpec(local_steps=4, batch_size=16, learning_rate=0.05),
+    ).validate()  # fmt: skip
+
+
+def site_data(site_id: str) -> dict[str, object]:
+    i = int(site_id.rsplit("-", 1)[1])  # unequal sizes: the weighting by samples shows
+    return {"shift": 0.5 * i, "seed": i, "samples": 64 * (i + 1)}
+
+
+def _finished(admin: AdminClient, run_id: str, timeout_s: float = 240) -> admin_pb2.RunStatus:
+    return next(
+        s for s in admin.watch(run_id, timeout_s=timeout_s)
+        if s.state in ("completed", "failed", "cancelled")
+    )  # fmt: skip
+
+
+# -- the engine: a run given its model ----------------------------------------------
+
+
+@pytest.fixture
+def coordinator(tmp_path: Path) -> Iterator[InProcessCoordinator]:
+    c = InProcessCoordinator(tmp_path / "state", EngineSettings())
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def test_a_run_given_its_model_starts_after_that_round(
+    coordinator: InProcessCoordinator,
+) -> None:
+    engine = coordinator.engine
+    model = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(2)}
+    run_id, _ = engine.submit(spec(rounds=5, sites=1), start=GivenModel(model, after_round=3))
+    record = engine.get_run_record(run_id)
+    assert (record.state, record.rounds_completed) == ("running", 3)
+    outcome = engine.round_outcome(run_id, 3)  # the given round: the model, no updates
+    assert (outcome.num_samples, outcome.sites) == (0, 0)
+    assert sorted(outcome.tensors) == ["b", "w"]
+    assert_close(outcome.tensors["w"], model["w"])
+    ckpt = engine.export_checkpoint(run_id, None)
+    assert ckpt.round_number == 3
+
+
+@pytest.mark.parametrize(
+    ("after_round", "model", "message"),
+    [
+        (5, {"w": torch.ones(2)}, "from 0 to rounds - 1"),
+        (-1, {"w": torch.ones(2)}, "from 0 to rounds - 1"),
+        (1, {}, "no tensors"),
+        (1, {"w": torch.tensor([1.0, float("nan")])}, "non-finite values in 'w'"),
+    ],
+)
+def test_a_bad_given_model_is_refused_and_no_run_is_made(
+    coordinator: InProcessCoordinator,
+    after_round: int,
+    model: dict[str, torch.Tensor],
+    message: str,
+) -> None:
+    engine = coordinator.engine
+    with pytest.raises(InvalidArgument, match=message):
+        engine.submit(spec(rounds=5, sites=1), start=GivenModel(model, after_round))
+    assert engine.runs_named_from("") == []
+
+
+def test_region_flags_are_checked(tmp_path: Path) -> None:
+    base = {"upstream": "127.0.0.1:1", "region_id": "r1", "tasks": (SYNTHETIC,),
+            "state_dir": tmp_path, "insecure": True}  # fmt: skip
+    RegionConfig(**base)  # type: ignore[arg-type]
+    bad = [
+        ({"region_id": "no spaces"}, "--region-id"),
+        ({"tasks": ()}, "--region-task"),
+        ({"insecure": False}, "--upstream-tls-dir"),
+        ({"sites_per_round": 2, "min_sites": 3}, "--region-min-sites"),
+    ]
+    for change, flag in bad:
+        with pytest.raises(ConfigError, match=flag):
+            RegionConfig(**{**base, **change})  # type: ignore[arg-type]
+    done = fedra_cli("coordinator", "--state-dir", str(tmp_path / "s"), "--insecure",
+                     "--region-id", "r1")  # fmt: skip
+    assert done.returncode != 0 and "--region-id: needs --upstream" in done.stderr
+    done = fedra_cli("coordinator", "--state-dir", str(tmp_path / "s"), "--insecure",
+                     "--upstream", "nohostport", "--region-id", "r1")  # fmt: skip
+    assert done.returncode != 0 and "--upstream" in done.stderr
+
+
+# -- across processes ------------------------------------------------------------------
+
+
+def _flat(tmp_path: Path, rounds: int) -> dict[str, torch.Tensor]:
+    with LocalCluster(tmp_path / "flat") as flat:
+        flat.start_coordinator(flags=FAST)
+        ids = [s for sites in SITES.values() for s in sites]
+        for site_id in ids:
+            flat.start_site(site_id, [SYNTHETIC], site_data(site_id))
+        flat.wait_for_sites(ids)
+        with flat.admin() as admin:
+            run_id = admin.submit(spec(rounds, sites=len(ids)))
+            status = _finished(admin, run_id)
+            assert status.state == "completed", status.reason
+            return admin.export_model(run_id)
+
+
+def _region_flags(upstream: LocalCluster, region_id: str) -> list[str]:
+    """Its identity upstream from the upstream's CA; its own sites' from its own."""
+    return [*FAST, "--upstream", upstream.address, "--region-id", region_id,
+            "--region-task", SYNTHETIC,
+            "--upstream-tls-dir", str(upstream.site_tls_folder(region_id))]  # fmt: skip
+
+
+def _regional_rounds(region: LocalCluster) -> dict[int, admin_pb2.RunStatus]:
+    """The region's regional runs, by the upstream round each ran: one a round, each
+    completed (a region that restarts carries on with its run, it starts none again)."""
+    with region.admin() as admin:
+        runs = [admin.status(s.run_id) for s in admin.runs() if s.spec.name.startswith(RUN_PREFIX)]
+    done = [s for s in runs if s.state == "completed"]
+    assert len(done) == len(runs), [(s.spec.name, s.state, s.reason) for s in runs]
+    by_round = {s.rounds_completed: s for s in done}
+    assert len(by_round) == len(done), [(s.spec.name, s.rounds_completed) for s in done]
+    return by_round
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("crash", [False, True], ids=["steady", "region_crash"])
+def test_a_two_level_federation_ends_where_the_flat_one_does(tmp_path: Path, crash: bool) -> None:
+    """FedAvg weighted by samples: the upstream's mean of the regions' means is the mean
+    of all the sites'; the same seeds train the same batches. With ``crash`` region-a's
+    coordinator is SIGKILLed as it accepts a site's update of round 2, and is started
+    again on the same state: it resumes its regional run, and the upstream sees a site
+    that came back."""
+    rounds = 3
+    expected = _flat(tmp_path, rounds)
+    with ExitStack() as stack:
+        upstream = stack.enter_context(LocalCluster(tmp_path / "upstream"))
+        # A region silent while it restarts stays the round's site: a longer timeout.
+        upstream.start_coordinator(flags=[
+            "--heartbeat-s", "0.5", "--site-timeout-s", "30", "--poll-timeout-s", "5",
+            "--admin-port", "none"])  # fmt: skip
+        regions: dict[str, LocalCluster] = {}
+        for region_id, sites in SITES.items():
+            region = stack.enter_context(LocalCluster(tmp_path / region_id))
+            killed = crash and region_id == "region-a"
+            fault = {"FEDRA_FAULT_CRASH": "after_accept:2"} if killed else None
+            region.start_coordinator(flags=_region_flags(upstream, region_id),
+                                     extra_env=fault)  # fmt: skip
+            for site_id in sites:
+                region.start_site(site_id, [SYNTHETIC], site_data(site_id))
+            region.wait_for_sites(sites)
+            regions[region_id] = region
+        upstream.wait_for_sites(list(SITES))
+        with upstream.admin() as admin:
+            run_id = admin.submit(spec(rounds, sites=len(SITES)))
+            if crash:
+                a = regions["region-a"]
+                assert a.coordinator is not None
+                assert a.coordinator.popen.wait(240) == -signal.SIGKILL
+                port = int(a.address.rsplit(":", 1)[1])
+                a.start_coordinator(port=port, flags=_region_flags(upstream, "region-a"))
+            status = _finished(admin, run_id)
+            assert status.state == "completed", status.reason
+            got, first = admin.export_model(run_id), admin.export_model(run_id, round_number=0)
+        regional = {region_id: _regional_rounds(r) for region_id, r in regions.items()}
+        for r in (r for r in status.rounds if r.number > 0):
+            counted = {p.site_id: p for p in r.participations
+                       if p.status == "accepted" and p.attempt == r.attempt}  # fmt: skip
+            assert sorted(counted) == sorted(SITES), (r.number, sorted(counted))
+            for region_id, p in counted.items():
+                assert p.metrics["region_sites"] == 2.0
+                rr = next(x for x in regional[region_id][r.number].rounds if x.number == r.number)
+                parts = [q for q in rr.participations
+                         if q.status == "accepted" and q.attempt == rr.attempt]  # fmt: skip
+                assert sorted(q.site_id for q in parts) == SITES[region_id]
+                assert p.num_samples == sum(q.num_samples for q in parts)  # summed upstream
+        assert sorted(regional["region-b"]) == list(range(1, rounds + 1))
+        assert sorted(regional["region-a"]) == list(range(1, rounds + 1))
+    assert sorted(got) == sorted(expected)
+    for name in expected:  # two means in a row round differently from one: fp32's last bits
+        assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6)
+    assert any(not torch.equal(first[k], got[k]) for k in got)  # and the model moved
