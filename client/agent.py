@@ -24,9 +24,10 @@ from fedra.client import provenance
 from fedra.client.config import SiteConfig
 from fedra.client.connection import TRANSIENT, Assignment, Connection, Session, new_nonce
 from fedra.client.executor import Executor, LocalExecutor, WorldBroken
-from fedra.client.inner import KeepState
+from fedra.client.inner import KeepState, Rebase
 from fedra.client.metrics import RoundMeasures, SiteMetrics, world_restarts, write_site_file
 from fedra.client.optstate import OptimizerStates
+from fedra.client.overlap import Ahead, Trained
 from fedra.client.pending import PendingUpdate, PendingUpdates
 from fedra.client.policy import Policy
 from fedra.client.scaffold import ControlStates, ScaffoldRound
@@ -100,6 +101,9 @@ class SiteAgent:
         # world's plans rebuild the module, and a model left on the GPU would change where
         # the task's evaluate runs.
         self._models: dict[tuple[str, str], torch.nn.Module] = {}
+        # [train] overlap: the run's next round, training while this one's update goes.
+        self._ahead: Ahead | None = None
+        self._told_no_overlap = False
         tls = None
         if config.tls_dir is not None:
             try:
@@ -150,6 +154,8 @@ class SiteAgent:
         try:
             self._run()
         finally:
+            if self._ahead is not None:
+                self._ahead.cancel()
             self.metrics.close()
 
     def _serve_metrics(self) -> None:
@@ -285,7 +291,8 @@ class SiteAgent:
             payload = attack(payload)
             metrics["download_s"] = downloaded - started
             started = downloaded
-        metrics["compute_s"] = time.monotonic() - started
+        # With [train] overlap, the training done before the task arrived counts too.
+        metrics["compute_s"] = time.monotonic() - started + metrics.get("overlap_ahead_s", 0.0)
         if beat.withdrawn.is_set():
             log.warning("%s: round closed while training; not uploading", tag)
             return
@@ -353,25 +360,26 @@ class SiteAgent:
     def _train(
         self, impl: Task, task: Assignment, global_state: dict[str, torch.Tensor]
     ) -> tuple[dict[str, torch.Tensor], int, dict[str, float]]:
+        arrived = time.monotonic()
+        ahead = self._take_ahead(task)  # [train] overlap: this round, already training
         data = self._data[task.entry_point]
         model = self._model(impl, task)
         model.load_state_dict(global_state)
         # Evaluate the global model on local held-out data before training on it.
         metrics = {f"eval_{k}": float(v) for k, v in impl.evaluate(model, data).items()}
-        settings = FitSettings(
-            local_steps=task.train.local_steps,
-            local_epochs=task.train.local_epochs,
-            batch_size=task.train.batch_size,
-            learning_rate=task.train.learning_rate,
-            seed=_fit_seed(task, self.config.site_id),
-            params=task.train.params,
-            proximal_mu=task.train.proximal_mu,
-        )
-        keep = self._keep_state(task)
-        scaffold = self._scaffold_round(task, global_state)
-        trained, num_samples, fit_metrics = self.executor.train(
-            impl, task.entry_point, task.round, model, data, settings, keep, scaffold
-        )
+        settings = self._fit_settings(task, task.round)
+        scaffold = None  # never with overlap (TrainSpec refuses the two together)
+        if ahead is not None:
+            keep = ahead.keep
+            trained, num_samples, fit_metrics = ahead.finish(global_state)
+            # Its compute before this task arrived counts too (compute_s adds it).
+            metrics["overlap_ahead_s"] = max(0.0, min(ahead.fit_s, arrived - ahead.started_at))
+        else:
+            keep = self._keep_state(task)
+            scaffold = self._scaffold_round(task, global_state)
+            trained, num_samples, fit_metrics = self.executor.train(
+                impl, task.entry_point, task.round, model, data, settings, keep, scaffold
+            )
         metrics.update(fit_metrics)
         if keep is not None and keep.result is not None:  # promoted once accepted: _keep
             self._optimizer_states.stage(task.run_id, keep.result)
@@ -381,7 +389,62 @@ class SiteAgent:
             metrics["scaffold_from_round"] = float(scaffold.from_round)
             assert scaffold.result is not None
             self._control_states.stage(task.run_id, scaffold.result)
+        if task.train.overlap:
+            self._start_ahead(impl, task, trained, keep)
         return update, num_samples, metrics
+
+    def _fit_settings(self, task: Assignment, round_number: int) -> FitSettings:
+        return FitSettings(
+            local_steps=task.train.local_steps,
+            local_epochs=task.train.local_epochs,
+            batch_size=task.train.batch_size,
+            learning_rate=task.train.learning_rate,
+            seed=_fit_seed(task.seed, round_number, self.config.site_id),
+            params=task.train.params,
+            proximal_mu=task.train.proximal_mu,
+        )
+
+    def _take_ahead(self, task: Assignment) -> Ahead | None:
+        """The round trained ahead for ``task`` (``[train] overlap``), if it is this
+        task's; one that is not is cancelled."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None or ahead.matches(task):
+            return ahead
+        log.info("%s: the training ahead for round %d of run %s is not this task's; "
+                 "dropped", self.tag, ahead.round_number, ahead.run_id)  # fmt: skip
+        ahead.cancel()
+        return None
+
+    def _start_ahead(
+        self,
+        impl: Task,
+        task: Assignment,
+        trained: Mapping[str, torch.Tensor],
+        keep: KeepState | None,
+    ) -> None:
+        """[train] overlap: start training the run's next round now, from ``trained``."""
+        if not isinstance(self.executor, LocalExecutor):
+            if not self._told_no_overlap:
+                log.warning(
+                    "%s: train.overlap: a site whose local world has several "
+                    "processes trains each round after its task arrives",
+                    self.tag,
+                )
+                self._told_no_overlap = True
+            return
+        nxt = task.round + 1
+        model = impl.create_model(task.seed, task.train.params)
+        model.load_state_dict(trained)
+        if keep is not None:  # the state this round leaves, as the next round would load it
+            fresh = task.train.resets_optimizer(nxt)
+            keep = KeepState(None if fresh else keep.result, nxt)
+        settings, data = self._fit_settings(task, nxt), self._data[task.entry_point]
+        executor, entry_point = self.executor, task.entry_point
+
+        def fit(m: torch.nn.Module, k: KeepState | None, rebase: Rebase) -> Trained:
+            return executor.train(impl, entry_point, nxt, m, data, settings, k, None, rebase)
+
+        self._ahead = Ahead.start(task, trained, model, keep, fit)
 
     def _keep(self, task: Assignment, counted: bool) -> None:
         """Promote the states ``task``'s training staged, or forget them: its update
@@ -712,9 +775,9 @@ def _masked(masker: SiteSecAgg, sa: SecAggRound, delta: Mapping[str, torch.Tenso
     return masker.mask(vector, clip=sa.clip, bits=sa.bits)
 
 
-def _fit_seed(task: Assignment, site_id: str) -> int:
+def _fit_seed(seed: int, round_number: int, site_id: str) -> int:
     # Not keyed by the run id: the same spec on the same data trains the same way.
-    key = f"{task.seed}:{task.round}:{site_id}".encode()
+    key = f"{seed}:{round_number}:{site_id}".encode()
     return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1
 
 

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import torch
 
 from fedra.client.config import ParallelConfig
-from fedra.client.inner import InnerHooks, InnerOptimizerError, KeepState
+from fedra.client.inner import InnerHooks, InnerOptimizerError, KeepState, Rebase
 from fedra.client.parallel.extract import HostStager
 from fedra.client.parallel.plan import PlanOptions, World, broadcast_module, get_plan
 from fedra.client.parallel.trainer import TrainStats, train
@@ -38,12 +38,16 @@ class Executor(Protocol):
         settings: FitSettings,
         keep: KeepState | None = None,
         scaffold: ScaffoldRound | None = None,
+        rebase: Rebase | None = None,
     ) -> tuple[dict[str, torch.Tensor], int, dict[str, float]]:
         """Train ``model`` (it holds the global weights): (trained state, samples, metrics).
 
         With ``keep``, the task's optimiser starts from ``keep.carried`` and its state after
         training is left in ``keep.result``. With ``scaffold``, every inner step is
-        corrected by its ``c - c_i`` and the steps are counted in ``scaffold.steps``."""
+        corrected by its ``c - c_i`` and the steps are counted in ``scaffold.steps``.
+        With ``rebase`` (``[train] overlap``), ``model`` holds the site's own model and is
+        moved onto the global one when it arrives, at a step; ``Cancelled`` if it is no
+        longer wanted."""
         ...
 
     def close(self) -> None: ...
@@ -71,12 +75,13 @@ class LocalExecutor:
         settings: FitSettings,
         keep: KeepState | None = None,
         scaffold: ScaffoldRound | None = None,
+        rebase: Rebase | None = None,
     ) -> tuple[dict[str, torch.Tensor], int, dict[str, float]]:
         model = model.to(self.device)
         corrections, lr = None, 0.0  # SCAFFOLD: c - c_i, and the rate its c_i+ assumes
         if scaffold is not None:
             corrections, lr = scaffold.corrections(model), scaffold.learning_rate
-        hooks = InnerHooks(model.parameters(), settings.proximal_mu, keep, corrections, lr)
+        hooks = InnerHooks(model.parameters(), settings.proximal_mu, keep, corrections, lr, rebase)
         with hooks.around_fit(entry_point):
             result = impl.fit(model, data, settings)
         if scaffold is not None:
@@ -145,12 +150,18 @@ class WorldExecutor:
         settings: FitSettings,
         keep: KeepState | None = None,
         scaffold: ScaffoldRound | None = None,
+        rebase: Rebase | None = None,
     ) -> tuple[dict[str, torch.Tensor], int, dict[str, float]]:
         if not isinstance(impl, ParallelTask):
             raise TypeError(f"task {entry_point!r} does not support parallel plans")
         if keep is not None:  # each rank would hold its shard of the state: not carried yet
             raise InnerOptimizerError(
                 f"train.keep_optimizer_state: not supported on a site whose local world has "
+                f"{self.world.size} processes (plan {self.config.plan!r}) yet"
+            )
+        if rebase is not None:  # the ranks would each move their shard, at the same step
+            raise InnerOptimizerError(
+                f"train.overlap: not supported on a site whose local world has "
                 f"{self.world.size} processes (plan {self.config.plan!r}) yet"
             )
         if scaffold is not None:  # c_i would be sharded like the plan's parameters

@@ -15,12 +15,19 @@ the run's learning rate, which option II's control update assumes.
 With ``[train] keep_optimizer_state`` the same hook gives the task's optimiser, before its
 first step, the state the site's previous round left (``KeepState``), and takes its state
 after training, to carry to the next.
+
+With ``[train] overlap`` a round's training starts before its global model is here, from
+the site's own model; when the global model arrives the same hook moves the model onto
+it before the next step (``Rebase``): the progress made so far is kept, its base
+replaced. A training that is no longer wanted (the site was not sampled, the round was
+retried) is stopped at its next step.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import threading
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -50,6 +57,71 @@ class KeepState:
     used: bool = False  # whether ``carried`` was loaded into the task's optimiser
 
 
+class Cancelled(Exception):
+    """A round's training stopped at a step because it is no longer wanted."""
+
+
+class Rebase:
+    """``[train] overlap``: a round's training that began on the site's own model, moved
+    onto the round's global model when that arrives, at the next step of the optimiser
+    (before the step: its gradient was taken at the old point, one step stale).
+
+    ``move(base, target)`` is called from another thread; the model gains
+    ``target - base`` in every floating tensor of its state (parameters and buffers).
+    After training, ``settle`` applies a move that came too late for any step."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._model = model
+        self._lock = threading.Lock()
+        self._shift: dict[str, torch.Tensor] | None = None
+        self.moved_at_step: int | None = None  # the steps taken before it moved
+        self.steps_seen = 0  # the steps the training has taken
+        self.cancelled = threading.Event()
+        self.done = threading.Event()  # the training ended (or was cancelled)
+
+    def move(self, base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor]) -> None:
+        """Ask for ``target - base`` to be added; KeyError if the two do not match."""
+        shift = {
+            k: (target[k].detach().to(torch.float32) - v.detach().to(torch.float32))
+            for k, v in base.items()
+            if v.is_floating_point()
+        }
+        with self._lock:
+            self._shift = shift
+
+    def apply(self, steps: int) -> None:
+        """At a step (``steps`` taken so far): move now if asked; stop if cancelled."""
+        if self.cancelled.is_set():
+            raise Cancelled("the round's training is no longer wanted")
+        self.steps_seen = steps + 1
+        with self._lock:
+            shift, self._shift = self._shift, None
+        if shift is None:
+            return
+        with torch.no_grad():
+            for name, tensor in self._model.state_dict().items():
+                if name in shift:
+                    tensor.add_(shift[name].to(device=tensor.device, dtype=tensor.dtype))
+        self.moved_at_step = steps
+
+    def pending(self) -> bool:
+        with self._lock:
+            return self._shift is not None
+
+    def settle(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A trained ``state`` with a move no step took applied (the training ended
+        first; every step was then taken before the move)."""
+        with self._lock:
+            shift, self._shift = self._shift, None
+        out = dict(state)
+        if shift is not None:
+            self.moved_at_step = self.steps_seen
+            for name, add in shift.items():
+                t = out[name]
+                out[name] = (t.to(torch.float32) + add).to(t.dtype)
+        return out
+
+
 class InnerHooks:
     """The site's additions to the inner optimiser of one round's training."""
 
@@ -60,8 +132,10 @@ class InnerHooks:
         keep: KeepState | None = None,
         corrections: Mapping[int, torch.Tensor] | None = None,
         learning_rate: float = 0.0,
+        rebase: Rebase | None = None,
     ) -> None:
         trainable = [p for p in params if p.requires_grad]
+        self.rebase = rebase
         self.proximal_mu = proximal_mu
         self.keep = keep
         # SCAFFOLD: c - c_i by parameter id, and the run's learning rate its steps must take.
@@ -91,6 +165,8 @@ class InnerHooks:
                 "train.proximal_mu: the task's optimiser steps with a closure (it computes "
                 "the gradients inside step), which the proximal term cannot be added to"
             )
+        if self.rebase is not None:  # before anything else looks at the parameters
+            self.rebase.apply(self.steps)
         self.steps += 1
         if self.corrections is not None:
             self._correct(optimizer, ours, args, kwargs)

@@ -83,8 +83,9 @@ def _check_db_url(url: str) -> None:
 def _region(args: argparse.Namespace) -> Any:
     """--upstream and its flags: the RegionConfig, or None; ConfigError naming the flag."""
     given = [f for f in ("region_id", "upstream_tls_dir") if getattr(args, f)]
-    if args.region_task or args.upstream_insecure:
-        given.append("region_task" if args.region_task else "upstream_insecure")
+    for flag in ("region_task", "upstream_insecure", "region_secagg"):
+        if getattr(args, flag):
+            given.append(flag)
     if not args.upstream:
         if given:
             raise ConfigError(f"--{given[0].replace('_', '-')}: needs --upstream")
@@ -101,6 +102,7 @@ def _region(args: argparse.Namespace) -> Any:
         insecure=args.upstream_insecure,
         sites_per_round=args.region_sites,
         min_sites=args.region_min_sites,
+        secagg=args.region_secagg,
     )
 
 
@@ -755,6 +757,7 @@ def _cmd_bench_compare(args: argparse.Namespace) -> int:
         out=Path(args.out) if args.out else None,
         steps=args.steps,
         h_values=tuple(args.h) if args.h else None,
+        overlap_h=tuple(args.overlap_h) if args.overlap_h is not None else None,
         sites=args.sites,
         bandwidth_mbit=args.bandwidth_mbit,
         latency_ms=args.latency_ms,
@@ -1031,6 +1034,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--region-min-sites", type=int, default=0,
         help="the fewest a regional round commits with (default 0: --region-sites)",
     )  # fmt: skip
+    g.add_argument(
+        "--region-secagg", action="store_true",
+        help="regional rounds use secure aggregation: this coordinator sees only the sum "
+        "of its sites' updates",
+    )  # fmt: skip
     c.set_defaults(func=_cmd_coordinator)
 
     s = sub.add_parser(
@@ -1161,6 +1169,10 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--out", help="report.md, report.json and plots here (default compare-out)")
     q.add_argument("--steps", type=int, help="inner steps per site (default 512)")
     q.add_argument("--h", type=int, nargs="+", help="DiLoCo local steps per round (8 32 128)")
+    q.add_argument(
+        "--overlap-h", type=int, nargs="*",
+        help="of those H, the ones also run with [train] overlap (default 32; none: no value)",
+    )  # fmt: skip
     q.add_argument("--sites", type=int, help="site processes (default 2)")
     q.add_argument("--bandwidth-mbit", type=float, help="each site's link (default 100)")
     q.add_argument("--latency-ms", type=float, help="one way (default 50)")

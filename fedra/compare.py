@@ -59,6 +59,7 @@ class CompareConfig:
     out: Path = Path("compare-out")
     steps: int = 512  # inner steps per site, the same in every configuration
     h_values: tuple[int, ...] = (8, 32, 128)
+    overlap_h: tuple[int, ...] = (32,)  # the H values also run with [train] overlap
     sites: int = 2
     bandwidth_mbit: float = 100.0
     latency_ms: float = 50.0
@@ -93,6 +94,8 @@ class CompareConfig:
             "must not repeat a value",
             self.h_values,
         )
+        for h in self.overlap_h:
+            require(h in self.h_values, "--overlap-h", "every value must be one of --h", h)
         require(1 <= self.sites <= 16, "--sites", "must be in [1, 16]", self.sites)
         try:
             Link(self.bandwidth_mbit, self.latency_ms)
@@ -120,6 +123,8 @@ class CompareConfig:
         """The default (or ``quick``) set-up with the options that are not None."""
         given = {k: v for k, v in options.items() if v is not None}
         base = cls.quick_defaults() if quick else {}
+        if "h_values" in given and "overlap_h" not in given:  # the default, where it is run
+            given["overlap_h"] = tuple(h for h in cls.overlap_h if h in given["h_values"])
         return cls(**{**base, **given})
 
     @staticmethod
@@ -128,6 +133,7 @@ class CompareConfig:
         return {
             "steps": 16,
             "h_values": (4, 16),
+            "overlap_h": (4,),
             "bandwidth_mbit": 1000.0,
             "latency_ms": 5.0,
             "params": dict(QUICK_MODEL),
@@ -160,10 +166,12 @@ class Configuration:
     strategy: str  # "centralised", or the federated run's strategy
     local_steps: int  # H: inner steps per round
     codec: str = "none"
+    overlap: bool = False  # [train] overlap: the next round trains while the update goes
 
 
 def configurations(config: CompareConfig) -> list[Configuration]:
-    """Centralised, DDP, every-step, then DiLoCo at each H without and with int8."""
+    """Centralised, DDP, every-step, then DiLoCo at each H without and with int8, and
+    with its communication overlapped with the next round's compute."""
     out = [
         Configuration(CENTRALISED, CENTRALISED, config.steps),
         Configuration(DDP, DDP, 1),
@@ -172,6 +180,8 @@ def configurations(config: CompareConfig) -> list[Configuration]:
     for h in sorted(config.h_values):
         out.append(Configuration(f"diloco-h{h}", "diloco", h))
         out.append(Configuration(f"diloco-h{h}-int8", "diloco", h, "int8"))
+        if h in config.overlap_h:
+            out.append(Configuration(f"diloco-h{h}-overlap", "diloco", h, overlap=True))
     return out
 
 
@@ -436,6 +446,7 @@ def run_spec(config: CompareConfig, c: Configuration) -> RunSpec:
             # Each site's AdamW goes on from round to round, as DiLoCo's inner optimiser
             # does (and as DDP's and the centralised run's do).
             keep_optimizer_state=True,
+            overlap=c.overlap,
         ),
         strategy=c.strategy,
         codec=CodecSpec(name=c.codec, download=c.codec != "none"),
@@ -531,5 +542,6 @@ def _identity(c: Configuration, rounds: int) -> dict[str, Any]:
         "strategy": c.strategy,
         "local_steps": c.local_steps,
         "codec": c.codec,
+        "overlap": c.overlap,
         "num_rounds": rounds,
     }

@@ -39,7 +39,7 @@ from fedra.client.connection import Assignment
 from fedra.client.task import Task
 from fedra.config import SITE_ID_RULE, ConfigError, is_valid_site_id
 from fedra.coordinator.engine import Engine, GivenModel, RoundOutcome
-from fedra.runspec import CodecSpec, RunSpec
+from fedra.runspec import CodecSpec, RunSpec, SecAggSpec
 
 log = logging.getLogger("fedra.region")
 RUN_PREFIX = "upstream:"  # a regional run's name: this, then the upstream task's id
@@ -58,6 +58,7 @@ class RegionConfig:
     insecure: bool = False
     sites_per_round: int = 0  # each regional round's sites; 0: every site known to allow it
     min_sites: int = 0  # the regional round's quorum; 0: sites_per_round
+    secagg: bool = False  # regional rounds use secure aggregation: the region sees a sum
 
     def __post_init__(self) -> None:
         if not is_valid_site_id(self.region_id):
@@ -151,14 +152,20 @@ class RegionAgent(SiteAgent):
         if n == 0:
             raise RegionError(f"no site of this region allows task {task.entry_point}")
         # Top-k error feedback would start afresh every round (a run a round): send whole.
-        codec = CodecSpec() if task.codec.name == "topk" else task.codec
+        # Secure aggregation takes the masked integers only.
+        whole = task.codec.name == "topk" or self.region.secagg
+        codec = CodecSpec() if whole else task.codec
         deadline = max(task.deadline_in_s, 1.0)
-        return RunSpec(
-            task=task.entry_point, rounds=task.round, name=name, sites_per_round=n,
-            min_sites=self.region.min_sites, round_deadline_s=deadline,
-            join_timeout_s=min(60.0, deadline / 2), seed=task.seed, train=task.train,
-            codec=codec, max_round_attempts=1,
-        ).validate()  # fmt: skip
+        try:
+            return RunSpec(
+                task=task.entry_point, rounds=task.round, name=name, sites_per_round=n,
+                min_sites=self.region.min_sites, round_deadline_s=deadline,
+                join_timeout_s=min(60.0, deadline / 2), seed=task.seed, train=task.train,
+                codec=codec, max_round_attempts=1,
+                secagg=SecAggSpec() if self.region.secagg else None,
+            ).validate()  # fmt: skip
+        except ConfigError as exc:  # e.g. too few sites for secure aggregation
+            raise RegionError(f"the region's own round cannot run: {exc}") from exc
 
     def _wait(self, run_id: str, number: int) -> RoundOutcome:
         version = -1

@@ -283,6 +283,10 @@ class TrainSpec:
     # the rounds are drawn from (0: sites_per_round, every site in every round).
     scaffold: bool = False
     scaffold_population: int = 0
+    # Overlap communication with compute: a site trains round r + 1 from its own round-r
+    # model while its update uploads and the round commits, and moves that progress onto
+    # the round's new global model when it arrives (a one-step-delayed outer update).
+    overlap: bool = False
 
     def resets_optimizer(self, round_number: int) -> bool:
         """Whether round ``round_number`` (1 the first trained) starts a fresh optimiser."""
@@ -304,6 +308,15 @@ class TrainSpec:
         require(self.scaffold or self.scaffold_population == 0, "train.scaffold_population",
                 "only a SCAFFOLD run uses it (set train.scaffold = true)",
                 self.scaffold_population)  # fmt: skip
+        require(isinstance(self.overlap, bool), "train.overlap", "must be true or false",
+                self.overlap)  # fmt: skip
+        if self.overlap:  # both anchor on the round's global model, which comes late
+            require(not self.scaffold, "train.overlap", "cannot be combined with "
+                    "train.scaffold (c_i+ assumes every step was taken from the global "
+                    "model)", self.overlap)  # fmt: skip
+            require(self.proximal_mu == 0, "train.overlap", "cannot be combined with "
+                    "train.proximal_mu yet (its anchor is the global model)",
+                    self.overlap)  # fmt: skip
         if self.scaffold:  # option II's c_i+ assumes plain SGD steps on the loss alone
             require(self.proximal_mu == 0, "train.proximal_mu",
                     "cannot be combined with train.scaffold yet", self.proximal_mu)  # fmt: skip
@@ -581,6 +594,7 @@ _TOP_KEYS = {
 _TRAIN_KEYS = {
     "local_steps", "local_epochs", "batch_size", "learning_rate", "params", "proximal_mu",
     "keep_optimizer_state", "reset_optimizer_every", "scaffold", "scaffold_population",
+    "overlap",
 }  # fmt: skip
 
 
@@ -622,6 +636,7 @@ def runspec_from_toml(doc: Mapping[str, Any]) -> RunSpec:
         reset_optimizer_every=get(train_t, "reset_optimizer_every", int, "train", 0),
         scaffold=get(train_t, "scaffold", bool, "train", False),
         scaffold_population=get(train_t, "scaffold_population", int, "train", 0),
+        overlap=get(train_t, "overlap", bool, "train", False),
     )
     strategy_t = dict(get(doc, "strategy", dict, "", {"name": "fedavg"}))
     strategy_name = get(strategy_t, "name", str, "strategy", "fedavg")

@@ -33,6 +33,7 @@ def train_to_proto(t: TrainSpec) -> common_pb2.TrainSettings:
         reset_optimizer_every=t.reset_optimizer_every,
         scaffold=t.scaffold,
         scaffold_population=t.scaffold_population,
+        overlap=t.overlap,
     )
 
 
@@ -48,6 +49,7 @@ def train_from_proto(m: common_pb2.TrainSettings) -> TrainSpec:
         reset_optimizer_every=m.reset_optimizer_every,
         scaffold=m.scaffold,
         scaffold_population=m.scaffold_population,
+        overlap=m.overlap,
     )
 
 

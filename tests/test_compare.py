@@ -148,6 +148,8 @@ def test_config_errors_name_the_option(capsys: pytest.CaptureFixture[str]) -> No
         CompareConfig(bandwidth_mbit=0.0)
     assert main(["bench", "compare", "--quick", "--steps", "10", "--h", "3"]) == 2
     assert "--h: must divide --steps 10" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="--overlap-h: every value must be one of --h"):
+        CompareConfig(steps=16, h_values=(4, 16), overlap_h=(8,))
     with pytest.raises(ConfigError, match="--price-gb"):
         CompareConfig(price_gb=-1.0)
     assert [c.name for c in configurations(CompareConfig.build(quick=True))] == [
@@ -156,6 +158,7 @@ def test_config_errors_name_the_option(capsys: pytest.CaptureFixture[str]) -> No
         "every-step",
         "diloco-h4",
         "diloco-h4-int8",
+        "diloco-h4-overlap",
         "diloco-h16",
         "diloco-h16-int8",
     ]

@@ -38,9 +38,11 @@ def spec(rounds: int, sites: int) -> RunSpec:
     ).validate()  # fmt: skip
 
 
-def site_data(site_id: str) -> dict[str, object]:
-    i = int(site_id.rsplit("-", 1)[1])  # unequal sizes: the weighting by samples shows
-    return {"shift": 0.5 * i, "seed": i, "samples": 64 * (i + 1)}
+def site_data(site_id: str, equal: bool = False) -> dict[str, object]:
+    """Unequal sizes, so that the weighting by samples shows; ``equal``: the same size
+    for all (secure aggregation counts every site once)."""
+    i = int(site_id.rsplit("-", 1)[1])
+    return {"shift": 0.5 * i, "seed": i, "samples": 128 if equal else 64 * (i + 1)}
 
 
 def _finished(admin: AdminClient, run_id: str, timeout_s: float = 240) -> admin_pb2.RunStatus:
@@ -123,12 +125,22 @@ def test_region_flags_are_checked(tmp_path: Path) -> None:
 # -- across processes ------------------------------------------------------------------
 
 
-def _flat(tmp_path: Path, rounds: int) -> dict[str, torch.Tensor]:
+ROUNDS = 3
+
+
+@pytest.fixture(scope="module")
+def flat() -> Iterator[dict[bool, dict[str, torch.Tensor]]]:
+    """The flat federation's final models, by whether the sites are of equal sizes: run
+    once for the module's two-level runs."""
+    yield {}
+
+
+def _flat(tmp_path: Path, rounds: int, equal: bool) -> dict[str, torch.Tensor]:
     with LocalCluster(tmp_path / "flat") as flat:
         flat.start_coordinator(flags=FAST)
         ids = [s for sites in SITES.values() for s in sites]
         for site_id in ids:
-            flat.start_site(site_id, [SYNTHETIC], site_data(site_id))
+            flat.start_site(site_id, [SYNTHETIC], site_data(site_id, equal))
         flat.wait_for_sites(ids)
         with flat.admin() as admin:
             run_id = admin.submit(spec(rounds, sites=len(ids)))
@@ -137,11 +149,12 @@ def _flat(tmp_path: Path, rounds: int) -> dict[str, torch.Tensor]:
             return admin.export_model(run_id)
 
 
-def _region_flags(upstream: LocalCluster, region_id: str) -> list[str]:
+def _region_flags(upstream: LocalCluster, region_id: str, secagg: bool) -> list[str]:
     """Its identity upstream from the upstream's CA; its own sites' from its own."""
     return [*FAST, "--upstream", upstream.address, "--region-id", region_id,
             "--region-task", SYNTHETIC,
-            "--upstream-tls-dir", str(upstream.site_tls_folder(region_id))]  # fmt: skip
+            "--upstream-tls-dir", str(upstream.site_tls_folder(region_id)),
+            *(["--region-secagg"] if secagg else [])]  # fmt: skip
 
 
 def _regional_rounds(region: LocalCluster) -> dict[int, admin_pb2.RunStatus]:
@@ -158,15 +171,23 @@ def _regional_rounds(region: LocalCluster) -> dict[int, admin_pb2.RunStatus]:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("crash", [False, True], ids=["steady", "region_crash"])
-def test_a_two_level_federation_ends_where_the_flat_one_does(tmp_path: Path, crash: bool) -> None:
+@pytest.mark.parametrize(
+    ("crash", "secagg"), [(False, False), (True, False), (False, True)],
+    ids=["steady", "region_crash", "region_secagg"],
+)  # fmt: skip
+def test_a_two_level_federation_ends_where_the_flat_one_does(
+    tmp_path: Path, flat: dict[bool, dict[str, torch.Tensor]], crash: bool, secagg: bool
+) -> None:
     """FedAvg weighted by samples: the upstream's mean of the regions' means is the mean
     of all the sites'; the same seeds train the same batches. With ``crash`` region-a's
     coordinator is SIGKILLed as it accepts a site's update of round 2, and is started
     again on the same state: it resumes its regional run, and the upstream sees a site
-    that came back."""
-    rounds = 3
-    expected = _flat(tmp_path, rounds)
+    that came back. With ``secagg`` each region aggregates securely (it sees only its
+    sites' sum, each site counted once: equal sizes here, so the means agree)."""
+    rounds = ROUNDS
+    if secagg not in flat:
+        flat[secagg] = _flat(tmp_path, rounds, equal=secagg)
+    expected = flat[secagg]
     with ExitStack() as stack:
         upstream = stack.enter_context(LocalCluster(tmp_path / "upstream"))
         # A region silent while it restarts stays the round's site: a longer timeout.
@@ -178,10 +199,10 @@ def test_a_two_level_federation_ends_where_the_flat_one_does(tmp_path: Path, cra
             region = stack.enter_context(LocalCluster(tmp_path / region_id))
             killed = crash and region_id == "region-a"
             fault = {"FEDRA_FAULT_CRASH": "after_accept:2"} if killed else None
-            region.start_coordinator(flags=_region_flags(upstream, region_id),
+            region.start_coordinator(flags=_region_flags(upstream, region_id, secagg),
                                      extra_env=fault)  # fmt: skip
             for site_id in sites:
-                region.start_site(site_id, [SYNTHETIC], site_data(site_id))
+                region.start_site(site_id, [SYNTHETIC], site_data(site_id, equal=secagg))
             region.wait_for_sites(sites)
             regions[region_id] = region
         upstream.wait_for_sites(list(SITES))
@@ -192,7 +213,7 @@ def test_a_two_level_federation_ends_where_the_flat_one_does(tmp_path: Path, cra
                 assert a.coordinator is not None
                 assert a.coordinator.popen.wait(240) == -signal.SIGKILL
                 port = int(a.address.rsplit(":", 1)[1])
-                a.start_coordinator(port=port, flags=_region_flags(upstream, "region-a"))
+                a.start_coordinator(port=port, flags=_region_flags(upstream, "region-a", False))
             status = _finished(admin, run_id)
             assert status.state == "completed", status.reason
             got, first = admin.export_model(run_id), admin.export_model(run_id, round_number=0)
@@ -210,6 +231,8 @@ def test_a_two_level_federation_ends_where_the_flat_one_does(tmp_path: Path, cra
                 assert p.num_samples == sum(q.num_samples for q in parts)  # summed upstream
         assert sorted(regional["region-b"]) == list(range(1, rounds + 1))
         assert sorted(regional["region-a"]) == list(range(1, rounds + 1))
+        if secagg:  # the region's own rounds were secure sums
+            assert all(r.spec.HasField("secagg") for r in regional["region-a"].values())
     assert sorted(got) == sorted(expected)
     for name in expected:  # two means in a row round differently from one: fp32's last bits
         assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x66\x65\x64ra/protos/v1/common.proto\x12\x08\x66\x65\x64ra.v1\"\xca\x02\n\rTrainSettings\x12\x13\n\x0blocal_steps\x18\x01 \x01(\r\x12\x14\n\x0clocal_epochs\x18\x02 \x01(\r\x12\x12\n\nbatch_size\x18\x03 \x01(\r\x12\x15\n\rlearning_rate\x18\x04 \x01(\x01\x12\x33\n\x06params\x18\x05 \x03(\x0b\x32#.fedra.v1.TrainSettings.ParamsEntry\x12\x13\n\x0bproximal_mu\x18\x06 \x01(\x01\x12\x1c\n\x14keep_optimizer_state\x18\x07 \x01(\x08\x12\x1d\n\x15reset_optimizer_every\x18\x08 \x01(\r\x12\x10\n\x08scaffold\x18\t \x01(\x08\x12\x1b\n\x13scaffold_population\x18\n \x01(\r\x1a-\n\x0bParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"H\n\x05\x43odec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x62lock\x18\x02 \x01(\r\x12\x10\n\x08\x66raction\x18\x03 \x01(\x01\x12\x10\n\x08\x64ownload\x18\x04 \x01(\x08\"\x1a\n\nModelChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"r\n\x0b\x41ggregation\x12\x0c\n\x04rule\x18\x01 \x01(\t\x12\x0c\n\x04trim\x18\x02 \x01(\x01\x12\x11\n\tbyzantine\x18\x03 \x01(\r\x12\x0e\n\x06select\x18\x04 \x01(\r\x12\x12\n\nnorm_bound\x18\x05 \x01(\x01\x12\x10\n\x08spill_mb\x18\x06 \x01(\r\"\x8b\x01\n\x07Privacy\x12\x0c\n\x04\x63lip\x18\x01 \x01(\x01\x12\x18\n\x10noise_multiplier\x18\x02 \x01(\x01\x12\x0f\n\x07\x65psilon\x18\x03 \x01(\x01\x12\r\n\x05\x64\x65lta\x18\x04 \x01(\x01\x12\x10\n\x08sampling\x18\x05 \x01(\t\x12\x12\n\npopulation\x18\x06 \x01(\r\x12\x12\n\naccountant\x18\x07 \x01(\t\"l\n\x06SecAgg\x12\x11\n\tthreshold\x18\x01 \x01(\x01\x12\x0e\n\x06\x64\x65gree\x18\x02 \x01(\r\x12\x0c\n\x04\x63lip\x18\x03 \x01(\x01\x12\x17\n\x0fsetup_timeout_s\x18\x04 \x01(\x01\x12\x18\n\x10unmask_timeout_s\x18\x05 \x01(\x01\"h\n\tPromotion\x12\x0e\n\x06metric\x18\x01 \x01(\t\x12\x0c\n\x04goal\x18\x02 \x01(\t\x12\x16\n\x0emax_regression\x18\x03 \x01(\x01\x12\x10\n\x08patience\x18\x04 \x01(\r\x12\x13\n\x0bon_patience\x18\x05 \x01(\t\"A\n\x05\x41sync\x12\x0e\n\x06\x62uffer\x18\x01 \x01(\r\x12\x15\n\rmax_staleness\x18\x02 \x01(\r\x12\x11\n\tstaleness\x18\x03 \x01(\t\"\xfb\x01\n\nProvenance\x12\x13\n\x0b\x65ntry_point\x18\x01 \x01(\t\x12\x14\n\x0ctask_version\x18\x02 \x01(\t\x12\x1a\n\x12task_source_sha256\x18\x03 \x01(\t\x12\x18\n\x10\x64\x61ta_fingerprint\x18\x04 \x01(\t\x12\x15\n\rconfig_sha256\x18\x05 \x01(\t\x12\x34\n\x08versions\x18\x06 \x03(\x0b\x32\".fedra.v1.Provenance.VersionsEntry\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x1a/\n\rVersionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x66\x65\x64ra/protos/v1/common.proto\x12\x08\x66\x65\x64ra.v1\"\xdb\x02\n\rTrainSettings\x12\x13\n\x0blocal_steps\x18\x01 \x01(\r\x12\x14\n\x0clocal_epochs\x18\x02 \x01(\r\x12\x12\n\nbatch_size\x18\x03 \x01(\r\x12\x15\n\rlearning_rate\x18\x04 \x01(\x01\x12\x33\n\x06params\x18\x05 \x03(\x0b\x32#.fedra.v1.TrainSettings.ParamsEntry\x12\x13\n\x0bproximal_mu\x18\x06 \x01(\x01\x12\x1c\n\x14keep_optimizer_state\x18\x07 \x01(\x08\x12\x1d\n\x15reset_optimizer_every\x18\x08 \x01(\r\x12\x10\n\x08scaffold\x18\t \x01(\x08\x12\x1b\n\x13scaffold_population\x18\n \x01(\r\x12\x0f\n\x07overlap\x18\x0b \x01(\x08\x1a-\n\x0bParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"H\n\x05\x43odec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x62lock\x18\x02 \x01(\r\x12\x10\n\x08\x66raction\x18\x03 \x01(\x01\x12\x10\n\x08\x64ownload\x18\x04 \x01(\x08\"\x1a\n\nModelChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"r\n\x0b\x41ggregation\x12\x0c\n\x04rule\x18\x01 \x01(\t\x12\x0c\n\x04trim\x18\x02 \x01(\x01\x12\x11\n\tbyzantine\x18\x03 \x01(\r\x12\x0e\n\x06select\x18\x04 \x01(\r\x12\x12\n\nnorm_bound\x18\x05 \x01(\x01\x12\x10\n\x08spill_mb\x18\x06 \x01(\r\"\x8b\x01\n\x07Privacy\x12\x0c\n\x04\x63lip\x18\x01 \x01(\x01\x12\x18\n\x10noise_multiplier\x18\x02 \x01(\x01\x12\x0f\n\x07\x65psilon\x18\x03 \x01(\x01\x12\r\n\x05\x64\x65lta\x18\x04 \x01(\x01\x12\x10\n\x08sampling\x18\x05 \x01(\t\x12\x12\n\npopulation\x18\x06 \x01(\r\x12\x12\n\naccountant\x18\x07 \x01(\t\"l\n\x06SecAgg\x12\x11\n\tthreshold\x18\x01 \x01(\x01\x12\x0e\n\x06\x64\x65gree\x18\x02 \x01(\r\x12\x0c\n\x04\x63lip\x18\x03 \x01(\x01\x12\x17\n\x0fsetup_timeout_s\x18\x04 \x01(\x01\x12\x18\n\x10unmask_timeout_s\x18\x05 \x01(\x01\"h\n\tPromotion\x12\x0e\n\x06metric\x18\x01 \x01(\t\x12\x0c\n\x04goal\x18\x02 \x01(\t\x12\x16\n\x0emax_regression\x18\x03 \x01(\x01\x12\x10\n\x08patience\x18\x04 \x01(\r\x12\x13\n\x0bon_patience\x18\x05 \x01(\t\"A\n\x05\x41sync\x12\x0e\n\x06\x62uffer\x18\x01 \x01(\r\x12\x15\n\rmax_staleness\x18\x02 \x01(\r\x12\x11\n\tstaleness\x18\x03 \x01(\t\"\xfb\x01\n\nProvenance\x12\x13\n\x0b\x65ntry_point\x18\x01 \x01(\t\x12\x14\n\x0ctask_version\x18\x02 \x01(\t\x12\x1a\n\x12task_source_sha256\x18\x03 \x01(\t\x12\x18\n\x10\x64\x61ta_fingerprint\x18\x04 \x01(\t\x12\x15\n\rconfig_sha256\x18\x05 \x01(\t\x12\x34\n\x08versions\x18\x06 \x03(\x0b\x32\".fedra.v1.Provenance.VersionsEntry\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x1a/\n\rVersionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,25 +36,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PROVENANCE_VERSIONSENTRY']._loaded_options = None
   _globals['_PROVENANCE_VERSIONSENTRY']._serialized_options = b'8\001'
   _globals['_TRAINSETTINGS']._serialized_start=43
-  _globals['_TRAINSETTINGS']._serialized_end=373
-  _globals['_TRAINSETTINGS_PARAMSENTRY']._serialized_start=328
-  _globals['_TRAINSETTINGS_PARAMSENTRY']._serialized_end=373
-  _globals['_CODEC']._serialized_start=375
-  _globals['_CODEC']._serialized_end=447
-  _globals['_MODELCHUNK']._serialized_start=449
-  _globals['_MODELCHUNK']._serialized_end=475
-  _globals['_AGGREGATION']._serialized_start=477
-  _globals['_AGGREGATION']._serialized_end=591
-  _globals['_PRIVACY']._serialized_start=594
-  _globals['_PRIVACY']._serialized_end=733
-  _globals['_SECAGG']._serialized_start=735
-  _globals['_SECAGG']._serialized_end=843
-  _globals['_PROMOTION']._serialized_start=845
-  _globals['_PROMOTION']._serialized_end=949
-  _globals['_ASYNC']._serialized_start=951
-  _globals['_ASYNC']._serialized_end=1016
-  _globals['_PROVENANCE']._serialized_start=1019
-  _globals['_PROVENANCE']._serialized_end=1270
-  _globals['_PROVENANCE_VERSIONSENTRY']._serialized_start=1223
-  _globals['_PROVENANCE_VERSIONSENTRY']._serialized_end=1270
+  _globals['_TRAINSETTINGS']._serialized_end=390
+  _globals['_TRAINSETTINGS_PARAMSENTRY']._serialized_start=345
+  _globals['_TRAINSETTINGS_PARAMSENTRY']._serialized_end=390
+  _globals['_CODEC']._serialized_start=392
+  _globals['_CODEC']._serialized_end=464
+  _globals['_MODELCHUNK']._serialized_start=466
+  _globals['_MODELCHUNK']._serialized_end=492
+  _globals['_AGGREGATION']._serialized_start=494
+  _globals['_AGGREGATION']._serialized_end=608
+  _globals['_PRIVACY']._serialized_start=611
+  _globals['_PRIVACY']._serialized_end=750
+  _globals['_SECAGG']._serialized_start=752
+  _globals['_SECAGG']._serialized_end=860
+  _globals['_PROMOTION']._serialized_start=862
+  _globals['_PROMOTION']._serialized_end=966
+  _globals['_ASYNC']._serialized_start=968
+  _globals['_ASYNC']._serialized_end=1033
+  _globals['_PROVENANCE']._serialized_start=1036
+  _globals['_PROVENANCE']._serialized_end=1287
+  _globals['_PROVENANCE_VERSIONSENTRY']._serialized_start=1240
+  _globals['_PROVENANCE_VERSIONSENTRY']._serialized_end=1287
 # @@protoc_insertion_point(module_scope)

@@ -54,6 +54,7 @@ class TrainSettings(_message.Message):
     RESET_OPTIMIZER_EVERY_FIELD_NUMBER: _builtins.int
     SCAFFOLD_FIELD_NUMBER: _builtins.int
     SCAFFOLD_POPULATION_FIELD_NUMBER: _builtins.int
+    OVERLAP_FIELD_NUMBER: _builtins.int
     local_steps: _builtins.int
     """optimiser steps per round; 0 means use local_epochs"""
     local_epochs: _builtins.int
@@ -71,6 +72,10 @@ class TrainSettings(_message.Message):
     """
     scaffold_population: _builtins.int
     """0: sites_per_round"""
+    overlap: _builtins.bool
+    """Each site trains the next round from its own model while its update uploads and the
+    round commits, then moves that progress onto the new global model (one-step-delayed).
+    """
     @_builtins.property
     def params(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """task-specific, from the run spec's [train.params]"""
@@ -88,10 +93,11 @@ class TrainSettings(_message.Message):
         reset_optimizer_every: _builtins.int = ...,
         scaffold: _builtins.bool = ...,
         scaffold_population: _builtins.int = ...,
+        overlap: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "keep_optimizer_state", b"keep_optimizer_state", "learning_rate", b"learning_rate", "local_epochs", b"local_epochs", "local_steps", b"local_steps", "params", b"params", "proximal_mu", b"proximal_mu", "reset_optimizer_every", b"reset_optimizer_every", "scaffold", b"scaffold", "scaffold_population", b"scaffold_population"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "keep_optimizer_state", b"keep_optimizer_state", "learning_rate", b"learning_rate", "local_epochs", b"local_epochs", "local_steps", b"local_steps", "overlap", b"overlap", "params", b"params", "proximal_mu", b"proximal_mu", "reset_optimizer_every", b"reset_optimizer_every", "scaffold", b"scaffold", "scaffold_population", b"scaffold_population"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,246 @@
+"""[train] overlap (client/overlap.py, inner.Rebase): a round trained ahead from the site's
+own model and moved onto the global model at a step, against the same training written
+out in plain torch; a move that comes after the training, cancelling, which task a
+round trained ahead serves, the run.toml key and its refusals, and a run across real
+processes whose sites train every round after the first ahead."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.testing import assert_close
+
+from fedra.client.connection import Assignment
+from fedra.client.executor import LocalExecutor
+from fedra.client.inner import KeepState, Rebase
+from fedra.client.overlap import Ahead
+from fedra.client.task import FitResult, FitSettings
+from fedra.config import ConfigError
+from fedra.local import LocalCluster
+from fedra.protos.serde import train_from_proto, train_to_proto
+from fedra.runspec import CodecSpec, RunSpec, TrainSpec, runspec_from_toml
+
+STEPS, LR = 6, 0.1
+
+
+def _batches(seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(8, 3, generator=g), torch.randn(8, 1, generator=g)) for _ in range(STEPS)]
+
+
+class _Linear:
+    """A task whose fit calls ``at_step(i)`` before each step's forward pass."""
+
+    def __init__(self, at_step: Callable[[int], None] = lambda i: None, adam: bool = False):
+        self.at_step, self.adam = at_step, adam
+
+    def create_model(self, seed: int, params: Mapping[str, str]) -> nn.Module:
+        torch.manual_seed(seed)
+        return nn.Linear(3, 1)
+
+    def load_data(self, config: Mapping[str, Any]) -> Any:
+        return None
+
+    def evaluate(self, model: nn.Module, data: Any) -> dict[str, float]:
+        return {}
+
+    def fit(self, model: nn.Module, data: Any, settings: FitSettings) -> FitResult:
+        opt: torch.optim.Optimizer = (
+            torch.optim.Adam(model.parameters(), lr=settings.learning_rate)
+            if self.adam
+            else torch.optim.SGD(model.parameters(), lr=settings.learning_rate)
+        )
+        for i, (x, y) in enumerate(_batches(settings.seed)[: settings.local_steps]):
+            self.at_step(i)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        return FitResult(num_samples=8 * settings.local_steps)
+
+
+def _reference(start: dict[str, torch.Tensor], shift: dict[str, torch.Tensor], at: int,
+               seed: int) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Plain SGD from ``start``; before step ``at``'s update (its gradient already taken
+    at the old point) every weight gains ``shift``."""
+    model = nn.Linear(3, 1)
+    model.load_state_dict(start)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for i, (x, y) in enumerate(_batches(seed)):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        if i == at:
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    p.add_(shift[name])
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _settings(seed: int = 3) -> FitSettings:
+    return FitSettings(local_steps=STEPS, local_epochs=0, batch_size=8, learning_rate=LR, seed=seed)
+
+
+@pytest.mark.parametrize("at", [0, 2, 5])
+def test_a_move_at_a_step_is_that_step_taken_from_the_new_base(at: int) -> None:
+    own = _Linear().create_model(1, {})
+    glob = _Linear().create_model(2, {})
+    base = {k: v.detach().clone() for k, v in own.state_dict().items()}
+    target = {k: v.detach().clone() for k, v in glob.state_dict().items()}
+    rebase = Rebase(own)
+    task = _Linear(at_step=lambda i: rebase.move(base, target) if i == at else None)
+    state, samples, _ = LocalExecutor().train(task, "t:t", 2, own, None, _settings(), rebase=rebase)
+    assert rebase.moved_at_step == at and not rebase.pending()
+    shift = {k: target[k] - base[k] for k in base}
+    expected = _reference(base, shift, at, seed=3)
+    assert samples == 8 * STEPS
+    for k in expected:
+        assert_close(state[k], expected[k], rtol=1e-6, atol=1e-7)
+
+
+def test_a_move_after_the_training_ended_is_added_to_what_it_left() -> None:
+    own, glob = _Linear().create_model(1, {}), _Linear().create_model(2, {})
+    base = {k: v.detach().clone() for k, v in own.state_dict().items()}
+    rebase = Rebase(own)
+    state, _, _ = LocalExecutor().train(_Linear(), "t:t", 2, own, None, _settings(), rebase=rebase)
+    trained = {k: v.clone() for k, v in state.items()}
+    rebase.move(base, glob.state_dict())
+    settled = rebase.settle(state)
+    assert rebase.moved_at_step == STEPS  # every step was taken before the move
+    for k, value in trained.items():
+        assert_close(settled[k], value + glob.state_dict()[k] - base[k])
+
+
+def _assignment(round_number: int = 1, run_id: str = "run", **train: Any) -> Assignment:
+    return Assignment(
+        task_id=f"t{round_number}", run_id=run_id, round=round_number, init=False,
+        entry_point="t:t", train=TrainSpec(local_steps=STEPS, learning_rate=LR, overlap=True,
+                                            **train),
+        seed=0, model_sha256="", model_bytes=0, deadline_in_s=60.0, codec=CodecSpec(),
+    )  # fmt: skip
+
+
+def _start(task: Assignment, impl: _Linear, keep: KeepState | None = None) -> Ahead:
+    model = impl.create_model(1, {})
+    trained = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    executor = LocalExecutor()
+
+    def fit(m: nn.Module, k: KeepState | None, rebase: Rebase) -> Any:
+        return executor.train(impl, "t:t", task.round + 1, m, None, _settings(), k, None, rebase)
+
+    return Ahead.start(task, trained, model, keep, fit)
+
+
+def test_a_round_trained_ahead_serves_only_the_next_round_of_its_run_as_it_was() -> None:
+    gate, reached = threading.Event(), threading.Event()
+
+    def at_step(i: int) -> None:
+        if i == 1:
+            reached.set()
+            gate.wait(30)
+
+    ahead = _start(_assignment(1), _Linear(at_step=at_step))
+    assert ahead.matches(_assignment(2))
+    assert not ahead.matches(_assignment(3))  # not sampled in round 2
+    assert not ahead.matches(_assignment(1))  # round 1 retried
+    assert not ahead.matches(_assignment(2, run_id="other"))
+    assert not ahead.matches(_assignment(2, batch_size=7))  # the settings changed
+    assert reached.wait(30)  # one step taken, the second about to be
+    ahead.rebase.cancelled.set()
+    gate.set()
+    ahead.cancel()  # it stopped at its next step, without a result
+    assert ahead.rebase.done.is_set() and ahead.rebase.steps_seen == 1
+
+
+def test_finishing_moves_it_and_gives_the_steps_taken_before() -> None:
+    gate, reached = threading.Event(), threading.Event()
+
+    def at_step(i: int) -> None:
+        if i == 2:
+            reached.set()
+            gate.wait(30)
+
+    ahead = _start(_assignment(1), _Linear(at_step=at_step))
+    assert reached.wait(30)
+    glob = _Linear().create_model(5, {}).state_dict()
+    done = threading.Thread(target=lambda: results.append(ahead.finish(glob)))
+    results: list[Any] = []
+    done.start()
+    while not ahead.rebase.pending():  # finish asked for the move; the step may now go on
+        threading.Event().wait(0.01)
+    gate.set()
+    done.join(30)
+    state, samples, metrics = results[0]
+    assert metrics["overlap_moved_at_step"] == 2.0 and samples == 8 * STEPS
+    shift = {k: glob[k] - ahead.base[k] for k in glob}
+    expected = _reference(ahead.base, shift, 2, seed=3)
+    for k in expected:
+        assert_close(state[k], expected[k], rtol=1e-6, atol=1e-7)
+
+
+def test_a_failing_training_ahead_fails_the_round_it_was_for() -> None:
+    def boom(i: int) -> None:
+        raise RuntimeError("the task's own bug")
+
+    ahead = _start(_assignment(1), _Linear(at_step=boom))
+    with pytest.raises(RuntimeError, match="the task's own bug"):
+        ahead.finish(_Linear().create_model(5, {}).state_dict())
+
+
+def test_run_toml_key_wire_and_refusals() -> None:
+    doc = {"task": "a:b", "rounds": 2, "train": {"local_steps": 4, "overlap": True}}
+    spec = runspec_from_toml(doc)
+    assert spec.train.overlap
+    assert train_from_proto(train_to_proto(spec.train)) == spec.train
+    with pytest.raises(ConfigError, match=r"train\.overlap: expected bool"):
+        runspec_from_toml({**doc, "train": {"local_steps": 4, "overlap": "yes"}})
+    with pytest.raises(ConfigError, match=r"train\.overlap: cannot be combined with train\.scaf"):
+        TrainSpec(local_steps=4, overlap=True, scaffold=True).validate()
+    with pytest.raises(ConfigError, match=r"train\.overlap: cannot be combined with train\.prox"):
+        TrainSpec(local_steps=4, overlap=True, proximal_mu=0.1).validate()
+
+
+DIGITS = "fedra.examples.digits:task"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_a_run_with_overlap_trains_every_round_after_the_first_ahead(
+    cluster: LocalCluster,
+) -> None:
+    """Two real sites: from round 2 on each round was trained ahead and moved (the metric
+    says at which step), its compute counted, and the run still learns."""
+    cluster.start_coordinator(flags=["--heartbeat-s", "0.5", "--admin-port", "none"])
+    ids = ["site-0", "site-1"]
+    for i, site_id in enumerate(ids):
+        cluster.start_site(site_id, [DIGITS], {"partition": i, "num_partitions": 2})
+    cluster.wait_for_sites(ids)
+    train = TrainSpec(local_steps=20, batch_size=16, learning_rate=0.05, overlap=True,
+                      keep_optimizer_state=True, params={"momentum": "0.9"})  # fmt: skip
+    spec = RunSpec(task=DIGITS, rounds=5, sites_per_round=2, seed=4, train=train,
+                   round_deadline_s=60.0, join_timeout_s=60.0).validate()  # fmt: skip
+    with cluster.admin() as admin:
+        run_id = admin.submit(spec)
+        status = next(s for s in admin.watch(run_id, timeout_s=180)
+                      if s.state in ("completed", "failed", "cancelled"))  # fmt: skip
+    assert status.state == "completed", status.reason
+    losses = []
+    for r in (r for r in status.rounds if r.number > 0):
+        counted = [p for p in r.participations
+                   if p.status == "accepted" and p.attempt == r.attempt]  # fmt: skip
+        assert sorted(p.site_id for p in counted) == ids
+        for p in counted:
+            moved = p.metrics.get("overlap_moved_at_step")
+            if r.number == 1:
+                assert moved is None  # nothing to train ahead of the first round
+            else:
+                assert moved is not None and 0 <= moved <= 20, (r.number, p.metrics)
+                assert p.metrics["overlap_ahead_s"] >= 0
+            assert p.metrics["compute_s"] > 0
+            assert p.metrics["inner_state_rounds"] == r.number - 1  # the state goes on
+        losses.append(sum(p.metrics["eval_loss"] for p in counted))
+    assert losses[-1] < losses[0]
