@@ -383,14 +383,14 @@ class SiteAgent:
         metrics.update(fit_metrics)
         if keep is not None and keep.result is not None:  # promoted once accepted: _keep
             self._optimizer_states.stage(task.run_id, keep.result)
+        if task.train.overlap:  # from a copy of ``trained``, which delta consumes
+            self._start_ahead(impl, task, trained, keep)
         update = delta(trained, global_state)
         if scaffold is not None:  # delta c_i rides with the update; c_i+ kept once it counts
             update.update(scaffold.finish(update))
             metrics["scaffold_from_round"] = float(scaffold.from_round)
             assert scaffold.result is not None
             self._control_states.stage(task.run_id, scaffold.result)
-        if task.train.overlap:
-            self._start_ahead(impl, task, trained, keep)
         return update, num_samples, metrics
 
     def _fit_settings(self, task: Assignment, round_number: int) -> FitSettings:
@@ -422,7 +422,8 @@ class SiteAgent:
         trained: Mapping[str, torch.Tensor],
         keep: KeepState | None,
     ) -> None:
-        """[train] overlap: start training the run's next round now, from ``trained``."""
+        """[train] overlap: start training the run's next round now, from a copy of
+        ``trained`` (the site's model after ``task``)."""
         if not isinstance(self.executor, LocalExecutor):
             if not self._told_no_overlap:
                 log.warning(

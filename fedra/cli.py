@@ -758,6 +758,7 @@ def _cmd_bench_compare(args: argparse.Namespace) -> int:
         steps=args.steps,
         h_values=tuple(args.h) if args.h else None,
         overlap_h=tuple(args.overlap_h) if args.overlap_h is not None else None,
+        only=tuple(args.only) if args.only else None,
         sites=args.sites,
         bandwidth_mbit=args.bandwidth_mbit,
         latency_ms=args.latency_ms,
@@ -1172,6 +1173,11 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument(
         "--overlap-h", type=int, nargs="*",
         help="of those H, the ones also run with [train] overlap (default 32; none: no value)",
+    )  # fmt: skip
+    q.add_argument(
+        "--only", nargs="+", metavar="NAME",
+        help="run only these configurations (e.g. diloco-h32 diloco-h32-overlap); without "
+        "centralised, time to target needs --target-loss",
     )  # fmt: skip
     q.add_argument("--sites", type=int, help="site processes (default 2)")
     q.add_argument("--bandwidth-mbit", type=float, help="each site's link (default 100)")

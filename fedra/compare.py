@@ -60,6 +60,7 @@ class CompareConfig:
     steps: int = 512  # inner steps per site, the same in every configuration
     h_values: tuple[int, ...] = (8, 32, 128)
     overlap_h: tuple[int, ...] = (32,)  # the H values also run with [train] overlap
+    only: tuple[str, ...] = ()  # run only these configurations (empty: all)
     sites: int = 2
     bandwidth_mbit: float = 100.0
     latency_ms: float = 50.0
@@ -96,6 +97,9 @@ class CompareConfig:
         )
         for h in self.overlap_h:
             require(h in self.h_values, "--overlap-h", "every value must be one of --h", h)
+        names = [c.name for c in configurations(self, every=True)]
+        for name in self.only:
+            require(name in names, "--only", f"must name configurations of {names}", name)
         require(1 <= self.sites <= 16, "--sites", "must be in [1, 16]", self.sites)
         try:
             Link(self.bandwidth_mbit, self.latency_ms)
@@ -169,7 +173,7 @@ class Configuration:
     overlap: bool = False  # [train] overlap: the next round trains while the update goes
 
 
-def configurations(config: CompareConfig) -> list[Configuration]:
+def configurations(config: CompareConfig, every: bool = False) -> list[Configuration]:
     """Centralised, DDP, every-step, then DiLoCo at each H without and with int8, and
     with its communication overlapped with the next round's compute."""
     out = [
@@ -182,6 +186,8 @@ def configurations(config: CompareConfig) -> list[Configuration]:
         out.append(Configuration(f"diloco-h{h}-int8", "diloco", h, "int8"))
         if h in config.overlap_h:
             out.append(Configuration(f"diloco-h{h}-overlap", "diloco", h, overlap=True))
+    if config.only and not every:
+        out = [c for c in out if c.name in config.only]
     return out
 
 
@@ -196,14 +202,20 @@ def run_compare(config: CompareConfig, log: Log = print) -> dict[str, Any]:
     try:
         setup = describe_setup(config)
         data = pooled_data(config)
-        plan = configurations(config)
-        results = [run_centralised(config, data, log), run_ddp(config, log)]
-        federated = [c for c in plan if c.strategy not in (CENTRALISED, DDP)]
-        with federation(config, log) as admin:
-            results += [run_federated(admin, config, c, data, log) for c in federated]
+        plan = {c.name for c in configurations(config)}
+        results = [run_centralised(config, data, log)] if CENTRALISED in plan else []
+        if DDP in plan:
+            results.append(run_ddp(config, log))
+        federated = [c for c in configurations(config) if c.strategy not in (CENTRALISED, DDP)]
+        if federated:
+            with federation(config, log) as admin:
+                results += [run_federated(admin, config, c, data, log) for c in federated]
     finally:
         torch.set_num_threads(threads)
-    target = config.target_loss or 1.1 * results[0]["final_eval_loss"]
+    centralised = [r for r in results if r["name"] == CENTRALISED]
+    target = config.target_loss or (
+        1.1 * centralised[0]["final_eval_loss"] if centralised else math.nan
+    )
     for result in results:
         points = [(p["seconds"], p["eval_loss"]) for p in result["curve"]]
         result["time_to_target_s"] = m.time_to_target(points, target)

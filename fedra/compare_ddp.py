@@ -221,10 +221,11 @@ def _start_rank(
 
 def _fields(config: Any) -> dict[str, Any]:
     """The CompareConfig's fields that rebuild it in a rank, as JSON."""
-    keep = ("steps", "h_values", "sites", "bandwidth_mbit", "latency_ms", "batch_size",
-            "learning_rate", "params", "max_bytes", "seed")  # fmt: skip
+    keep = ("steps", "h_values", "overlap_h", "sites", "bandwidth_mbit", "latency_ms",
+            "batch_size", "learning_rate", "params", "max_bytes", "seed")  # fmt: skip
     out = {k: getattr(config, k) for k in keep}
     out["params"], out["h_values"] = dict(out["params"]), list(out["h_values"])
+    out["overlap_h"] = list(out["overlap_h"])
     return out
 
 

@@ -20,6 +20,9 @@ FAILED = ("failed", "expired")
 BYTES_RATIO_TARGET = 400.0  # every-step bytes per inner step / DiLoCo int8 at the largest H
 LOSS_GAP_TARGET = 0.03  # DiLoCo's final eval loss at most 3 % above every-step's
 UTILISATION_TARGET = 0.90  # DiLoCo's compute utilisation under the emulated link
+OVERLAP_UTILISATION_TARGET = 0.95  # with [train] overlap
+OVERLAP_LOSS_GAP_TARGET = 0.01  # its final eval loss at most 1 % above the same H without
+OVERLAP_SUFFIX = "-overlap"
 
 
 @dataclass(frozen=True)
@@ -234,6 +237,33 @@ def time_to_target(points: Iterable[tuple[float, float]], target: float) -> floa
     return None
 
 
+def overlap_headlines(by_name: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Each ``...-overlap`` configuration against the same one without overlap: its
+    utilisation and its final eval loss, against their targets."""
+    out = []
+    for name, with_ in by_name.items():
+        without = by_name.get(name.removesuffix(OVERLAP_SUFFIX))
+        if not name.endswith(OVERLAP_SUFFIX) or without is None:
+            continue
+        u, loss, base = (
+            with_["utilisation"]["mean"],
+            with_["final_eval_loss"],
+            without["final_eval_loss"],
+        )
+        gap = (loss - base) / base if base and loss is not None else math.nan
+        out.append({
+            "configuration": name,
+            "without": without["name"],
+            "utilisation": {name: u, without["name"]: without["utilisation"]["mean"],
+                            "target": OVERLAP_UTILISATION_TARGET,
+                            "met": u >= OVERLAP_UTILISATION_TARGET},
+            "final_eval_loss": {name: loss, without["name"]: base, "relative_difference": gap,
+                                "target": OVERLAP_LOSS_GAP_TARGET,
+                                "met": gap <= OVERLAP_LOSS_GAP_TARGET},
+        })  # fmt: skip
+    return out
+
+
 def headline(
     by_name: Mapping[str, Mapping[str, Any]], every_name: str, diloco_name: str
 ) -> dict[str, Any]:
@@ -244,6 +274,7 @@ def headline(
             "every_step_configuration": every_name,
             "diloco_configuration": diloco_name,
             "error": "a configuration is missing",
+            "overlap": overlap_headlines(by_name),
         }
     d_bytes = diloco["bytes_per_inner_step"]
     ratio = every["bytes_per_inner_step"] / d_bytes if d_bytes else math.nan
@@ -276,4 +307,5 @@ def headline(
             "target": UTILISATION_TARGET,
             "met": u_diloco >= UTILISATION_TARGET,
         },
+        "overlap": overlap_headlines(by_name),
     }

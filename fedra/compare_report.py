@@ -239,12 +239,13 @@ def cost_lines(report: Mapping[str, Any]) -> list[str]:
 def headline_text(report: Mapping[str, Any]) -> str:
     h = report["headline"]
     every, name = h["every_step_configuration"], h["diloco_configuration"]
+    met = {True: "**met**", False: "**not met**"}
+    overlap = [_overlap_line(o, met) for o in h.get("overlap", [])]
     if "error" in h:
-        return f"Headline ratios not computed: {h['error']}."
+        return "\n".join([f"Headline ratios not computed: {h['error']}.", *overlap])
     b, loss, u = h["bytes_per_inner_step"], h["final_eval_loss"], h["utilisation"]
     diloco = next(c for c in report["configurations"] if c["name"] == name)
     down_share = diloco["bytes_per_site"]["down"] / max(1.0, diloco["bytes_per_site"]["total"])
-    met = {True: "**met**", False: "**not met**"}
     return "\n".join(
         [
             f"- Bytes per inner step, {every} ÷ {name}: {b[every]:,.0f} ÷ "
@@ -257,5 +258,18 @@ def headline_text(report: Mapping[str, Any]) -> str:
             f"- Compute utilisation under the emulated link: {name} "
             f"{_num(u[name], '.1%')} (target ≥ {u['target']:.0%}: {met[u['met']]}); "
             f"{every} {_num(u[every], '.1%')}.",
+            *overlap,
         ]
+    )
+
+
+def _overlap_line(o: Mapping[str, Any], met: Mapping[bool, str]) -> str:
+    name, without = o["configuration"], o["without"]
+    u, loss = o["utilisation"], o["final_eval_loss"]
+    return (
+        f"- Overlapping communication with compute: {name} utilisation "
+        f"{_num(u[name], '.1%')} against {without} {_num(u[without], '.1%')} (target ≥ "
+        f"{u['target']:.0%}: {met[u['met']]}); final eval loss {_num(loss[name], '.4f')} "
+        f"against {_num(loss[without], '.4f')}, {_num(loss['relative_difference'], '+.1%')} "
+        f"(target: at most {loss['target']:.0%} worse: {met[loss['met']]})."
     )

@@ -152,8 +152,8 @@ class RegionAgent(SiteAgent):
         if n == 0:
             raise RegionError(f"no site of this region allows task {task.entry_point}")
         # Top-k error feedback would start afresh every round (a run a round): send whole.
-        # Secure aggregation takes the masked integers only.
-        whole = task.codec.name == "topk" or self.region.secagg
+        # Secure aggregation, here or upstream (its wire codec), takes the masked integers.
+        whole = task.codec.name in ("topk", "secagg") or self.region.secagg
         codec = CodecSpec() if whole else task.codec
         deadline = max(task.deadline_in_s, 1.0)
         try:

@@ -141,6 +141,23 @@ def test_headline_ratios_and_targets() -> None:
     assert not h["utilisation"]["met"]
 
 
+def test_overlap_is_judged_against_the_same_h_without_it() -> None:
+    def config(name: str, loss: float, util: float) -> dict[str, object]:
+        return {"name": name, "final_eval_loss": loss, "utilisation": {"mean": util}}
+
+    by_name = {n: config(n, loss, u) for n, loss, u in [
+        ("diloco-h32", 2.40, 0.83), ("diloco-h32-overlap", 2.41, 0.97),
+        ("diloco-h8-overlap", 2.0, 0.5),  # no diloco-h8 to judge it against: left out
+    ]}  # fmt: skip
+    (o,) = m.overlap_headlines(by_name)
+    assert (o["configuration"], o["without"]) == ("diloco-h32-overlap", "diloco-h32")
+    assert o["utilisation"]["met"] and o["final_eval_loss"]["met"]
+    assert o["final_eval_loss"]["relative_difference"] == pytest.approx(0.01 / 2.40)
+    by_name["diloco-h32-overlap"] = config("diloco-h32-overlap", 2.5, 0.9)
+    (o,) = m.overlap_headlines(by_name)
+    assert not o["utilisation"]["met"] and not o["final_eval_loss"]["met"]
+
+
 def test_config_errors_name_the_option(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ConfigError, match=r"--h: must divide --steps 16"):
         CompareConfig(steps=16, h_values=(4, 5))
@@ -150,6 +167,10 @@ def test_config_errors_name_the_option(capsys: pytest.CaptureFixture[str]) -> No
     assert "--h: must divide --steps 10" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="--overlap-h: every value must be one of --h"):
         CompareConfig(steps=16, h_values=(4, 16), overlap_h=(8,))
+    only = CompareConfig.build(quick=True, only=("diloco-h4-overlap", "ddp"))
+    assert [c.name for c in configurations(only)] == ["ddp", "diloco-h4-overlap"]
+    with pytest.raises(ConfigError, match="--only: must name configurations of"):
+        CompareConfig.build(quick=True, only=("diloco-h5",))
     with pytest.raises(ConfigError, match="--price-gb"):
         CompareConfig(price_gb=-1.0)
     assert [c.name for c in configurations(CompareConfig.build(quick=True))] == [

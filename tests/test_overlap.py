@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,6 +16,8 @@ import torch
 from torch import nn
 from torch.testing import assert_close
 
+from fedra.client.agent import SiteAgent, _fit_seed
+from fedra.client.config import SiteConfig
 from fedra.client.connection import Assignment
 from fedra.client.executor import LocalExecutor
 from fedra.client.inner import KeepState, Rebase
@@ -70,14 +73,20 @@ def _reference(start: dict[str, torch.Tensor], shift: dict[str, torch.Tensor], a
     model = nn.Linear(3, 1)
     model.load_state_dict(start)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
+
+    def move() -> None:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.add_(shift[name])
+
     for i, (x, y) in enumerate(_batches(seed)):
         opt.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
         if i == at:
-            with torch.no_grad():
-                for name, p in model.named_parameters():
-                    p.add_(shift[name])
+            move()
         opt.step()
+    if at >= STEPS and shift:  # the training ended before the move
+        move()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -115,10 +124,12 @@ def test_a_move_after_the_training_ended_is_added_to_what_it_left() -> None:
         assert_close(settled[k], value + glob.state_dict()[k] - base[k])
 
 
-def _assignment(round_number: int = 1, run_id: str = "run", **train: Any) -> Assignment:
+def _assignment(
+    round_number: int = 1, run_id: str = "run", entry_point: str = "t:t", **train: Any
+) -> Assignment:
     return Assignment(
         task_id=f"t{round_number}", run_id=run_id, round=round_number, init=False,
-        entry_point="t:t", train=TrainSpec(local_steps=STEPS, learning_rate=LR, overlap=True,
+        entry_point=entry_point, train=TrainSpec(local_steps=STEPS, learning_rate=LR, overlap=True,
                                             **train),
         seed=0, model_sha256="", model_bytes=0, deadline_in_s=60.0, codec=CodecSpec(),
     )  # fmt: skip
@@ -202,6 +213,46 @@ def test_run_toml_key_wire_and_refusals() -> None:
         TrainSpec(local_steps=4, overlap=True, scaffold=True).validate()
     with pytest.raises(ConfigError, match=r"train\.overlap: cannot be combined with train\.prox"):
         TrainSpec(local_steps=4, overlap=True, proximal_mu=0.1).validate()
+
+
+LINEAR = _Linear()
+ENTRY = "tests.test_overlap:LINEAR"
+
+
+def test_the_agent_trains_ahead_from_its_trained_model_and_sends_the_moved_one(
+    tmp_path: Path,
+) -> None:
+    """The agent's own path: round 1 trains as usual and starts round 2 from the model it
+    trained (not from the update it sends, which is computed in that model's memory);
+    round 2's update is the training moved onto round 2's global model."""
+    config = SiteConfig(site_id="s1", coordinator="127.0.0.1:1", allowed_tasks=(ENTRY,),
+                        insecure=True, state_dir=tmp_path)  # fmt: skip
+    agent = SiteAgent(config, executor=LocalExecutor(), tasks={ENTRY: LINEAR},
+                      data={ENTRY: None})  # fmt: skip
+    try:
+        x1 = {k: v.detach().clone() for k, v in LINEAR.create_model(1, {}).state_dict().items()}
+        first = _assignment(1, entry_point=ENTRY)
+        update1, _, _ = agent._train(LINEAR, first, {k: v.clone() for k, v in x1.items()})
+        y1 = {k: x1[k] + update1[k] for k in x1}
+        expected_y1 = _reference(x1, {}, STEPS + 1, seed=_fit_seed(0, 1, "s1"))
+        for k in x1:
+            assert_close(y1[k], expected_y1[k], rtol=1e-6, atol=1e-7)
+        ahead = agent._ahead
+        assert ahead is not None and ahead.round_number == 2
+        for k in x1:  # the round trained ahead starts from the trained model itself
+            assert_close(ahead.base[k], expected_y1[k], rtol=1e-6, atol=1e-7)
+        x2 = {k: v.detach().clone() for k, v in LINEAR.create_model(7, {}).state_dict().items()}
+        update2, _, metrics = agent._train(LINEAR, _assignment(2, entry_point=ENTRY), x2)
+        at = int(metrics["overlap_moved_at_step"])
+        shift = {k: x2[k] - y1[k] for k in x2}
+        expected = _reference(y1, shift, at, seed=_fit_seed(0, 2, "s1"))
+        for k, x in x2.items():
+            assert_close(x + update2[k], expected[k], rtol=1e-5, atol=1e-6)
+        assert agent._ahead is not None and agent._ahead.round_number == 3
+    finally:
+        if agent._ahead is not None:
+            agent._ahead.cancel()
+        agent.conn.close()
 
 
 DIGITS = "fedra.examples.digits:task"

@@ -21,7 +21,7 @@ from fedra.coordinator.errors import InvalidArgument
 from fedra.local import LocalCluster
 from fedra.protos.v1 import admin_pb2
 from fedra.region import RUN_PREFIX, RegionConfig
-from fedra.runspec import RunSpec, TrainSpec
+from fedra.runspec import RunSpec, SecAggSpec, TrainSpec
 from tests.conftest import InProcessCoordinator, fedra_cli
 
 SYNTHETIC = "fedra.examples.synthetic:task"
@@ -30,11 +30,12 @@ FAST = ["--heartbeat-s", "0.5", "--site-timeout-s", "10", "--poll-timeout-s", "5
         "--admin-port", "none"]  # fmt: skip
 
 
-def spec(rounds: int, sites: int) -> RunSpec:
+def spec(rounds: int, sites: int, secagg: bool = False) -> RunSpec:
     return RunSpec(
         task=SYNTHETIC, rounds=rounds, sites_per_round=sites, round_deadline_s=90.0,
         join_timeout_s=60.0, seed=11, strategy="fedavg",
         train=TrainSpec(local_steps=4, batch_size=16, learning_rate=0.05),
+        secagg=SecAggSpec() if secagg else None,
     ).validate()  # fmt: skip
 
 
@@ -172,22 +173,29 @@ def _regional_rounds(region: LocalCluster) -> dict[int, admin_pb2.RunStatus]:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize(
-    ("crash", "secagg"), [(False, False), (True, False), (False, True)],
-    ids=["steady", "region_crash", "region_secagg"],
+    ("crash", "secagg", "upstream_secagg"),
+    [(False, False, False), (True, False, False), (False, True, False), (False, False, True)],
+    ids=["steady", "region_crash", "region_secagg", "upstream_secagg"],
 )  # fmt: skip
 def test_a_two_level_federation_ends_where_the_flat_one_does(
-    tmp_path: Path, flat: dict[bool, dict[str, torch.Tensor]], crash: bool, secagg: bool
+    tmp_path: Path,
+    flat: dict[bool, dict[str, torch.Tensor]],
+    crash: bool,
+    secagg: bool,
+    upstream_secagg: bool,
 ) -> None:
     """FedAvg weighted by samples: the upstream's mean of the regions' means is the mean
     of all the sites'; the same seeds train the same batches. With ``crash`` region-a's
     coordinator is SIGKILLed as it accepts a site's update of round 2, and is started
     again on the same state: it resumes its regional run, and the upstream sees a site
     that came back. With ``secagg`` each region aggregates securely (it sees only its
-    sites' sum, each site counted once: equal sizes here, so the means agree)."""
+    sites' sum, each site counted once: equal sizes here, so the means agree); with
+    ``upstream_secagg`` the upstream does (it sees only the regions' sum)."""
     rounds = ROUNDS
-    if secagg not in flat:
-        flat[secagg] = _flat(tmp_path, rounds, equal=secagg)
-    expected = flat[secagg]
+    equal = secagg or upstream_secagg
+    if equal not in flat:
+        flat[equal] = _flat(tmp_path, rounds, equal=equal)
+    expected = flat[equal]
     with ExitStack() as stack:
         upstream = stack.enter_context(LocalCluster(tmp_path / "upstream"))
         # A region silent while it restarts stays the round's site: a longer timeout.
@@ -202,12 +210,12 @@ def test_a_two_level_federation_ends_where_the_flat_one_does(
             region.start_coordinator(flags=_region_flags(upstream, region_id, secagg),
                                      extra_env=fault)  # fmt: skip
             for site_id in sites:
-                region.start_site(site_id, [SYNTHETIC], site_data(site_id, equal=secagg))
+                region.start_site(site_id, [SYNTHETIC], site_data(site_id, equal=equal))
             region.wait_for_sites(sites)
             regions[region_id] = region
         upstream.wait_for_sites(list(SITES))
         with upstream.admin() as admin:
-            run_id = admin.submit(spec(rounds, sites=len(SITES)))
+            run_id = admin.submit(spec(rounds, sites=len(SITES), secagg=upstream_secagg))
             if crash:
                 a = regions["region-a"]
                 assert a.coordinator is not None
