@@ -423,7 +423,9 @@ class SiteAgent:
         keep: KeepState | None,
     ) -> None:
         """[train] overlap: start training the run's next round now, from a copy of
-        ``trained`` (the site's model after ``task``)."""
+        ``trained`` (the site's model after ``task``); none after the run's last."""
+        if task.rounds and task.round >= task.rounds:
+            return
         if not isinstance(self.executor, LocalExecutor):
             if not self._told_no_overlap:
                 log.warning(

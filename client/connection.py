@@ -97,6 +97,7 @@ class Assignment:
     # [train] scaffold: the server's control variate c to download ('': c is zero).
     controls_sha256: str = ""
     controls_bytes: int = 0
+    rounds: int = 0  # the run's rounds (0: not said): nothing is trained ahead of the last
 
 
 @dataclass(frozen=True)
@@ -423,4 +424,5 @@ def _assignment(t: site_pb2.Task, model: bytes = b"") -> Assignment:
         privacy=privacy_from_proto(t.privacy) if t.HasField("privacy") else None,
         controls_sha256=t.controls_sha256,
         controls_bytes=t.controls_bytes,
+        rounds=t.rounds,
     )

@@ -110,6 +110,7 @@ class TaskView:
     # [train] scaffold: the server's control variate c to download ('': c is zero).
     controls_sha256: str = ""
     controls_bytes: int = 0
+    rounds: int = 0  # the run's rounds: a site trains nothing ahead of the last ([train] overlap)
 
 
 @dataclass(frozen=True)
@@ -514,6 +515,7 @@ class Engine:
             privacy=run.spec.privacy,
             controls_sha256="" if init else run.controls_sha256,
             controls_bytes=0 if init else run.controls_bytes,
+            rounds=run.spec.rounds,
         )
 
     def is_async_task(self, task_id: str) -> bool:

@@ -59,6 +59,7 @@ def _task_to_proto(t: TaskView) -> site_pb2.Task:
         privacy=privacy_to_proto(t.privacy) if t.privacy is not None else None,
         controls_sha256=t.controls_sha256,
         controls_bytes=t.controls_bytes,
+        rounds=t.rounds,
     )
 
 

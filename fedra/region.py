@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -148,7 +149,7 @@ class RegionAgent(SiteAgent):
 
     def _spec(self, task: Assignment, name: str) -> RunSpec:
         """The regional run: the upstream task's round, settings, seed and codec."""
-        n = self.region.sites_per_round or self.engine.sites_serving(task.entry_point)
+        n = self.region.sites_per_round or self._sites_serving(task)
         if n == 0:
             raise RegionError(f"no site of this region allows task {task.entry_point}")
         # Top-k error feedback would start afresh every round (a run a round): send whole.
@@ -166,6 +167,18 @@ class RegionAgent(SiteAgent):
             ).validate()  # fmt: skip
         except ConfigError as exc:  # e.g. too few sites for secure aggregation
             raise RegionError(f"the region's own round cannot run: {exc}") from exc
+
+    def _sites_serving(self, task: Assignment) -> int:
+        """The region's sites that allow ``task``'s entry point; if none has registered
+        yet (a region that has just started), as many as there are once one has, waiting
+        at most half the task's deadline."""
+        deadline = time.monotonic() + max(task.deadline_in_s, 1.0) / 2
+        version = -1
+        while (n := self.engine.sites_serving(task.entry_point)) == 0:
+            if self.stop.is_set() or time.monotonic() > deadline:
+                break
+            version = self.engine.wait_for_change(version, _WAIT_S)
+        return n
 
     def _wait(self, run_id: str, number: int) -> RoundOutcome:
         version = -1

@@ -125,13 +125,18 @@ def test_a_move_after_the_training_ended_is_added_to_what_it_left() -> None:
 
 
 def _assignment(
-    round_number: int = 1, run_id: str = "run", entry_point: str = "t:t", **train: Any
+    round_number: int = 1,
+    run_id: str = "run",
+    entry_point: str = "t:t",
+    rounds: int = 0,
+    **train: Any,
 ) -> Assignment:
     return Assignment(
         task_id=f"t{round_number}", run_id=run_id, round=round_number, init=False,
         entry_point=entry_point, train=TrainSpec(local_steps=STEPS, learning_rate=LR, overlap=True,
                                             **train),
         seed=0, model_sha256="", model_bytes=0, deadline_in_s=60.0, codec=CodecSpec(),
+        rounds=rounds,
     )  # fmt: skip
 
 
@@ -146,44 +151,47 @@ def _start(task: Assignment, impl: _Linear, keep: KeepState | None = None) -> Ah
     return Ahead.start(task, trained, model, keep, fit)
 
 
+class _Gate:
+    """Holds a training before step ``at``: ``reached`` once there, on until ``open``."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.reached, self._open = at, threading.Event(), threading.Event()
+
+    def __call__(self, i: int) -> None:
+        if i == self.at:
+            self.reached.set()
+            self._open.wait(30)
+
+    def open(self) -> None:
+        self._open.set()
+
+
 def test_a_round_trained_ahead_serves_only_the_next_round_of_its_run_as_it_was() -> None:
-    gate, reached = threading.Event(), threading.Event()
-
-    def at_step(i: int) -> None:
-        if i == 1:
-            reached.set()
-            gate.wait(30)
-
-    ahead = _start(_assignment(1), _Linear(at_step=at_step))
+    gate = _Gate(at=1)
+    ahead = _start(_assignment(1), _Linear(at_step=gate))
     assert ahead.matches(_assignment(2))
     assert not ahead.matches(_assignment(3))  # not sampled in round 2
     assert not ahead.matches(_assignment(1))  # round 1 retried
     assert not ahead.matches(_assignment(2, run_id="other"))
     assert not ahead.matches(_assignment(2, batch_size=7))  # the settings changed
-    assert reached.wait(30)  # one step taken, the second about to be
+    assert gate.reached.wait(30)  # one step taken, the second about to be
     ahead.rebase.cancelled.set()
-    gate.set()
+    gate.open()
     ahead.cancel()  # it stopped at its next step, without a result
     assert ahead.rebase.done.is_set() and ahead.rebase.steps_seen == 1
 
 
 def test_finishing_moves_it_and_gives_the_steps_taken_before() -> None:
-    gate, reached = threading.Event(), threading.Event()
-
-    def at_step(i: int) -> None:
-        if i == 2:
-            reached.set()
-            gate.wait(30)
-
-    ahead = _start(_assignment(1), _Linear(at_step=at_step))
-    assert reached.wait(30)
+    gate = _Gate(at=2)
+    ahead = _start(_assignment(1), _Linear(at_step=gate))
+    assert gate.reached.wait(30)
     glob = _Linear().create_model(5, {}).state_dict()
     done = threading.Thread(target=lambda: results.append(ahead.finish(glob)))
     results: list[Any] = []
     done.start()
     while not ahead.rebase.pending():  # finish asked for the move; the step may now go on
         threading.Event().wait(0.01)
-    gate.set()
+    gate.open()
     done.join(30)
     state, samples, metrics = results[0]
     assert metrics["overlap_moved_at_step"] == 2.0 and samples == 8 * STEPS
@@ -242,13 +250,14 @@ def test_the_agent_trains_ahead_from_its_trained_model_and_sends_the_moved_one(
         for k in x1:  # the round trained ahead starts from the trained model itself
             assert_close(ahead.base[k], expected_y1[k], rtol=1e-6, atol=1e-7)
         x2 = {k: v.detach().clone() for k, v in LINEAR.create_model(7, {}).state_dict().items()}
-        update2, _, metrics = agent._train(LINEAR, _assignment(2, entry_point=ENTRY), x2)
+        last = _assignment(2, entry_point=ENTRY, rounds=2)  # the run's last round
+        update2, _, metrics = agent._train(LINEAR, last, x2)
         at = int(metrics["overlap_moved_at_step"])
         shift = {k: x2[k] - y1[k] for k in x2}
         expected = _reference(y1, shift, at, seed=_fit_seed(0, 2, "s1"))
         for k, x in x2.items():
             assert_close(x + update2[k], expected[k], rtol=1e-5, atol=1e-6)
-        assert agent._ahead is not None and agent._ahead.round_number == 3
+        assert agent._ahead is None  # nothing is trained ahead of a round that never comes
     finally:
         if agent._ahead is not None:
             agent._ahead.cancel()

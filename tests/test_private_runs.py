@@ -204,6 +204,39 @@ def test_poisson_sampled_private_run_stops_at_its_amplified_budget_across_a_kill
     assert Accountant.from_tensor(state[ACCOUNTANT_KEY], event).rounds == 3
 
 
+def test_fixed_size_sampled_private_run_draws_its_cohort_and_stops_at_its_budget(
+    cluster: LocalCluster,
+) -> None:
+    """Four sites, two drawn in each round without replacement (``fixed``, replace-one:
+    charged at half the noise): every round's cohort is exactly two of the four, each
+    round is charged what dp-accounting charges, and the run stops once a round would
+    pass epsilon 21 (three rounds fit)."""
+    privacy = PrivacySpec(
+        clip=0.5, noise_multiplier=1.0, epsilon=21.0, delta=1e-5, sampling="fixed", population=4
+    )
+    spec = synthetic_spec(
+        rounds=6, sites_per_round=2, min_sites=2, strategy="fedavg", train=TRAIN, privacy=privacy
+    )
+    event = RoundEvent(1.0, "fixed", 2, 4)
+    assert epsilon_after(event, 3, 1e-5) <= 21.0 < epsilon_after(event, 4, 1e-5)
+    cluster.start_coordinator(flags=FAST)
+    start_sites(cluster, 4, {})
+    with cluster.admin() as admin:
+        run_id = admin.submit(spec)
+        status = wait_until(admin, run_id, finished)
+    assert status.state == "completed", status.reason
+    assert status.rounds_completed == 3
+    assert "privacy budget reached" in status.reason and "round 4" in status.reason
+    everyone = {f"site-{i}" for i in range(4)}
+    for number in (1, 2, 3):
+        r = next(r for r in status.rounds if r.number == number and r.status == "committed")
+        assert len(set(r.sampled_sites)) == 2 and set(r.sampled_sites) <= everyone
+        counted = {p.site_id for p in r.participations
+                   if p.status == "accepted" and p.attempt == r.attempt}  # fmt: skip
+        assert counted == set(r.sampled_sites)
+        assert r.metrics["privacy_epsilon"] == pytest.approx(epsilon_after(event, number, 1e-5))
+
+
 @pytest.mark.parametrize("rule", ["mean", "median"])
 def test_robust_aggregation_against_byzantine_sites(cluster: LocalCluster, rule: str) -> None:
     """Two of five sites send their update times -10. The mean is dragged away and the

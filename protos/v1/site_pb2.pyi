@@ -187,6 +187,7 @@ class Task(_message.Message):
     PRIVACY_FIELD_NUMBER: _builtins.int
     CONTROLS_SHA256_FIELD_NUMBER: _builtins.int
     CONTROLS_BYTES_FIELD_NUMBER: _builtins.int
+    ROUNDS_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     run_id: _builtins.str
     round: _builtins.int
@@ -215,6 +216,8 @@ class Task(_message.Message):
     model's floating-point tensors (DownloadModelRequest.controls). Empty: c is zero.
     """
     controls_bytes: _builtins.int
+    rounds: _builtins.int
+    """the run's rounds: with [train] overlap nothing is trained ahead of the last"""
     @_builtins.property
     def settings(self) -> _common_pb2.TrainSettings: ...
     @_builtins.property
@@ -250,10 +253,11 @@ class Task(_message.Message):
         privacy: _common_pb2.Privacy | None = ...,
         controls_sha256: _builtins.str = ...,
         controls_bytes: _builtins.int = ...,
+        rounds: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["compression", b"compression", "privacy", b"privacy", "secagg", b"secagg", "settings", b"settings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_sha256", b"base_sha256", "codec", b"codec", "compression", b"compression", "controls_bytes", b"controls_bytes", "controls_sha256", b"controls_sha256", "deadline_in_s", b"deadline_in_s", "delta_bytes", b"delta_bytes", "delta_sha256", b"delta_sha256", "entry_point", b"entry_point", "kind", b"kind", "model_bytes", b"model_bytes", "model_sha256", b"model_sha256", "privacy", b"privacy", "round", b"round", "run_id", b"run_id", "secagg", b"secagg", "seed", b"seed", "settings", b"settings", "sites_in_round", b"sites_in_round", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_sha256", b"base_sha256", "codec", b"codec", "compression", b"compression", "controls_bytes", b"controls_bytes", "controls_sha256", b"controls_sha256", "deadline_in_s", b"deadline_in_s", "delta_bytes", b"delta_bytes", "delta_sha256", b"delta_sha256", "entry_point", b"entry_point", "kind", b"kind", "model_bytes", b"model_bytes", "model_sha256", b"model_sha256", "privacy", b"privacy", "round", b"round", "rounds", b"rounds", "run_id", b"run_id", "secagg", b"secagg", "seed", b"seed", "settings", b"settings", "sites_in_round", b"sites_in_round", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
