@@ -6,23 +6,31 @@ update made a round of a thousand sites a thousand fsyncs in a row. Here each wa
 write is queued; one thread takes everything queued, writes it in one transaction
 (``Store.write_batch``, a savepoint per write so that one refused write is undone
 alone), commits once, and only then lets each caller go on. The promise is unchanged
-(a write is acknowledged only once it is durable); a batch is as large as what arrived
-while the previous one was being committed, so an idle coordinator waits for nothing.
+(a write is acknowledged only once it is durable). An idle coordinator waits for
+nothing: a write that comes after a quiet spell is committed at once, and so is the
+batch behind it (a round of a few sites loses no time). Under a stream of writes (the
+last two batches began within ``MIN_INTERVAL_S`` of each other), batches begin at most
+every ``MIN_INTERVAL_S``, and what arrives meanwhile joins the next one: a commit costs
+about half a millisecond of CPU whatever its size, and at a thousand sites uploads
+arrive a few at a time, so committing as soon as the disk was free made batches of one
+or two (PostgreSQL's ``commit_delay`` does the same for the same reason).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
 from fedra.storage import Store
-from fedra.storage.store import WriteOp
+from fedra.storage.writes import WriteOp
 
 log = logging.getLogger("fedra.coordinator")
 MAX_BATCH = 1024  # writes in one transaction, at most
+MIN_INTERVAL_S = 0.01  # under load, a batch at most this often (a write waits at most this)
 
 
 class GroupCommit:
@@ -33,8 +41,10 @@ class GroupCommit:
         store: Store,
         max_batch: int = MAX_BATCH,
         on_commit: Callable[[float, int], None] = lambda seconds, writes: None,
+        min_interval_s: float = MIN_INTERVAL_S,
     ) -> None:
         self.store, self.max_batch, self.on_commit = store, max_batch, on_commit
+        self.min_interval_s = min_interval_s
         self._cond = threading.Condition()
         self._queue: list[tuple[WriteOp, Future[None]]] = []
         self._closing = False
@@ -86,23 +96,30 @@ class GroupCommit:
             self._closing = True
             self._cond.notify()
         self._thread.join(timeout_s)
+        log.info("group commit: %d writes in %d transactions", self.writes, self.batches)
 
     def _run(self) -> None:
+        before, began = -math.inf, -math.inf  # when the last two batches began
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: bool(self._queue) or self._closing)
+                closing = self._closing
+            gather = began + self.min_interval_s - time.monotonic()
+            if gather > 0 and began - before < self.min_interval_s and not closing:
+                time.sleep(gather)  # a stream: the writes that arrive meanwhile join in
+            with self._cond:
                 batch = self._queue[: self.max_batch]
                 del self._queue[: len(batch)]
                 if not batch:
                     return  # closing, and nothing left
-            began = time.perf_counter()
+            before, began = began, time.monotonic()
             try:
                 errors = self.store.write_batch([op for op, _ in batch])
             except BaseException as exc:  # nothing of the batch was written
                 for _, done in batch:
                     done.set_exception(exc)
                 continue
-            took = time.perf_counter() - began
+            took = time.monotonic() - began
             self.batches += 1
             self.writes += len(batch)
             for (_, done), error in zip(batch, errors, strict=True):

@@ -81,44 +81,62 @@ class _Call:
     def __init__(self, caller: _Caller, context: Any, method: str) -> None:
         self.caller, self.context, self.method = caller, context, method
         self._loop = asyncio.get_running_loop()
-        self._cut_now: asyncio.Future[None] = self._loop.create_future()
         self.waiting_since: float | None = None
+        self._waiting: asyncio.Task[Any] | None = None  # the task waiting for a message
         self.site_id = ""  # set: an upload in progress, ended if its site goes silent
         self.cut = ""  # why the watchdog ended it
         self.ended = False
 
     async def requests(self, messages: AsyncIterator[Any]) -> AsyncIterator[Any]:
         """The request stream, timing each wait for the caller (not the handler's work);
-        ended (grpc.RpcError, answered CANCELLED) the moment the watchdog cuts it."""
+        ended (grpc.RpcError, answered CANCELLED) the moment the watchdog cuts it.
+
+        A wait is the receive itself, in the handler's own task, which a cut cancels: no
+        task and no ``asyncio.wait`` per message (an upload's messages are most of the
+        calls a round's thousands of sites make)."""
         stream = aiter(messages)
         end = object()
         try:
-            while True:
+            while not self.cut:
                 self.waiting_since = time.monotonic()
-                receiving = asyncio.ensure_future(anext(stream, end))
-                await asyncio.wait((receiving, self._cut_now), return_when=asyncio.FIRST_COMPLETED)
-                self.waiting_since = None
-                if self.cut:
-                    receiving.cancel()
-                    raise grpc.RpcError(self.cut)
-                message = receiving.result()
-                del receiving
-                if message is end:
+                self._waiting = task = asyncio.current_task()
+                try:
+                    message = await anext(stream, end)
+                except asyncio.CancelledError:
+                    if not self._was_cut():  # not the watchdog's: the call is cancelled
+                        raise
+                    _uncancel(task)
                     break
+                finally:
+                    self._waiting, self.waiting_since = None, None
+                if message is end:
+                    return
                 yield message
                 del message  # not held while the next one is received
+            raise grpc.RpcError(self.cut)
         finally:
-            self.waiting_since = None
+            self._waiting, self.waiting_since = None, None
+
+    def _was_cut(self) -> bool:  # read again after a wait (the watchdog's thread sets it)
+        return bool(self.cut)
 
     def end(self) -> None:
-        """Cut the stream now (from any thread): its next wait for a message ends."""
+        """Cut the stream now (from any thread, once ``cut`` says why): a wait for a
+        message under way ends at once, and no other begins."""
         with suppress(RuntimeError):  # the loop closed: the call is over anyway
-            self._loop.call_soon_threadsafe(_set_once, self._cut_now)
+            self._loop.call_soon_threadsafe(self._cut_wait)
+
+    def _cut_wait(self) -> None:  # on the call's loop
+        if self._waiting is not None:
+            self._waiting.cancel()
 
 
-def _set_once(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
+def _uncancel(task: asyncio.Task[Any] | None) -> None:
+    """Take back a cancellation this module asked for and handled (Python 3.11+ counts
+    them: a task left marked would look cancelled to ``asyncio.timeout`` and task groups)."""
+    uncancel = getattr(task, "uncancel", None)
+    if uncancel is not None:
+        uncancel()
 
 
 class CallLimiter(grpc.aio.ServerInterceptor):

@@ -45,7 +45,7 @@ from fedra.protos.compression import (
 from fedra.runspec import WIRE_CODECS, CodecSpec
 from fedra.storage.blobs import BlobDigestError, StorageFullError
 from fedra.storage.spool import SmallWriter
-from fedra.storage.store import DuplicateError, WriteOp
+from fedra.storage.writes import DuplicateError, WriteOp
 
 if TYPE_CHECKING:
     from fedra.coordinator.engine import Engine

@@ -42,17 +42,25 @@ class Ticket:
     __slots__ = ("_board", "_future", "_keys")
 
     def __init__(self, board: Wakeups, keys: tuple[Hashable, ...]) -> None:
-        self._future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        # True once woken; False once its wait timed out (whichever comes first).
+        self._future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._keys, self._board = keys, board
 
     async def wait(self, timeout_s: float) -> bool:
-        """Wait until woken (True) or ``timeout_s`` passes (False); the ticket is spent."""
+        """Wait until woken (True) or ``timeout_s`` passes (False); the ticket is spent.
+
+        One timer and the future itself, not ``asyncio.wait_for`` around a shield (two
+        more futures, a task's worth of callbacks and, on a timeout, another pass of the
+        loop): thousands of polls wait like this at once."""
+        future = self._future
         try:
-            if timeout_s <= 0:
-                return self._future.done()
-            with suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(self._future), timeout_s)
-            return self._future.done()
+            if timeout_s <= 0 or future.done():
+                return future.done() and future.result()
+            timer = future.get_loop().call_later(timeout_s, _time_up, future)
+            try:
+                return await future
+            finally:
+                timer.cancel()
         finally:
             self._board.discard(self)
 
@@ -62,7 +70,7 @@ class Ticket:
 
     def _set(self) -> None:  # on the ticket's loop
         if not self._future.done():
-            self._future.set_result(None)
+            self._future.set_result(True)
 
     def wake(self) -> None:  # from any thread
         loop = self._future.get_loop()
@@ -70,6 +78,11 @@ class Ticket:
             return
         with suppress(RuntimeError):  # the loop closed meanwhile: nobody waits any more
             loop.call_soon_threadsafe(self._set)
+
+
+def _time_up(future: asyncio.Future[bool]) -> None:
+    if not future.done():
+        future.set_result(False)
 
 
 WAKE_SLICE = 64  # tickets set in one pass of their loop

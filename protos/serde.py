@@ -238,9 +238,14 @@ class Provenance:
     device: str = ""
 
     def digest(self) -> str:
-        """One hash of all of it: equal provenances, equal digests."""
-        doc = json.dumps(dataclasses.asdict(self), sort_keys=True, default=dict)
-        return hashlib.sha256(doc.encode()).hexdigest()
+        """One hash of all of it: equal provenances, equal digests. Worked out once (it is
+        asked for with every update a site sends) and kept beside the fields."""
+        known: str | None = self.__dict__.get("_digest")
+        if known is None:
+            doc = json.dumps(dataclasses.asdict(self), sort_keys=True, default=dict)
+            known = hashlib.sha256(doc.encode()).hexdigest()
+            object.__setattr__(self, "_digest", known)  # frozen: not one of its fields
+        return known
 
 
 def provenance_to_proto(p: Provenance) -> common_pb2.Provenance:

@@ -12,7 +12,8 @@ from fedra.storage.records import (
     RunRecord,
     SiteRecord,
 )
-from fedra.storage.store import DuplicateError, Store
+from fedra.storage.store import Store
+from fedra.storage.writes import DuplicateError
 
 __all__ = [
     "BlobStore",

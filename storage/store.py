@@ -27,6 +27,7 @@ from sqlalchemy import (
     create_engine,
     event,
     func,
+    insert,
     literal,
     select,
     text,
@@ -51,13 +52,7 @@ from fedra.storage.records import (
     RunView,
     SiteRecord,
 )
-
-# One write of a group commit (Store.write_batch): it runs in the batch's transaction.
-WriteOp = Callable[[Session], None]
-
-
-class DuplicateError(Exception):
-    """A write collided with a uniqueness rule (a reused nonce, a second round row)."""
+from fedra.storage.writes import DuplicateError, StatementWrite, WriteOp, run_batch
 
 
 class NotFoundError(KeyError):
@@ -265,7 +260,8 @@ _TOUCH_SITE = (
 )
 _ACCEPT = (
     update(_p)
-    .where(_p.task_id == bindparam("tid"), _p.state.not_in(FINAL_PARTICIPATION_STATES))
+    # Not NOT IN: an expanding parameter, which an executemany cannot take.
+    .where(_p.task_id == bindparam("tid"), *(_p.state != s for s in FINAL_PARTICIPATION_STATES))
     .values(
         state="accepted",
         nonce=bindparam("new_nonce"),
@@ -315,6 +311,25 @@ def _checkpoints_between(run_id: str, since: int, until: int | None) -> Select[m
     return q.order_by(c.round_number)
 
 
+def _event_values(
+    run_id: str,
+    round_number: int | None,
+    at: float,
+    event: tuple[str, str],
+    data: dict[str, float | int | str] | None = None,
+) -> dict[str, Any]:
+    """A ledger row's columns: ``event`` is (kind, message)."""
+    kind, message = event
+    return {
+        "run_id": run_id,
+        "round_number": round_number,
+        "kind": kind,
+        "message": message,
+        "data_json": json.dumps(data or {}),
+        "created_at": at,
+    }
+
+
 def _event_row(
     run_id: str,
     round_number: int | None,
@@ -323,15 +338,10 @@ def _event_row(
     data: dict[str, float | int | str] | None = None,
 ) -> m.Event:
     """A ledger row: ``event`` is (kind, message)."""
-    kind, message = event
-    return m.Event(
-        run_id=run_id,
-        round_number=round_number,
-        kind=kind,
-        message=message,
-        data_json=json.dumps(data or {}),
-        created_at=at,
-    )
+    return m.Event(**_event_values(run_id, round_number, at, event, data))
+
+
+_ADD_EVENT = insert(m.Event)
 
 
 class Store:
@@ -544,12 +554,7 @@ class Store:
         """The write of ``upsert_site``, for ``write_batch``."""
         if self._upsert_site is not None:
             values = {"sid": site_id, "tasks": json.dumps(list(tasks)), "ver": version, "ts": now}
-            statement = self._upsert_site
-
-            def one_statement(s: Session) -> None:
-                s.connection().execute(statement, values)
-
-            return one_statement
+            return StatementWrite(self._upsert_site, values)
 
         def upsert(s: Session) -> None:  # the other dialects' way: read, then write
             row = s.get(m.Site, site_id)
@@ -729,18 +734,23 @@ class Store:
             else:
                 row.attempt, row.sampled_json = attempt, sampled
                 row.opened_at, row.deadline_at = opened_at, deadline_at
-            for site_id, task_id in assignments.items():
-                s.add(
-                    m.Participation(
-                        task_id=task_id,
-                        run_id=run_id,
-                        round_number=number,
-                        attempt=attempt,
-                        site_id=site_id,
-                        state="assigned",
-                        assigned_at=opened_at,
-                        issued_round=number,
-                    )
+            if assignments:  # one executemany, no ORM objects: a round may have thousands
+                s.flush()  # the round's row before its participations
+                s.connection().execute(
+                    insert(m.Participation),
+                    [
+                        {
+                            "task_id": task_id,
+                            "run_id": run_id,
+                            "round_number": number,
+                            "attempt": attempt,
+                            "site_id": site_id,
+                            "state": "assigned",
+                            "assigned_at": opened_at,
+                            "issued_round": number,
+                        }
+                        for site_id, task_id in assignments.items()
+                    ],
                 )
             if carry:
                 s.execute(
@@ -939,8 +949,6 @@ class Store:
         }
 
         def accept(s: Session) -> None:
-            # One prebuilt statement, no ORM unit of work: this runs once per update, on
-            # the path every site waits on.
             try:
                 result = s.connection().execute(_ACCEPT, values)
             except IntegrityError as exc:
@@ -949,7 +957,9 @@ class Store:
                 row = self._participation_row(s, task_id)  # NotFoundError if none
                 raise DuplicateError(f"task {task_id} is already {row.state}")
 
-        return accept
+        # One prebuilt statement, no ORM unit of work: this runs once per update, on the
+        # path every site waits on, and a batch's accepts run as one executemany.
+        return StatementWrite(_ACCEPT, values, rows=1, alone=accept)
 
     def write_batch(self, ops: Sequence[WriteOp]) -> list[Exception | None]:
         """Run ``ops`` in one writing transaction, one synced commit for all of them (group
@@ -959,8 +969,7 @@ class Store:
         errors: list[Exception | None] = [None] * len(ops)
         try:  # first as one: refusals are rare, and a savepoint per write costs statements
             with self._tx() as s:
-                for op in ops:
-                    op(s)
+                run_batch(s, ops)
             return errors
         except (DuplicateError, NotFoundError) as exc:
             if len(ops) == 1:
@@ -1141,8 +1150,10 @@ class Store:
         data: dict[str, float | int | str] | None = None,
     ) -> WriteOp:
         """The write of ``add_event``, for a group commit (``write_batch``)."""
-        row = _event_row(run_id, round_number, now, (kind, message), data)
-        return lambda s: s.add(row)
+        kind_message = (kind, message)
+        return StatementWrite(
+            _ADD_EVENT, _event_values(run_id, round_number, now, kind_message, data)
+        )
 
     def failed_attempt(self, run_id: str, number: int, attempt: int, kind: str) -> bool:
         """Whether the ledger holds an event ``kind`` closing that attempt of that round."""

@@ -235,6 +235,30 @@ def test_concurrent_writes_share_commits_and_each_is_durable_when_it_returns(
         store.close()
 
 
+def test_a_write_after_a_quiet_spell_commits_at_once_and_a_stream_shares_commits(
+    tmp_path: Path,
+) -> None:
+    store = _store(tmp_path)
+    commits = GroupCommit(store, min_interval_s=0.3)
+    try:
+        started = time.monotonic()
+        commits.write(store.upsert_site_op("site-first", ["t"], "1", 1.0))
+        assert time.monotonic() - started < 0.25  # nothing before it: not held back
+        # A stream right behind it: one write every 10 ms, none waited for in between.
+        stream = []
+        for i in range(10):
+            stream.append(commits.submit(store.upsert_site_op(f"site-{i}", ["t"], "1", 1.0)))
+            time.sleep(0.01)
+        for done in stream:
+            done.result(5)
+        assert commits.writes == 11
+        assert commits.batches <= 3  # the first, the one behind it, then the rest together
+        assert len(store.list_sites()) == 11
+    finally:
+        commits.close()
+        store.close()
+
+
 def test_a_refused_write_is_undone_alone_and_its_batch_commits(tmp_path: Path) -> None:
     store = _store(tmp_path)
     try:

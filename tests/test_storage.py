@@ -40,6 +40,7 @@ from fedra.storage.migrate import current_revision, head_revision
 from fedra.storage.models import Base, Site
 from fedra.storage.spool import SmallWriter, UpdateSpool
 from fedra.storage.store import NotFoundError, make_engine
+from fedra.storage.writes import WriteOp
 from tests.conftest import postgres_database
 
 PG_URL = os.environ.get(
@@ -527,6 +528,59 @@ def test_second_accept_for_same_task_raises(run_store: Store) -> None:
     [p] = run_store.list_participations(RUN, 1)
     assert (p.state, p.update_sha256) == ("accepted", "1" * 64)
     assert _nonce(run_store, task) == b"\x01" * 32
+
+
+def _accept_op(store: Store, task_id: str, nonce: bytes, sha: str = "a" * 64) -> WriteOp:
+    return store.accept_op(
+        task_id, nonce=nonce, sha256=sha, num_samples=128, metrics={"loss": 0.5},
+        bytes_up=4096, upload_s=1.5, now=T0 + 10,
+    )  # fmt: skip
+
+
+def test_a_batch_runs_each_statement_once_whatever_the_writes_between(run_store: Store) -> None:
+    sites = [f"s{i}" for i in range(6)]
+    _open(run_store, 1, 1, sites)
+    ops: list[WriteOp] = []
+    for i, site in enumerate(sites):  # as the coordinator queues them: an event, an accept
+        ops.append(run_store.add_event_op(RUN, "note", f"n{i}", T0 + i, 1, {"i": i}))
+        ops.append(_accept_op(run_store, _task(1, 1, site), bytes([i]) * 32))
+    ops.append(run_store.touch_sites_op({"s0": T0}))  # a write of another kind, run as it is
+    statements: list[str] = []
+
+    def record(conn: Any, cursor: Any, sql: str, params: Any, context: Any, many: bool) -> None:
+        statements.append(sql)
+
+    event.listen(run_store.engine, "before_cursor_execute", record)
+    try:
+        assert run_store.write_batch(ops) == [None] * len(ops)
+    finally:
+        event.remove(run_store.engine, "before_cursor_execute", record)
+    assert sum(sql.lstrip().startswith("UPDATE participations") for sql in statements) == 1
+    assert sum(sql.lstrip().startswith("INSERT INTO events") for sql in statements) == 1
+    assert [p.state for p in run_store.list_participations(RUN, 1)] == ["accepted"] * 6
+    assert [_nonce(run_store, _task(1, 1, s)) for s in sites] == [bytes([i]) * 32 for i in range(6)]
+    notes = [e for e in run_store.list_events(RUN) if e.kind == "note"]
+    assert [(e.message, e.data) for e in notes] == [(f"n{i}", {"i": i}) for i in range(6)]
+
+
+def test_a_refused_accept_in_a_batch_is_named_and_the_rest_are_written(run_store: Store) -> None:
+    _open(run_store, 1, 1, ["a", "b", "c", "d"])
+    _accept(run_store, _task(1, 1, "b"), b"\x01" * 32)  # b's task is accepted already
+    ops = [
+        _accept_op(run_store, _task(1, 1, "a"), b"\x02" * 32),
+        _accept_op(run_store, _task(1, 1, "b"), b"\x03" * 32),  # refused: already accepted
+        _accept_op(run_store, _task(1, 1, "c"), b"\x01" * 32),  # refused: b's nonce
+        _accept_op(run_store, "no-such-task", b"\x04" * 32),  # refused: no such task
+        _accept_op(run_store, _task(1, 1, "d"), b"\x05" * 32),
+    ]
+    errors = run_store.write_batch(ops)
+    assert errors[0] is None and errors[4] is None
+    assert isinstance(errors[1], DuplicateError) and "already accepted" in str(errors[1])
+    assert isinstance(errors[2], DuplicateError) and "nonce" in str(errors[2])
+    assert isinstance(errors[3], NotFoundError)
+    states = {p.site_id: p.state for p in run_store.list_participations(RUN, 1)}
+    assert states == {"a": "accepted", "b": "accepted", "c": "assigned", "d": "accepted"}
+    assert _nonce(run_store, _task(1, 1, "b")) == b"\x01" * 32
 
 
 def test_reused_nonce_on_another_task_raises_and_changes_nothing(run_store: Store) -> None:
