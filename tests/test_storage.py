@@ -245,6 +245,20 @@ def test_upsert_site_creates_then_updates(store: Store) -> None:
     assert site.last_seen_at == T0 + 5
 
 
+def test_a_site_registered_twice_in_one_batch_ends_as_its_second_registration(
+    store: Store,
+) -> None:
+    ops = [
+        store.upsert_site_op("site-b", ["digits"], "0.1.0", T0),
+        store.upsert_site_op("site-a", ["digits"], "0.1.0", T0),
+        store.upsert_site_op("site-b", ["mnist"], "0.2.0", T0 + 5),
+    ]
+    assert store.write_batch(ops) == [None, None, None]
+    site_a, site_b = store.list_sites()
+    assert (site_b.tasks, site_b.version, site_b.registered_at) == (("mnist",), "0.2.0", T0)
+    assert site_b.last_seen_at == T0 + 5 and site_a.version == "0.1.0"
+
+
 def test_touch_sites_and_list_order(store: Store) -> None:
     for site_id in ("site-c", "site-a", "site-b"):
         store.upsert_site(site_id, [], "v", T0)
