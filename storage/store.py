@@ -330,17 +330,6 @@ def _event_values(
     }
 
 
-def _event_row(
-    run_id: str,
-    round_number: int | None,
-    at: float,
-    event: tuple[str, str],
-    data: dict[str, float | int | str] | None = None,
-) -> m.Event:
-    """A ledger row: ``event`` is (kind, message)."""
-    return m.Event(**_event_values(run_id, round_number, at, event, data))
-
-
 _ADD_EVENT = insert(m.Event)
 
 
@@ -638,7 +627,11 @@ class Store:
             s.add(row)
             s.flush()  # the rows below refer to it
             if event is not None:
-                s.add(_event_row(run_id, start.round_number if start else None, now, event))
+                s.add(
+                    m.Event(
+                        **_event_values(run_id, start.round_number if start else None, now, event)
+                    )
+                )
             if start is not None:
                 s.add(
                     m.Round(
@@ -763,7 +756,7 @@ class Store:
                     .values(round_number=number, attempt=attempt)
                 )
             if event is not None:
-                s.add(_event_row(run_id, number, opened_at, event))
+                s.add(m.Event(**_event_values(run_id, number, opened_at, event)))
 
     def extend_deadline(self, run_id: str, number: int, deadline_at: float) -> None:
         with self._tx() as s:
@@ -1012,7 +1005,11 @@ class Store:
         restart knows the attempt is over (``failed_attempt``)."""
         with self._tx() as s:
             if event:
-                s.add(_event_row(run_id, number, now, (event, reason), {"attempt": attempt}))
+                s.add(
+                    m.Event(
+                        **_event_values(run_id, number, now, (event, reason), {"attempt": attempt})
+                    )
+                )
             s.execute(
                 update(m.Participation)
                 .where(
@@ -1083,7 +1080,7 @@ class Store:
                 run.state = final_state
                 run.reason = final_reason
             if event is not None:
-                s.add(_event_row(run_id, number, now, event))
+                s.add(m.Event(**_event_values(run_id, number, now, event)))
 
     # -- checkpoints -----------------------------------------------------------
 
@@ -1150,10 +1147,8 @@ class Store:
         data: dict[str, float | int | str] | None = None,
     ) -> WriteOp:
         """The write of ``add_event``, for a group commit (``write_batch``)."""
-        kind_message = (kind, message)
-        return StatementWrite(
-            _ADD_EVENT, _event_values(run_id, round_number, now, kind_message, data)
-        )
+        values = _event_values(run_id, round_number, now, (kind, message), data)
+        return StatementWrite(_ADD_EVENT, values)
 
     def failed_attempt(self, run_id: str, number: int, attempt: int, kind: str) -> bool:
         """Whether the ledger holds an event ``kind`` closing that attempt of that round."""
