@@ -7,6 +7,9 @@ machinery: the real daemon (`fedra coordinator`, default flags, SQLite) answers
 server on one event loop answers a unary call that does nothing; both are called by
 the same client threads, and each server's CPU (user + system, from /proc) is divided
 by the calls it answered. The ratio is what fedra's edge, engine and bookkeeping add.
+The bare server also answers a client-streaming call of one message (the shape of a
+small update's upload): against the unary call, what the streaming shape costs in gRPC
+alone.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/call_cost.py --seconds 8
 """
@@ -34,6 +37,7 @@ from fedra.protos.v1 import site_pb2
 
 _TICK = os.sysconf("SC_CLK_TCK")
 _BARE = "/bench.Bare/Call"
+_BARE_STREAM = "/bench.Bare/Stream"
 
 
 def cpu_s(pid: int) -> float:
@@ -94,8 +98,15 @@ async def main():
     server = grpc.aio.server()
     async def call(request, context):
         return b""
+    async def stream(requests, context):
+        async for _ in requests:
+            pass
+        return b""
     handler = grpc.method_handlers_generic_handler(
-        "bench.Bare", {"Call": grpc.unary_unary_rpc_method_handler(call)}
+        "bench.Bare", {
+            "Call": grpc.unary_unary_rpc_method_handler(call),
+            "Stream": grpc.stream_unary_rpc_method_handler(stream),
+        }
     )
     server.add_generic_rpc_handlers((handler,))
     port = server.add_insecure_port("127.0.0.1:0")
@@ -108,6 +119,12 @@ asyncio.run(main())
 """
 
 
+def _one_message_stream(
+    method: grpc.StreamUnaryMultiCallable, request: bytes
+) -> Callable[[], object]:
+    return lambda: method(iter((request,)), timeout=10.0)
+
+
 def measure_bare(sites: int, threads: int, seconds: float) -> dict[str, float]:
     proc = subprocess.Popen(
         [sys.executable, "-c", _BARE_SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -118,14 +135,18 @@ def measure_bare(sites: int, threads: int, seconds: float) -> dict[str, float]:
         port = int(proc.stdout.readline())
         channels = [grpc.insecure_channel(f"127.0.0.1:{port}") for _ in range(sites)]
         request = site_pb2.HeartbeatRequest(site_id="site-0000", task_id="x").SerializeToString()
-        calls = [functools.partial(ch.unary_unary(_BARE), request, timeout=10.0) for ch in channels]
-        hammer(calls, threads, 1.0)
-        before = cpu_s(proc.pid)
-        n = hammer(calls, threads, seconds)
-        cost = (cpu_s(proc.pid) - before) / n * 1e6
+        unary = [functools.partial(ch.unary_unary(_BARE), request, timeout=10.0) for ch in channels]
+        streams = [_one_message_stream(ch.stream_unary(_BARE_STREAM), request) for ch in channels]
+        figures: dict[str, float] = {}
+        for name, calls in (("Bare", unary), ("BareStream", streams)):
+            hammer(calls, threads, 1.0)  # warm up
+            before = cpu_s(proc.pid)
+            n = hammer(calls, threads, seconds)
+            figures[name] = (cpu_s(proc.pid) - before) / n * 1e6
+            figures[f"{name}_per_s"] = n / seconds
         for ch in channels:
             ch.close()
-        return {"Bare": cost, "Bare_per_s": n / seconds}
+        return figures
     finally:
         if proc.stdin is not None:
             proc.stdin.close()
@@ -148,6 +169,11 @@ def main(argv: list[str] | None = None) -> None:
     bare = figures["Bare"]
     print(f"bare grpc.aio unary call: {bare:.0f} us of server CPU per call "
           f"({figures['Bare_per_s']:.0f} calls/s)")  # fmt: skip
+    stream = figures["BareStream"]
+    print(
+        f"bare grpc.aio client stream of one message: {stream:.0f} us of server CPU per call "
+        f"({figures['BareStream_per_s']:.0f} calls/s), {stream / bare:.2f}x the unary call"
+    )
     beat = figures["Heartbeat"]
     print(
         f"fedra Heartbeat: {beat:.0f} us of coordinator CPU per call "

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import selectors
 import statistics
@@ -109,12 +110,18 @@ class ConfigResult:
             r.bytes_moved / (r.max_download_s + r.max_upload_s) for r in self.rounds
         )
         self.transfer_ratio = self.transfer_bps / self.raw_bps
-        self.site_down_bps = statistics.median(b for r in self.rounds for b in r.site_down_bps)
-        self.site_up_bps = statistics.median(b for r in self.rounds for b in r.site_up_bps)
+        # NaN where nothing was measured: a model small enough to go out with its task
+        # (--quick's) is never downloaded.
+        self.site_down_bps = _median_or_nan([b for r in self.rounds for b in r.site_down_bps])
+        self.site_up_bps = _median_or_nan([b for r in self.rounds for b in r.site_up_bps])
         growth = self.rss_peak_bytes - self.rss_baseline_bytes
         self.rss_growth_x = growth / self.model_bytes
         fresh = self.rss_fresh_peak_bytes - self.rss_fresh_bytes
         self.rss_fresh_growth_x = fresh / self.model_bytes
+
+
+def _median_or_nan(values: list[float]) -> float:
+    return statistics.median(values) if values else math.nan
 
 
 def proc_cpu_s(pid: int) -> float:
