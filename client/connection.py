@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import threading
 import time
@@ -21,6 +22,7 @@ from fedra.protos.codec import (
     CodecError,
     decode_chunks,
     digest_and_size,
+    encode,
     encode_chunks,
     transfer_chunk_bytes,
 )
@@ -36,6 +38,8 @@ from fedra.protos.serde import (
 from fedra.protos.v1 import site_pb2, site_pb2_grpc
 from fedra.runspec import CodecSpec, PrivacySpec, TrainSpec
 from fedra.secagg import SecAggError
+
+log = logging.getLogger("fedra.site")
 
 # Transient: the coordinator is restarting or the network blinked. Retry with backoff.
 TRANSIENT = frozenset(
@@ -146,6 +150,7 @@ class Connection:
         )
         self.site_id = site_id
         self.chunk_bytes = chunk_bytes
+        self._small_uploads = True  # until a coordinator answers that it has no such call
         self.closed = False
         self._transfers = 0  # downloads and uploads under way
         self._transfers_lock = threading.Lock()
@@ -273,8 +278,9 @@ class Connection:
         timeout_s: float,
         header_only: bool = False,
     ) -> Sent:
-        """Stream an update up: a header with the payload's SHA-256, then the chunks;
-        what the coordinator received, and the payload's digest and size.
+        """Send an update up: a header with the payload's SHA-256, and the payload, in one
+        call if it fits (UploadSmallUpdate) or else streamed in chunks; what the
+        coordinator received, and the payload's digest and size.
 
         ``header_only``: ask whether an update sent before counted; the coordinator
         answers that from the header alone (fedra.client.pending)."""
@@ -301,6 +307,18 @@ class Connection:
             payload_bytes=size,
             signature=signature,
         )
+
+        if not header_only and size <= wire.SMALL_UPLOAD_MAX_BYTES and self._small_uploads:
+            request = site_pb2.UploadSmallUpdateRequest(header=header, payload=encode(tensors))
+            try:
+                with self._transfer():
+                    small = self.stub.UploadSmallUpdate(request, timeout=timeout_s)
+                return Sent(int(small.bytes_received), sha256, size)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                self._small_uploads = False  # an older coordinator: stream it, as it takes
+                log.info("the coordinator has no UploadSmallUpdate: uploads go as streams")
 
         def messages() -> Iterator[site_pb2.UpdateChunk | bytes]:
             yield site_pb2.UpdateChunk(header=header)

@@ -163,7 +163,34 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
         first = await anext(aiter(request_iterator), None)
         if not isinstance(first, site_pb2.UpdateChunk) or first.WhichOneof("part") != "header":
             raise InvalidArgument("an upload must start with exactly one header message")
-        h = first.header
+        size = await self._upload(first.header, _payload(request_iterator), context)
+        return site_pb2.UploadUpdateResponse(bytes_received=size)
+
+    @mapped
+    async def UploadSmallUpdate(
+        self, request: site_pb2.UploadSmallUpdateRequest, context: Any
+    ) -> site_pb2.UploadSmallUpdateResponse:
+        self.guard.any_site(context)
+        if not request.HasField("header"):
+            raise InvalidArgument("an upload must carry its header")
+        payload = request.payload
+        if len(payload) > wire.SMALL_UPLOAD_MAX_BYTES:
+            raise InvalidArgument(
+                f"payload: {len(payload)} bytes, more than UploadSmallUpdate takes "
+                f"({wire.SMALL_UPLOAD_MAX_BYTES}); send it with UploadUpdate"
+            )
+
+        async def chunks() -> AsyncIterator[bytes]:
+            if payload:
+                yield payload
+
+        size = await self._upload(request.header, chunks(), context)
+        return site_pb2.UploadSmallUpdateResponse(bytes_received=size)
+
+    async def _upload(
+        self, h: site_pb2.UpdateHeader, chunks: AsyncIterator[Buffer], context: Any
+    ) -> int:
+        """An update whose header is ``h`` and payload ``chunks``, from the caller."""
         self.guard.site(context, h.site_id)
         self.api.touch(h.site_id)
         message = pki.upload_message(
@@ -177,16 +204,15 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
                 limiter.upload_started(context, h.site_id)
 
         try:
-            size = await self.api.upload(
+            return await self.api.upload(
                 _header_from_proto(h),
-                _payload(request_iterator),
+                chunks,
                 started,
                 check=lambda: self.guard.upload(context, message, h.signature),
             )
         except asyncio.CancelledError:  # an ordinary event: one line, the task given back
             _status(grpc.RpcError(), context.peer())
             raise
-        return site_pb2.UploadUpdateResponse(bytes_received=size)
 
     @mapped
     async def ReportFailure(

@@ -40,6 +40,8 @@ ADMIN_SERVICE = "fedra.v1.AdminService"
 DOWNLOAD_MODEL = f"/{SITE_SERVICE}/DownloadModel"
 UPLOAD_UPDATE = f"/{SITE_SERVICE}/UploadUpdate"
 EXPORT_MODEL = f"/{ADMIN_SERVICE}/ExportModel"
+# The largest payload UploadSmallUpdate takes: bigger updates go up in a stream of chunks.
+SMALL_UPLOAD_MAX_BYTES = 64 * 1024
 # The largest message the coordinator sends, and the admin client accepts: an unpaged
 # GetRun answers with a whole run, about 220 bytes per participation, so 64 MiB holds
 # some 300,000 (paged GetRun and WatchRun messages stay near 1 MiB however long the run).

@@ -63,6 +63,10 @@ def base_messages(arena: Arena, rpc: Rpc) -> list[Message]:
     if rpc.name == "UploadUpdate":
         (header, *_) = arena.upload_messages(ATTACKER, task_a, encode(delta(0.5)), key_of=ATTACKER)
         return [header, site_pb2.UpdateChunk(data=b"\x08\x00" * 8)]
+    if rpc.name == "UploadSmallUpdate":
+        payload = encode(delta(0.5))
+        (first, *_) = arena.upload_messages(ATTACKER, task_a, payload, key_of=ATTACKER)
+        return [site_pb2.UploadSmallUpdateRequest(header=first.header, payload=payload)]
     out = []
     for site_id in (ATTACKER, "site-a"):
         message = rpc.request()

@@ -276,6 +276,9 @@ def _naming(rpc: Rpc, site_id: str) -> bytes:
     if rpc.name == "UploadUpdate":
         header = site_pb2.UpdateHeader(site_id=site_id)
         return site_pb2.UpdateChunk(header=header).SerializeToString()
+    if rpc.name == "UploadSmallUpdate":
+        header = site_pb2.UpdateHeader(site_id=site_id)
+        return site_pb2.UploadSmallUpdateRequest(header=header).SerializeToString()
     message = rpc.request()
     message.site_id = site_id  # type: ignore[attr-defined]
     return message.SerializeToString()  # type: ignore[no-any-return]

@@ -12,15 +12,18 @@ import os
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 import torch
 from google.protobuf.message import Message
 
+from fedra.client.connection import Assignment, Connection
 from fedra.examples import synthetic
-from fedra.protos.codec import encode
+from fedra.protos.codec import decode, encode
 from fedra.protos.v1 import admin_pb2, admin_pb2_grpc, common_pb2, site_pb2, site_pb2_grpc
+from fedra.runspec import CodecSpec, TrainSpec
 from tests.conftest import InProcessCoordinator
 
 TASK = "fedra.examples.synthetic:task"
@@ -112,16 +115,28 @@ def messages(
 
 
 def upload(
-    c: InProcessCoordinator, msgs: Iterator[site_pb2.UpdateChunk]
-) -> site_pb2.UploadUpdateResponse:
-    return c.site.UploadUpdate(msgs, timeout=30)
+    c: InProcessCoordinator, msgs: Iterator[site_pb2.UpdateChunk], via: str = "stream"
+) -> int:
+    """The bytes the coordinator counted. ``via``: "stream" (UploadUpdate, the messages as
+    they are) or "unary" (UploadSmallUpdate: the header and the chunks joined)."""
+    if via == "stream":
+        return int(c.site.UploadUpdate(msgs, timeout=30).bytes_received)
+    first, *rest = msgs
+    request = site_pb2.UploadSmallUpdateRequest(
+        header=first.header, payload=b"".join(m.data for m in rest)
+    )
+    return int(c.site.UploadSmallUpdate(request, timeout=30).bytes_received)
 
 
 def refused(
-    c: InProcessCoordinator, msgs: Iterator[site_pb2.UpdateChunk], code: grpc.StatusCode, text: str
+    c: InProcessCoordinator,
+    msgs: Iterator[site_pb2.UpdateChunk],
+    code: grpc.StatusCode,
+    text: str,
+    via: str = "stream",
 ) -> None:
     with pytest.raises(grpc.RpcError) as info:
-        upload(c, msgs)
+        upload(c, msgs, via)
     err = info.value
     assert err.code() == code, err.details()
     assert text in err.details(), err.details()
@@ -164,7 +179,6 @@ def test_full_round_flow_downloads_the_initial_model_and_averages(
             messages(task, site, delta_payload(0.1 * (i + 1)), num_samples=10 * (i + 1)),
         )
     wait_round(coordinator, run_id, 1, "committed")
-    from fedra.protos.codec import decode
 
     export = coordinator.admin.ExportModel(admin_pb2.ExportModelRequest(run_id=run_id, round=1))
     model = decode(b"".join(m.data for m in export))
@@ -211,8 +225,9 @@ def test_full_round_flow_downloads_the_initial_model_and_averages(
         ("unregistered_site", grpc.StatusCode.NOT_FOUND, "not registered"),
     ],
 )
+@pytest.mark.parametrize("via", ["stream", "unary"])
 def test_bad_upload_is_refused_and_changes_nothing(
-    coordinator: InProcessCoordinator, case: str, code: grpc.StatusCode, text: str
+    coordinator: InProcessCoordinator, case: str, code: grpc.StatusCode, text: str, via: str
 ) -> None:
     run_id, tasks = start_round_one(coordinator)
     (site, task), (other_site, other_task) = sorted(tasks.items())
@@ -252,7 +267,7 @@ def test_bad_upload_is_refused_and_changes_nothing(
         "other_sites_task": lambda: messages(other_task, site, good),
         "unregistered_site": lambda: messages(task, "site-z", good),
     }[case]()
-    refused(coordinator, msgs, code, text)
+    refused(coordinator, msgs, code, text, via)
 
     # Nothing changed: both tasks still open, nothing accepted, nothing spooled.
     r1 = round_status(coordinator, run_id, 1)
@@ -315,6 +330,42 @@ def test_late_update_is_refused_and_the_site_gets_the_next_task(
     # The straggler simply gets the next round's task.
     r = coordinator.site.PollTask(site_pb2.PollTaskRequest(site_id=late_site), timeout=10)
     assert r.HasField("task") and r.task.round == 2
+
+
+def test_a_small_update_in_one_call_counts_as_a_streamed_one(
+    coordinator: InProcessCoordinator,
+) -> None:
+    run_id, tasks = start_round_one(coordinator)
+    (s1, t1), (s2, t2) = sorted(tasks.items())
+    payload = delta_payload(0.1)
+    assert upload(coordinator, messages(t1, s1, payload), via="unary") == len(payload)
+    again = messages(t1, s1, payload)
+    refused(coordinator, again, grpc.StatusCode.ALREADY_EXISTS, "already accepted", via="unary")
+    assert upload(coordinator, messages(t2, s2, delta_payload(0.3))) > 0  # the other, streamed
+    assert wait_round(coordinator, run_id, 1, "committed").updates == 2
+    export = coordinator.admin.ExportModel(admin_pb2.ExportModelRequest(run_id=run_id, round=1))
+    model = decode(b"".join(m.data for m in export))
+    for name, value in model_state().items():  # equal samples: the plain mean of the steps
+        torch.testing.assert_close(model[name], value + 0.2)
+
+
+def test_a_one_call_upload_without_a_header_or_too_large_is_refused(
+    coordinator: InProcessCoordinator,
+) -> None:
+    run_id, tasks = start_round_one(coordinator)
+    (site, task), _ = sorted(tasks.items())
+    no_header = site_pb2.UploadSmallUpdateRequest(payload=delta_payload())
+    large = encode({"linear.weight": torch.zeros(1, 20_000), "linear.bias": torch.zeros(1)})
+    (first, *_) = messages(task, site, large)
+    too_large = site_pb2.UploadSmallUpdateRequest(header=first.header, payload=large)
+    for request, text in ((no_header, "header"), (too_large, "send it with UploadUpdate")):
+        with pytest.raises(grpc.RpcError) as info:
+            coordinator.site.UploadSmallUpdate(request, timeout=30)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+        assert text in info.value.details(), info.value.details()
+    r1 = round_status(coordinator, run_id, 1)
+    assert r1.status == "open" and r1.updates == 0
+    assert upload(coordinator, messages(task, site, delta_payload()), via="unary") > 0
 
 
 def test_upload_must_start_with_a_header(coordinator: InProcessCoordinator) -> None:
@@ -443,7 +494,7 @@ def test_a_retry_of_an_accepted_update_is_answered_as_done(
     nonce, payload = os.urandom(16), delta_payload()
     first = upload(coordinator, messages(task, site, payload, nonce=nonce))
     again = upload(coordinator, messages(task, site, payload, nonce=nonce))
-    assert again.bytes_received == first.bytes_received == len(payload)
+    assert again == first == len(payload)
     assert round_status(coordinator, run_id, 1).updates == 1  # counted once
 
 
@@ -605,7 +656,7 @@ def test_an_upload_cut_off_mid_stream_is_given_back_quietly(
         threading.Event().wait(0.02)
     assert "unexpected error" not in caplog.text, caplog.text  # not an internal error
     assert "Traceback" not in caplog.text, caplog.text
-    assert upload(coordinator, messages(task, site, payload)).bytes_received == len(payload)
+    assert upload(coordinator, messages(task, site, payload)) == len(payload)
 
 
 def _cut_bytes(c: InProcessCoordinator, run_id: str, number: int) -> dict[str, int]:
@@ -1062,3 +1113,53 @@ def test_get_run_keeps_the_status_of_final_rounds_and_reads_only_the_rest(
         assert [r.number for r in small.rounds] == [0] and small.more_rounds_follow
     finally:
         store.read_run = original  # type: ignore[method-assign]
+
+
+def test_a_site_streams_its_small_update_to_a_coordinator_without_the_one_call_upload() -> None:
+    """A coordinator of a version before UploadSmallUpdate answers it UNIMPLEMENTED: the
+    site streams that update and every later one, as such a coordinator takes them."""
+    streamed: list[int] = []
+    tried_small: list[bool] = []
+
+    def upload_small(request: bytes, context: grpc.ServicerContext) -> bytes:
+        tried_small.append(True)  # as gRPC answers a method it does not know
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+        raise AssertionError("abort returns no more")
+
+    def upload_update(requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+        chunks = [site_pb2.UpdateChunk.FromString(r) for r in requests]
+        assert chunks[0].WhichOneof("part") == "header"
+        streamed.append(sum(len(c.data) for c in chunks[1:]))
+        return site_pb2.UploadUpdateResponse(bytes_received=streamed[-1]).SerializeToString()
+
+    older = grpc.server(ThreadPoolExecutor(2))
+    older.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "fedra.v1.SiteService",
+                {
+                    "UploadUpdate": grpc.stream_unary_rpc_method_handler(upload_update),
+                    "UploadSmallUpdate": grpc.unary_unary_rpc_method_handler(upload_small),
+                },
+            ),
+        )
+    )
+    port = older.add_insecure_port("127.0.0.1:0")
+    older.start()
+    conn = Connection(f"127.0.0.1:{port}", "site-a")
+    try:
+        task = Assignment(
+            task_id="t" * 32, run_id="r" * 12, round=1, init=False, entry_point=TASK,
+            train=TrainSpec(), seed=0, model_sha256="", model_bytes=0, deadline_in_s=60.0,
+            codec=CodecSpec(),
+        )  # fmt: skip
+        update = {k: torch.full_like(v, 0.01) for k, v in model_state().items()}
+        sizes = [
+            conn.upload(task, update, 10, {}, os.urandom(16), timeout_s=30).bytes_received
+            for _ in range(2)
+        ]
+    finally:
+        conn.close()
+        older.stop(None)
+    assert streamed == sizes == [len(encode(update))] * 2
+    assert tried_small == [True]  # asked once, then remembered

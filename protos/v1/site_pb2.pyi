@@ -486,6 +486,50 @@ class UploadUpdateResponse(_message.Message):
 Global___UploadUpdateResponse: _TypeAlias = UploadUpdateResponse  # noqa: Y015
 
 @_typing.final
+class UploadSmallUpdateRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    PAYLOAD_FIELD_NUMBER: _builtins.int
+    payload: _builtins.bytes
+    @_builtins.property
+    def header(self) -> Global___UpdateHeader:
+        """header.payload_bytes == len(payload)"""
+
+    def __init__(
+        self,
+        *,
+        header: Global___UpdateHeader | None = ...,
+        payload: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["header", b"header", "payload", b"payload"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UploadSmallUpdateRequest: _TypeAlias = UploadSmallUpdateRequest  # noqa: Y015
+
+@_typing.final
+class UploadSmallUpdateResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BYTES_RECEIVED_FIELD_NUMBER: _builtins.int
+    bytes_received: _builtins.int
+    def __init__(
+        self,
+        *,
+        bytes_received: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_received", b"bytes_received"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UploadSmallUpdateResponse: _TypeAlias = UploadSmallUpdateResponse  # noqa: Y015
+
+@_typing.final
 class ReportFailureRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -42,6 +42,11 @@ class SiteServiceStub:
     """Server-streamed global model for an assigned task."""
     UploadUpdate: _grpc.StreamUnaryMultiCallable[_site_pb2.UpdateChunk, _site_pb2.UploadUpdateResponse]
     """Client-streamed update: one header, then the payload in chunks."""
+    UploadSmallUpdate: _grpc.UnaryUnaryMultiCallable[_site_pb2.UploadSmallUpdateRequest, _site_pb2.UploadSmallUpdateResponse]
+    """An update whose payload fits in one message (at most 64 KiB): the same checks and
+    outcome as UploadUpdate, in one unary call (a client stream of one message costs the
+    coordinator about twice a unary call's CPU in gRPC alone).
+    """
     ReportFailure: _grpc.UnaryUnaryMultiCallable[_site_pb2.ReportFailureRequest, _site_pb2.ReportFailureResponse]
     """The site could not do its task (bad data, a crash in training code)."""
     SecAggKeys: _grpc.UnaryUnaryMultiCallable[_site_pb2.SecAggKeysRequest, _site_pb2.SecAggKeysResponse]
@@ -66,6 +71,11 @@ class SiteServiceAsyncStub(SiteServiceStub):
     """Server-streamed global model for an assigned task."""
     UploadUpdate: _aio.StreamUnaryMultiCallable[_site_pb2.UpdateChunk, _site_pb2.UploadUpdateResponse]  # type: ignore[assignment]
     """Client-streamed update: one header, then the payload in chunks."""
+    UploadSmallUpdate: _aio.UnaryUnaryMultiCallable[_site_pb2.UploadSmallUpdateRequest, _site_pb2.UploadSmallUpdateResponse]  # type: ignore[assignment]
+    """An update whose payload fits in one message (at most 64 KiB): the same checks and
+    outcome as UploadUpdate, in one unary call (a client stream of one message costs the
+    coordinator about twice a unary call's CPU in gRPC alone).
+    """
     ReportFailure: _aio.UnaryUnaryMultiCallable[_site_pb2.ReportFailureRequest, _site_pb2.ReportFailureResponse]  # type: ignore[assignment]
     """The site could not do its task (bad data, a crash in training code)."""
     SecAggKeys: _aio.UnaryUnaryMultiCallable[_site_pb2.SecAggKeysRequest, _site_pb2.SecAggKeysResponse]  # type: ignore[assignment]
@@ -117,6 +127,17 @@ class SiteServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_site_pb2.UploadUpdateResponse, _abc.Awaitable[_site_pb2.UploadUpdateResponse]]:
         """Client-streamed update: one header, then the payload in chunks."""
+
+    @_abc_1.abstractmethod
+    def UploadSmallUpdate(
+        self,
+        request: _site_pb2.UploadSmallUpdateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_site_pb2.UploadSmallUpdateResponse, _abc.Awaitable[_site_pb2.UploadSmallUpdateResponse]]:
+        """An update whose payload fits in one message (at most 64 KiB): the same checks and
+        outcome as UploadUpdate, in one unary call (a client stream of one message costs the
+        coordinator about twice a unary call's CPU in gRPC alone).
+        """
 
     @_abc_1.abstractmethod
     def ReportFailure(
