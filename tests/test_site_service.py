@@ -116,16 +116,16 @@ def messages(
 
 def upload(
     c: InProcessCoordinator, msgs: Iterator[site_pb2.UpdateChunk], via: str = "stream"
-) -> int:
-    """The bytes the coordinator counted. ``via``: "stream" (UploadUpdate, the messages as
-    they are) or "unary" (UploadSmallUpdate: the header and the chunks joined)."""
+) -> site_pb2.UploadUpdateResponse | site_pb2.UploadSmallUpdateResponse:
+    """The coordinator's reply. ``via``: "stream" (UploadUpdate, the messages as they are)
+    or "unary" (UploadSmallUpdate: the header and the chunks joined)."""
     if via == "stream":
-        return int(c.site.UploadUpdate(msgs, timeout=30).bytes_received)
+        return c.site.UploadUpdate(msgs, timeout=30)
     first, *rest = msgs
     request = site_pb2.UploadSmallUpdateRequest(
         header=first.header, payload=b"".join(m.data for m in rest)
     )
-    return int(c.site.UploadSmallUpdate(request, timeout=30).bytes_received)
+    return c.site.UploadSmallUpdate(request, timeout=30)
 
 
 def refused(
@@ -338,10 +338,11 @@ def test_a_small_update_in_one_call_counts_as_a_streamed_one(
     run_id, tasks = start_round_one(coordinator)
     (s1, t1), (s2, t2) = sorted(tasks.items())
     payload = delta_payload(0.1)
-    assert upload(coordinator, messages(t1, s1, payload), via="unary") == len(payload)
+    reply = upload(coordinator, messages(t1, s1, payload), via="unary")
+    assert reply.bytes_received == len(payload)
     again = messages(t1, s1, payload)
     refused(coordinator, again, grpc.StatusCode.ALREADY_EXISTS, "already accepted", via="unary")
-    assert upload(coordinator, messages(t2, s2, delta_payload(0.3))) > 0  # the other, streamed
+    upload(coordinator, messages(t2, s2, delta_payload(0.3)))  # the other, streamed
     assert wait_round(coordinator, run_id, 1, "committed").updates == 2
     export = coordinator.admin.ExportModel(admin_pb2.ExportModelRequest(run_id=run_id, round=1))
     model = decode(b"".join(m.data for m in export))
@@ -365,7 +366,7 @@ def test_a_one_call_upload_without_a_header_or_too_large_is_refused(
         assert text in info.value.details(), info.value.details()
     r1 = round_status(coordinator, run_id, 1)
     assert r1.status == "open" and r1.updates == 0
-    assert upload(coordinator, messages(task, site, delta_payload()), via="unary") > 0
+    assert upload(coordinator, messages(task, site, delta_payload()), via="unary").bytes_received
 
 
 def test_upload_must_start_with_a_header(coordinator: InProcessCoordinator) -> None:
@@ -494,7 +495,7 @@ def test_a_retry_of_an_accepted_update_is_answered_as_done(
     nonce, payload = os.urandom(16), delta_payload()
     first = upload(coordinator, messages(task, site, payload, nonce=nonce))
     again = upload(coordinator, messages(task, site, payload, nonce=nonce))
-    assert again == first == len(payload)
+    assert again.bytes_received == first.bytes_received == len(payload)
     assert round_status(coordinator, run_id, 1).updates == 1  # counted once
 
 
@@ -656,7 +657,7 @@ def test_an_upload_cut_off_mid_stream_is_given_back_quietly(
         threading.Event().wait(0.02)
     assert "unexpected error" not in caplog.text, caplog.text  # not an internal error
     assert "Traceback" not in caplog.text, caplog.text
-    assert upload(coordinator, messages(task, site, payload)) == len(payload)
+    assert upload(coordinator, messages(task, site, payload)).bytes_received == len(payload)
 
 
 def _cut_bytes(c: InProcessCoordinator, run_id: str, number: int) -> dict[str, int]:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -180,12 +182,42 @@ def test_the_cli_refuses_a_bad_window_before_touching_the_state_dir(tmp_path: Pa
     assert not state.exists()
 
 
+def test_a_small_update_goes_up_in_one_call_and_is_not_streamed() -> None:
+    update = {"w": torch.arange(10, dtype=torch.float32)}
+    payload = encode(update)
+    conn = Connection("127.0.0.1:1", "site-a")  # the channel connects lazily: never here
+    sent: list[site_pb2.UploadSmallUpdateRequest] = []
+
+    def fake_small(request: site_pb2.UploadSmallUpdateRequest, timeout: float) -> Any:
+        sent.append(request)
+        return site_pb2.UploadSmallUpdateResponse(bytes_received=len(request.payload))
+
+    def no_stream(messages: Iterator[site_pb2.UpdateChunk | bytes], timeout: float) -> Any:
+        raise AssertionError("a small update was streamed")
+
+    conn.stub = SimpleNamespace(UploadSmallUpdate=fake_small)  # type: ignore[assignment]
+    conn._upload_update = no_stream  # type: ignore[method-assign]
+    task = Assignment(
+        task_id="t", run_id="r", round=1, init=False, entry_point="m:t", train=TrainSpec(),
+        seed=0, model_sha256="", model_bytes=0, deadline_in_s=60.0, codec=CodecSpec(),
+    )  # fmt: skip
+    try:
+        done = conn.upload(task, update, 8, {}, os.urandom(16), timeout_s=5.0)
+    finally:
+        conn.close()
+    [request] = sent
+    assert request.payload == payload and request.header.payload_bytes == len(payload)
+    assert request.header.sha256 == hashlib.sha256(payload).hexdigest()
+    assert done.bytes_received == done.payload_bytes == len(payload)
+
+
 @pytest.mark.parametrize(
-    ("elements", "limit"), [(1 << 20, 1 << 20), (1 << 20, 100_000), (10, 1 << 20)]
+    ("elements", "limit"), [(1 << 20, 1 << 20), (1 << 20, 100_000), (20_000, 1 << 20)]
 )
 def test_a_site_uploads_in_chunks_sized_to_its_update(elements: int, limit: int) -> None:
     """A 4 MiB update goes up in 1/16ths (a stream then holds a fraction of it), a session's
-    smaller agreed chunk size wins, and a tiny update goes in one message."""
+    smaller agreed chunk size wins, and an update just over what one call takes (80 KB)
+    goes in chunks of 64 KiB, the least chunk."""
     update = {"w": torch.arange(elements, dtype=torch.float32)}
     payload = encode(update)
     conn = Connection("127.0.0.1:1", "site-a")  # the channel connects lazily: never here
@@ -210,7 +242,7 @@ def test_a_site_uploads_in_chunks_sized_to_its_update(elements: int, limit: int)
     sizes = [len(wire.parse_update_chunk(m)) for m in data]  # type: ignore[arg-type]
     chunk = transfer_chunk_bytes(len(payload), limit)
     assert sizes[:-1] == [chunk] * (len(sizes) - 1) and sum(sizes) == len(payload)
-    if elements == 10:
-        assert sizes == [len(payload)]
+    if elements == 20_000:
+        assert sizes == [64 * 1024, len(payload) - 64 * 1024]
     else:
         assert chunk == (len(payload) // 16 if limit == 1 << 20 else limit)
