@@ -91,7 +91,10 @@ def test_poisson_round_with_an_empty_sample_commits_the_noise_alone(
     assert r1.metrics["privacy_epsilon"] == pytest.approx(epsilon_after(event, 1, 1e-5))
     before, after = model_state(), exported(c, run_id, 1)
     noise = torch.cat([(after[k] - before[k]).flatten() for k in before])
-    assert 0.05 < float(noise.std()) < 0.2  # noise std clip * z / sites_per_round = 0.1
+    # Noise std clip * z / sites_per_round = 0.1. Nine draws: 8 s^2 / 0.01 is chi-squared
+    # with 8 degrees of freedom, so 0.02 < s < 0.25 fails by chance once in 50,000 runs
+    # (0.05 < s failed once in 50: the noise comes from secret randomness, not a seed).
+    assert 0.02 < float(noise.std()) < 0.25
 
 
 def test_fixed_size_round_waits_for_the_declared_population(
