@@ -182,6 +182,14 @@ def test_the_cli_refuses_a_bad_window_before_touching_the_state_dir(tmp_path: Pa
     assert not state.exists()
 
 
+def _assignment() -> Assignment:
+    """A task to upload for, as a Connection takes it (no coordinator behind it here)."""
+    return Assignment(
+        task_id="t", run_id="r", round=1, init=False, entry_point="m:t", train=TrainSpec(),
+        seed=0, model_sha256="", model_bytes=0, deadline_in_s=60.0, codec=CodecSpec(),
+    )  # fmt: skip
+
+
 def test_a_small_update_goes_up_in_one_call_and_is_not_streamed() -> None:
     update = {"w": torch.arange(10, dtype=torch.float32)}
     payload = encode(update)
@@ -197,10 +205,7 @@ def test_a_small_update_goes_up_in_one_call_and_is_not_streamed() -> None:
 
     conn.stub = SimpleNamespace(UploadSmallUpdate=fake_small)  # type: ignore[assignment]
     conn._upload_update = no_stream  # type: ignore[method-assign]
-    task = Assignment(
-        task_id="t", run_id="r", round=1, init=False, entry_point="m:t", train=TrainSpec(),
-        seed=0, model_sha256="", model_bytes=0, deadline_in_s=60.0, codec=CodecSpec(),
-    )  # fmt: skip
+    task = _assignment()
     try:
         done = conn.upload(task, update, 8, {}, os.urandom(16), timeout_s=5.0)
     finally:
@@ -229,10 +234,7 @@ def test_a_site_uploads_in_chunks_sized_to_its_update(elements: int, limit: int)
         return site_pb2.UploadUpdateResponse(bytes_received=len(payload))
 
     conn._upload_update = fake_upload  # type: ignore[method-assign]
-    task = Assignment(
-        task_id="t", run_id="r", round=1, init=False, entry_point="m:t", train=TrainSpec(),
-        seed=0, model_sha256="", model_bytes=0, deadline_in_s=60.0, codec=CodecSpec(),
-    )  # fmt: skip
+    task = _assignment()
     try:
         conn.upload(task, update, 8, {}, os.urandom(16), timeout_s=5.0)
     finally:
