@@ -116,7 +116,7 @@ class AdminReads(admin_pb2_grpc.AdminServiceServicer):
         source = self.reads.source
 
         def read() -> list[admin_pb2.RunStatus]:
-            records = source.store.list_runs()
+            records = source.records.list_runs()
             return [run_header(source, r, self.guard.insecure) for r in records]
 
         return admin_pb2.ListRunsResponse(runs=await self.reads.read(read))

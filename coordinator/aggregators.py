@@ -46,7 +46,7 @@ from fedra.runspec import CodecSpec, RunSpec
 from fedra.secagg import SecAggError
 
 if TYPE_CHECKING:
-    from fedra.coordinator.secure import SecureRound
+    from fedra.coordinator.engine.secure import SecureRound
     from fedra.coordinator.state import Assignment
 
 log = logging.getLogger("fedra.coordinator")
@@ -326,7 +326,7 @@ class SecureSum(Aggregator):
         return self._round
 
     def begin(self, attempt: Attempt) -> None:
-        from fedra.coordinator.secure import SecureRound  # noqa: PLC0415 - it imports state
+        from fedra.coordinator.engine.secure import SecureRound  # noqa: PLC0415 - it imports state
 
         length = sum(s.numel for _, s in floating_layout(attempt.specs))
         self._round = SecureRound(

@@ -25,10 +25,9 @@ import time
 from collections.abc import AsyncIterator, Callable, Generator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
-from fedra.coordinator import secure, uploads
-from fedra.coordinator.engine import Engine, EngineSettings, TaskView
+from fedra.coordinator.engine import Engine, EngineSettings, TaskView, secure, uploads
 from fedra.coordinator.errors import FedraError
 from fedra.coordinator.wakeups import LoopInbox, Ticket, run_key, site_key, stage_key
 from fedra.faults import crash_point
@@ -77,25 +76,17 @@ class CoordinatorAPI:
         """``fn(*args)``, a short step under the engine's lock that neither waits nor does
         I/O: run here on the loop if the lock is free this instant (no thread hand-off),
         else in the executor. The loop never waits for the lock."""
-        lock = self.engine.lock
-        if lock.acquire(blocking=False):
-            try:
-                return fn(*args)
-            finally:
-                lock.release()
+        ran, out = self.engine.if_free(fn, *args)
+        if ran:
+            return cast(T, out)
         return await self.call(fn, *args)
 
     def soon(self, fn: Callable[..., object], *args: Any) -> None:
         """``quick`` not waited for: now if the engine's lock is free, else in the
         executor (a clean-up that must not wait, nor be lost to a cancellation)."""
-        lock = self.engine.lock
-        if lock.acquire(blocking=False):
-            try:
-                fn(*args)
-            finally:
-                lock.release()
-        else:
-            self.later(_locked, self.engine, fn, *args)
+        ran, _ = self.engine.if_free(fn, *args)
+        if not ran:
+            self.later(self.engine.locked, fn, *args)
 
     async def call(
         self, fn: Callable[..., T], *args: Any, executor: ThreadPoolExecutor | None = None
@@ -408,9 +399,7 @@ class CoordinatorAPI:
         def on_loop() -> None:
             # Not run holding the lock: ``end`` takes it (and a run's fold lock, which is
             # taken before the engine's elsewhere) itself. Free now, it is soon again.
-            lock = self.engine.lock
-            if lock.acquire(blocking=False):
-                lock.release()
+            if self.engine.is_free():
                 _settle(done, end)
             else:
                 aside: Future[None] = Future()
@@ -593,11 +582,6 @@ def _read_chunk(chunks: Generator[bytes, None, None], last: bool, digest: str) -
     if last and data is not None and next(chunks, None) is not None:
         raise BlobCorruptError(digest, "something else: the file is longer than recorded")
     return data
-
-
-def _locked(engine: Engine, fn: Callable[..., object], *args: Any) -> None:
-    with engine.lock:
-        fn(*args)
 
 
 def _give_back(engine: Engine, held: _Held) -> None:

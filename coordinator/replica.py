@@ -71,7 +71,7 @@ from fedra.coordinator.observers import Observer, Observers
 from fedra.lifetime import die_with_parent
 from fedra.protos import wire
 from fedra.protos.v1 import admin_pb2, admin_pb2_grpc
-from fedra.storage.records import SiteRecord
+from fedra.storage.records import RunReads, SiteRecord
 from fedra.storage.store import Store
 
 if TYPE_CHECKING:
@@ -158,7 +158,7 @@ class LiveSnapshot:
     def build(self) -> dict[str, Any]:
         engine = self.engine
         runs = {}
-        for run_id in list(engine.runs):  # one atomic copy: runs start and end
+        for run_id in engine.active_run_ids():
             runs[run_id] = {
                 "waiting": engine.waiting_reason(run_id),
                 "phase": list(engine.run_phase(run_id)),
@@ -407,7 +407,7 @@ class Replica:
 
     # StatusSource
     @property
-    def store(self) -> Store:
+    def records(self) -> RunReads:
         return self._store
 
     @property

@@ -498,8 +498,7 @@ def _serve(config: CoordinatorConfig, tls: pki.TlsFiles | None) -> None:
         if server is not None:
             server.stop(0)
         engine.stop()
-        engine.observers.close()  # a tracker's writer thread, its files
-        engine.store.close()
+        engine.close()  # a tracker's writer thread, its files; the database
         raise
     try:
         _run(config, engine, server, port, endpoint, admin_port, reads, region)
@@ -568,7 +567,7 @@ def _run(
         signal.signal(sig, lambda *_: stop.set())
     lost = False
     while not stop.wait(CLAIM_CHECK_S):
-        if not engine.store.check_claim():  # another coordinator drives its runs now
+        if not engine.holds_claim():  # another coordinator drives its runs now
             log.critical(
                 "this coordinator lost its hold on the database (its connection dropped) "
                 "and another coordinator took it: stopping, so that one drives its runs"
@@ -614,13 +613,10 @@ def _replica_spec(config: CoordinatorConfig, socket: Path) -> ReplicaSpec:
 
 def shutdown(server: Server, engine: Engine, grace_s: float) -> None:
     """Stop in the order that loses nothing: long polls first, then calls, then drivers."""
-    with engine.lock:
-        engine.stopping = True
-        engine.notify()  # waiting calls return at once
+    engine.begin_stop()  # waiting calls return at once
     server.stop(grace_s).wait()
     engine.stop()
-    engine.observers.close()
-    engine.store.close()
+    engine.close()
 
 
 def _redact(url: str) -> str:

@@ -12,12 +12,11 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from fedra import pki
-from fedra.coordinator import uploads
 from fedra.coordinator.admin_reads import WATCH_GAP_S, AdminReads
 from fedra.coordinator.api import CoordinatorAPI
 from fedra.coordinator.auth import Guard
 from fedra.coordinator.edge import _status, mapped, mapped_stream
-from fedra.coordinator.engine import TaskView
+from fedra.coordinator.engine import TaskView, uploads
 from fedra.coordinator.errors import InvalidArgument
 from fedra.protos import wire
 from fedra.protos.codec import Buffer

@@ -18,7 +18,7 @@ from fedra.protos.codec import TensorSpec
 from fedra.runspec import CodecSpec, RunSpec
 
 if TYPE_CHECKING:
-    from fedra.coordinator.secure import SecureRound
+    from fedra.coordinator.engine.secure import SecureRound
 
 INIT_ROUND = 0
 # The ledger event that closes a failed attempt (its data names the attempt).

@@ -21,8 +21,7 @@ from fedra.protos import wire
 from fedra.protos.serde import runspec_to_proto
 from fedra.protos.v1 import admin_pb2
 from fedra.runspec import RunSpec
-from fedra.storage.records import ParticipationRecord, RoundRecord, RunRecord, RunView
-from fedra.storage.store import Store
+from fedra.storage.records import ParticipationRecord, RoundRecord, RunReads, RunRecord, RunView
 
 log = logging.getLogger("fedra.coordinator")
 
@@ -33,7 +32,9 @@ class StatusSource(Protocol):
     operators' read process is another (a snapshot the engine writes: ``replica``)."""
 
     @property
-    def store(self) -> Store: ...
+    def records(self) -> RunReads:
+        """The stored runs, read-only."""
+        ...
 
     def waiting_reason(self, run_id: str) -> str:
         """Why a driven run with no round open waits ('' if it does not)."""
@@ -73,7 +74,7 @@ def run_status(
 
 
 def read_run(engine: StatusSource, run_id: str, since: int, limit: int | None = None) -> RunView:
-    view = engine.store.read_run(run_id, since=since, limit=limit)
+    view = engine.records.read_run(run_id, since=since, limit=limit)
     if view is None:
         raise NotFound(f"no run {run_id!r}")
     return view
@@ -438,7 +439,9 @@ def _with_rounds(
 _PROVENANCE_KINDS = (PROVENANCE_EVENT, RUN_PROVENANCE_EVENT)
 _provenance_lock = threading.Lock()
 # By (store, run): the latest provenance event read, and what was built from the events.
-_provenance: weakref.WeakKeyDictionary[Store, OrderedDict[str, tuple[int, admin_pb2.RunProvenance]]]
+_provenance: weakref.WeakKeyDictionary[
+    RunReads, OrderedDict[str, tuple[int, admin_pb2.RunProvenance]]
+]
 _provenance = weakref.WeakKeyDictionary()
 _PROVENANCE_KEPT = 64
 
@@ -450,7 +453,7 @@ def run_provenance(engine: StatusSource, record: RunRecord) -> admin_pb2.RunProv
     the ledger has a provenance event it was not built from (a page of a 1,000-site run
     otherwise read and parsed a thousand events each time). Shared: copy it, never
     change it."""
-    store, key = engine.store, record.id
+    store, key = engine.records, record.id
     last = store.last_event_id(record.id, _PROVENANCE_KINDS)
     with _provenance_lock:
         runs = _provenance.setdefault(store, OrderedDict())
@@ -470,7 +473,7 @@ def _build_provenance(engine: StatusSource, record: RunRecord) -> admin_pb2.RunP
     out = admin_pb2.RunProvenance(spec_sha256=hashlib.sha256(record.spec_json.encode()).hexdigest())
     sites: dict[str, admin_pb2.SiteProvenance] = {}
     digests: dict[str, set[str]] = {}
-    for e in engine.store.list_events(record.id, _PROVENANCE_KINDS):
+    for e in engine.records.list_events(record.id, _PROVENANCE_KINDS):
         d = e.data
         if e.kind == RUN_PROVENANCE_EVENT:
             out.coordinator_version = str(d.get("coordinator_version", ""))

@@ -25,7 +25,7 @@ class StatusPages:
         self.kept = FinalRounds(max_bytes=16 << 20)
 
     def runs(self) -> list[dict[str, Any]]:
-        records = self.engine.store.list_runs()
+        records = self.engine.records.list_runs()
         return [_run(run_header(self.engine, r, self.insecure)) for r in reversed(records)]
 
     def run(self, run_id: str) -> dict[str, Any]:

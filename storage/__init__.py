@@ -9,6 +9,7 @@ from fedra.storage.records import (
     EventRecord,
     ParticipationRecord,
     RoundRecord,
+    RunReads,
     RunRecord,
     SiteRecord,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "EventRecord",
     "ParticipationRecord",
     "RoundRecord",
+    "RunReads",
     "RunRecord",
     "SiteRecord",
     "Store",

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 
 @dataclass(frozen=True)
@@ -108,3 +110,18 @@ class RunView:
     participations: list[ParticipationRecord]
     checkpoints: list[CheckpointRecord]
     more_rounds: bool = False  # rounds after these exist (a read with a limit)
+
+
+class RunReads(Protocol):
+    """The reads a run's status is built from: ``Store`` is one. What a reader that must
+    not write is handed (the engine's ``records``, the read process's database)."""
+
+    def list_runs(self, states: Sequence[str] | None = None) -> list[RunRecord]: ...
+
+    def read_run(
+        self, run_id: str, *, since: int = 0, limit: int | None = None
+    ) -> RunView | None: ...
+
+    def list_events(self, run_id: str, kinds: tuple[str, ...] = ()) -> list[EventRecord]: ...
+
+    def last_event_id(self, run_id: str, kinds: tuple[str, ...]) -> int: ...

@@ -227,7 +227,7 @@ class Arena:
         """The database's rows (less VOLATILE columns, less the attacker's own site row,
         which its Register may rewrite), every file of the blob stores, the tasks' states."""
         rows: dict[str, Any] = {}
-        with self.engine.store.engine.connect() as conn:
+        with self.engine._store.engine.connect() as conn:
             for table in TABLES:
                 result = conn.execute(text(f"SELECT * FROM {table}"))
                 keep = [c for c in result.keys() if c not in VOLATILE.get(table, set())]  # noqa: SIM118

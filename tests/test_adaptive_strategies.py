@@ -12,7 +12,7 @@ from torch.testing import assert_close
 
 from fedra.config import ConfigError
 from fedra.coordinator.aggregation import STEP_KEY, ServerOptimizer
-from fedra.coordinator.rounds import stepped_model
+from fedra.coordinator.engine.rounds import stepped_model
 from fedra.protos.codec import decode, encode, encode_chunks, spec_of
 from fedra.protos.serde import runspec_from_proto, runspec_to_proto
 from fedra.protos.v1 import admin_pb2

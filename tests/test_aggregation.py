@@ -14,7 +14,7 @@ import torch
 from torch.testing import assert_close
 
 from fedra.coordinator.aggregation import ServerOptimizer, WeightedSum, accumulation_dtype
-from fedra.coordinator.rounds import stepped_model, weighted_metrics
+from fedra.coordinator.engine.rounds import stepped_model, weighted_metrics
 from fedra.metrics import format_metric, is_count_metric
 from fedra.protos.codec import StreamDecoder, decode, encode, encode_chunks, spec_of
 from fedra.runspec import STRATEGY_PARAMS, RunSpec

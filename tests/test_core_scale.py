@@ -361,7 +361,7 @@ def test_status_and_site_list_answer_while_the_engine_lock_is_held(
     held, release = threading.Event(), threading.Event()
 
     def hold() -> None:
-        with coordinator.engine.lock:
+        with coordinator.engine._lock:
             held.set()
             release.wait(20)
 

@@ -52,7 +52,7 @@ def _update(site: str) -> bytes:
 def _committed(c: InProcessCoordinator, run_id: str) -> str:
     """Round 1's checkpoint digest, once it is committed."""
     wait_round(c, run_id, 1, "committed")
-    ckpt = c.engine.store.get_checkpoint(run_id, 1)
+    ckpt = c.engine._store.get_checkpoint(run_id, 1)
     assert ckpt is not None
     return ckpt.model_sha256
 

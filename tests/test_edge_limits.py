@@ -255,7 +255,7 @@ def _paced(
 
 
 def _run_state(c: InProcessCoordinator, run_id: str) -> str:
-    record = c.engine.store.get_run(run_id)
+    record = c.engine._store.get_run(run_id)
     assert record is not None
     return record.state
 
@@ -292,7 +292,7 @@ def test_a_site_silent_mid_upload_loses_its_task_after_the_site_timeout(
         cut_after = time.monotonic() - went_silent
         assert 1.5 < cut_after < 6, cut_after
         _wait_for(lambda: _run_state(quick, run_id) == "completed", "the run completed", 15)
-        failed = quick.engine.store.get_participation(tasks["site-b"].task_id)
+        failed = quick.engine._store.get_participation(tasks["site-b"].task_id)
         assert failed is not None and failed.state == "failed"
         assert "went silent" in failed.error, failed.error
         assert "went silent mid-upload" in caplog.text
@@ -314,7 +314,7 @@ def test_a_slow_upload_of_a_site_that_heartbeats_is_not_cut(quick: InProcessCoor
         upload(quick, messages(tasks["site-a"], "site-a", delta_payload()))
         assert slow.result(timeout=20).bytes_received == len(payload)
         _wait_for(lambda: _run_state(quick, run_id) == "completed", "the run completed", 15)
-        accepted = quick.engine.store.get_participation(tasks["site-b"].task_id)
+        accepted = quick.engine._store.get_participation(tasks["site-b"].task_id)
         assert accepted is not None and accepted.state == "accepted"
     finally:
         never.set()

@@ -213,7 +213,7 @@ def test_a_refused_upload_is_undone_before_the_refusal_is_sent(coordinator: Aren
         while state() == start and time.monotonic() < deadline:
             time.sleep(0.005)  # readiness poll: until the coordinator holds the upload
         assert state() != start, "the upload never began"
-        with a.engine.lock:
+        with a.engine._lock:
             last_chunk.set()
             caller.join(1.0)  # it may not answer while the give-back waits for the lock
             if not caller.is_alive():  # answered: then it must have been undone already
@@ -427,7 +427,7 @@ def test_remote_text_is_escaped_and_cut_in_the_log_and_the_status(coordinator: A
     (line,) = [r.getMessage() for r in a.log.records if "failed its task" in r.getMessage()]
     assert "boom\\nCRITICAL fedra.coordinator: forged \\x1b[2J" in line and len(line) < 600
     assert not a.log.problems()
-    stored = a.engine.store.get_participation(a.tasks["site-a"].task_id)
+    stored = a.engine._store.get_participation(a.tasks["site-a"].task_id)
     assert stored is not None and "\n" not in stored.error and "\x1b" not in stored.error
     assert stored.error.startswith("site reported: boom\\nCRITICAL")
 

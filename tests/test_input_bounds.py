@@ -14,7 +14,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from fedra.coordinator import uploads
+from fedra.coordinator.engine import uploads
 from fedra.coordinator.errors import InvalidArgument
 from fedra.protos import wire
 from fedra.protos.codec import (
@@ -222,7 +222,7 @@ def test_what_a_site_registers_is_bounded_as_it_is_stored(
         coordinator.site.Register(request)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert text in (info.value.details() or "")
-    assert coordinator.engine.store.list_sites() == []
+    assert coordinator.engine._store.list_sites() == []
 
 
 @pytest.mark.parametrize(("key", "value"), [("name", "n" * 201), ("task", "p.m:" + "t" * 297)])

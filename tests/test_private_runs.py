@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fedra.accounting import Accountant, RoundEvent, epsilon_after
-from fedra.coordinator.rounds import ACCOUNTANT_KEY
+from fedra.coordinator.engine.rounds import ACCOUNTANT_KEY
 from fedra.local import LocalCluster
 from fedra.protos.codec import decode_chunks
 from fedra.protos.v1 import admin_pb2

@@ -123,8 +123,8 @@ def test_a_harmful_site_never_gets_a_worse_model_promoted(tmp_path: Path) -> Non
 @pytest.mark.parametrize("name", ["promoted_round", "promotion_best", "rounds_unpromoted",
                                   "privacy_epsilon", "staleness"])  # fmt: skip
 def test_a_site_cannot_report_the_coordinator_s_own_metrics(name: str) -> None:
+    from fedra.coordinator.engine.uploads import UpdateHeader, _check_header_fields
     from fedra.coordinator.errors import InvalidArgument
-    from fedra.coordinator.uploads import UpdateHeader, _check_header_fields
 
     header = UpdateHeader(
         site_id="s", run_id="r", round=1, task_id="t", num_samples=1, metrics={name: 7.0},

@@ -65,12 +65,12 @@ def test_a_retry_while_its_round_closes_is_answered_as_accepted(tmp_path: Path) 
         nonce, payload = os.urandom(16), delta_payload()
         upload(c, messages(task, site, payload, nonce=nonce))
         run = c.engine.runs[run_id]
-        with c.engine.lock:
+        with c.engine._lock:
             run.closing = True  # what the driver sets before it commits
         try:
             reply = upload(c, messages(task, site, payload, nonce=nonce))
         finally:
-            with c.engine.lock:
+            with c.engine._lock:
                 run.closing = False
         assert reply.bytes_received == len(payload)
         status = c.admin.GetRun(admin_pb2.GetRunRequest(run_id=run_id))
@@ -80,7 +80,7 @@ def test_a_retry_while_its_round_closes_is_answered_as_accepted(tmp_path: Path) 
 
 
 def _attempt_failures(c: InProcessCoordinator, run_id: str) -> list[tuple[int | None, str]]:
-    events = c.engine.store.list_events(run_id)
+    events = c.engine._store.list_events(run_id)
     return [(e.round_number, e.message) for e in events if e.kind == "attempt_failed"]
 
 
@@ -118,7 +118,7 @@ def test_an_attempt_that_failed_before_a_restart_is_not_failed_again(tmp_path: P
         assert [n for n, _ in failures] == [1, 1], failures
         assert "attempt 1: 1 of the 3 required updates" in failures[0][1], failures
         assert "attempt 2: 0 of the 3 required updates" in failures[1][1], failures
-        assert again.engine.store.get_run(run_id).state == "failed"  # type: ignore[union-attr]
+        assert again.engine._store.get_run(run_id).state == "failed"  # type: ignore[union-attr]
     finally:
         again.close()
 
@@ -183,7 +183,7 @@ def test_a_last_attempt_that_failed_before_a_restart_ends_the_run(
         if name == "after_attempt_failed":
             raise _Killed
 
-    monkeypatch.setattr("fedra.coordinator.rounds.crash_point", crash_point)
+    monkeypatch.setattr("fedra.coordinator.engine.rounds.crash_point", crash_point)
     monkeypatch.setattr("threading.excepthook", lambda args: None)  # the driver's "death"
     first = InProcessCoordinator(tmp_path / "state", QUICK)
     try:
@@ -193,11 +193,11 @@ def test_a_last_attempt_that_failed_before_a_restart_ends_the_run(
         _wait_until(first, lambda: len(_attempt_failures(first, run_id)) == 1, 20)
     finally:
         first.close()
-    assert first.engine.store.get_run(run_id).state == "running"  # type: ignore[union-attr]
+    assert first.engine._store.get_run(run_id).state == "running"  # type: ignore[union-attr]
     monkeypatch.undo()
     again = InProcessCoordinator(tmp_path / "state", QUICK)
     try:
-        record = again.engine.store.get_run(run_id)
+        record = again.engine._store.get_run(run_id)
         assert record is not None and record.state == "failed", record
         assert "gave up after 1 attempts" in record.reason
         assert len(_attempt_failures(again, run_id)) == 1
@@ -220,7 +220,7 @@ def test_a_spooled_update_damaged_across_a_restart_fails_its_task_alone(
         (a, ta), (b, tb) = sorted(tasks.items())[:2]
         upload(first, messages(ta, a, delta_payload(0.1)))
         upload(first, messages(tb, b, delta_payload(0.2)))
-        damaged = first.engine.store.get_participation(ta.task_id)
+        damaged = first.engine._store.get_participation(ta.task_id)
         assert damaged is not None and damaged.update_sha256
         path = first.engine.updates.blobs.path(damaged.update_sha256)
         assert path.exists() == (where == "file")
@@ -246,7 +246,7 @@ def test_a_spooled_update_damaged_across_a_restart_fails_its_task_alone(
     try:
         run = again.engine.runs[run_id]
         assert run.assignments[a].state == "failed" and run.assignments[b].state == "accepted"
-        part = again.engine.store.get_participation(ta.task_id)
+        part = again.engine._store.get_participation(ta.task_id)
         assert part is not None and "damaged in the spool" in part.error
         assert not path.exists()
     finally:

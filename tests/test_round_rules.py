@@ -15,7 +15,7 @@ import torch
 
 from fedra.client.connection import Connection
 from fedra.coordinator.engine import EngineSettings
-from fedra.coordinator.folding import fold
+from fedra.coordinator.engine.folding import fold
 from fedra.protos.codec import decode, encode, transfer_chunk_bytes
 from fedra.protos.v1 import admin_pb2, common_pb2, site_pb2, site_pb2_grpc
 from fedra.storage.blobs import BLOCK_BYTES
@@ -244,7 +244,7 @@ def test_a_coordinator_that_lost_its_database_refuses_writes_as_unavailable(
     UNAVAILABLE (the site retries, reaching the one that holds it), and reads still work."""
     c = coordinator
     register(c, SITES[0])
-    c.engine.store._fenced = True  # as check_claim leaves it when another took the database
+    c.engine._store._fenced = True  # as check_claim leaves it when another took the database
     with pytest.raises(grpc.RpcError) as refused:
         register(c, SITES[1])
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -302,7 +302,7 @@ def test_waiting_calls_hold_no_thread_and_others_are_served_meanwhile(tmp_path: 
     try:
         register(c, *sites)
         spec = RunSpec(name="watched", task=TASK, rounds=1).validate()
-        c.engine.store.create_run("watched", "watched", TASK, spec.to_json(), 1.0)
+        c.engine._store.create_run("watched", "watched", TASK, spec.to_json(), 1.0)
         watch = c.admin.WatchRun(admin_pb2.WatchRunRequest(run_id="watched"), timeout=60)
         assert next(watch).state == "pending"
         threads_before = threading.active_count()

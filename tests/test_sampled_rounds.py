@@ -12,8 +12,8 @@ import torch
 
 from fedra.accounting import Accountant, RoundEvent, epsilon_after
 from fedra.coordinator.aggregation import ServerOptimizer
-from fedra.coordinator.recovery import restore_accountant
-from fedra.coordinator.rounds import ACCOUNTANT_KEY, LEGACY_ACCOUNTANT_KEY, draw
+from fedra.coordinator.engine.recovery import restore_accountant
+from fedra.coordinator.engine.rounds import ACCOUNTANT_KEY, LEGACY_ACCOUNTANT_KEY, draw
 from fedra.coordinator.state import ActiveRun
 from fedra.privacy import PrivacyError
 from fedra.protos.codec import encode

@@ -573,7 +573,7 @@ def test_a_watch_shows_a_download_and_keeps_reading_its_round_until_it_is_writte
         admin_pb2.WatchRunRequest(run_id=run_id, changed_rounds_only=True), timeout=4
     )
     next(changes)
-    store = coordinator.engine.store
+    store = coordinator.engine._store
     original, release = store.mark_downloaded_many, threading.Event()
 
     def _late(
@@ -769,7 +769,7 @@ def _long_run(coordinator: InProcessCoordinator, run_id: str = "long-run") -> st
     """Six rounds of ten sites with a long error each: about 1 MB of status per round."""
     from fedra.runspec import RunSpec
 
-    store = coordinator.engine.store
+    store = coordinator.engine._store
     spec = RunSpec(name="long", task=TASK, rounds=6, sites_per_round=10, min_sites=1)
     store.create_run(run_id, "long", TASK, spec.validate().to_json(), 1.0)
     sites = [f"site-{i}" for i in range(10)]
@@ -839,7 +839,7 @@ def test_a_page_reads_rounds_in_batches_until_it_is_full(
     from fedra.coordinator.status import run_page, run_status
     from fedra.runspec import RunSpec
 
-    store, run_id = coordinator.engine.store, "many-rounds"
+    store, run_id = coordinator.engine._store, "many-rounds"
     spec = RunSpec(name="many", task=TASK, rounds=40, sites_per_round=2, min_sites=1)
     store.create_run(run_id, "many", TASK, spec.validate().to_json(), 1.0)
     for number in range(40):
@@ -911,7 +911,7 @@ def test_a_round_commits_only_once_its_downloads_are_counted(
     """Downloads are written in the background; the round's commit waits for them, so a
     committed round's ledger (bytes, the distribute stage) is whole."""
     run_id, tasks = start_round_one(coordinator)
-    store = coordinator.engine.store
+    store = coordinator.engine._store
     original, release = store.mark_downloaded_many, threading.Event()
 
     def _held(
@@ -1035,7 +1035,7 @@ def test_get_run_shares_a_large_page_for_a_moment_and_shows_a_cancel_at_once(
     monkeypatch.setattr(pages, "max_age_s", 60.0)
     monkeypatch.setattr(pages, "share", 1e-6)
     run_id, tasks = start_round_one(coordinator)
-    store = coordinator.engine.store
+    store = coordinator.engine._store
     reads: list[int] = []
     original = store.read_run
 
@@ -1073,7 +1073,7 @@ def test_get_run_keeps_the_status_of_final_rounds_and_reads_only_the_rest(
     from fedra.runspec import RunSpec
     from fedra.storage.records import CheckpointRecord
 
-    store, run_id = coordinator.engine.store, "kept-rounds"
+    store, run_id = coordinator.engine._store, "kept-rounds"
     spec = RunSpec(name="kept", task=TASK, rounds=6, sites_per_round=2, min_sites=1)
     store.create_run(run_id, "kept", TASK, spec.validate().to_json(), 1.0)
 

@@ -246,10 +246,10 @@ def test_a_small_update_needs_no_file_and_its_row_lets_go_once_the_round_ends(
     (s1, t1), (s2, t2) = sorted(tasks.items())
     upload(c, messages(t1, s1, delta_payload(0.1)))
     assert _spool_files(c) == []  # durable in its row, with its accept
-    assert c.engine.store.holding_update_data() == [t1.task_id]
+    assert c.engine._store.holding_update_data() == [t1.task_id]
     upload(c, messages(t2, s2, delta_payload(0.3)))
     wait_round(c, run_id, 1, "committed")
-    assert _until(lambda: c.engine.store.holding_update_data() == [])
+    assert _until(lambda: c.engine._store.holding_update_data() == [])
     assert _spool_files(c) == []
 
 
@@ -279,7 +279,7 @@ def test_a_small_update_accepted_before_a_restart_counts_after_it(tmp_path: Path
         model = decode(b"".join(m.data for m in again.admin.ExportModel(export, timeout=30)))
         for name, value in model_state().items():  # both sent 10 samples: the plain mean
             torch.testing.assert_close(model[name], value + (0.1 + 0.3) / 2)
-        assert _until(lambda: again.engine.store.holding_update_data() == [])
+        assert _until(lambda: again.engine._store.holding_update_data() == [])
     finally:
         again.close()
 
@@ -290,19 +290,19 @@ def test_rows_left_holding_bytes_by_a_crash_are_let_go_at_start(tmp_path: Path) 
         run_id, (_, t1), (s2, t2) = _first_update_in(first)
         upload(first, messages(t2, s2, delta_payload(0.3)))
         wait_round(first, run_id, 1, "committed")
-        assert _until(lambda: first.engine.store.holding_update_data() == [])
+        assert _until(lambda: first.engine._store.holding_update_data() == [])
         # As a crash between the round's commit and its clean-up would leave them:
         data = delta_payload(0.1)
-        with first.engine.store.engine.begin() as conn:
+        with first.engine._store.engine.begin() as conn:
             conn.execute(
                 text("UPDATE participations SET update_data = :d WHERE task_id = :t"),
                 {"d": data, "t": t1.task_id},
             )
-        assert first.engine.store.holding_update_data() == [t1.task_id]
+        assert first.engine._store.holding_update_data() == [t1.task_id]
     finally:
         first.close()
     again = InProcessCoordinator(tmp_path / "state", SETTINGS)
     try:
-        assert again.engine.store.holding_update_data() == []
+        assert again.engine._store.holding_update_data() == []
     finally:
         again.close()

@@ -1150,9 +1150,9 @@ def test_a_refused_coordinator_leaves_the_schema_alone(db_url: str, tmp_path: Pa
         holder.close()
     engine = build_engine(config, claim=True)  # free now: claimed, then migrated
     try:
-        assert "alembic_version" in inspect(engine.store.engine).get_table_names()
+        assert "alembic_version" in inspect(engine._store.engine).get_table_names()
     finally:
-        engine.store.close()
+        engine.close()
 
 
 def _drop_claim_connection(admin: Any, store: Store) -> None:

@@ -18,7 +18,7 @@ import grpc
 import pytest
 import torch
 
-from fedra.coordinator.storage_faults import FAULT_EVENT
+from fedra.coordinator.engine.storage_faults import FAULT_EVENT
 from fedra.protos.codec import decode
 from fedra.protos.v1 import admin_pb2, site_pb2
 from fedra.storage import blobs
@@ -165,7 +165,7 @@ def test_a_good_blob_is_hashed_once_and_a_changed_one_again(
 
 
 def _events(c: InProcessCoordinator, run_id: str, kind: str) -> list[str]:
-    return [e.message for e in c.engine.store.list_events(run_id) if e.kind == kind]
+    return [e.message for e in c.engine._store.list_events(run_id) if e.kind == kind]
 
 
 def test_an_upload_that_finds_the_disk_full_is_unavailable_and_changes_nothing(
@@ -210,7 +210,7 @@ def test_a_commit_that_finds_the_disk_full_is_retried_and_lands_once(
     assert len(faults) == 2 and all("disk full" in f for f in faults), faults
     assert "carried on from round 0, the last committed" in faults[0]
     assert [r.number for r in status.rounds] == [0, 1]
-    assert [c.round_number for c in coordinator.engine.store.list_checkpoints(run_id)] == [0, 1]
+    assert [c.round_number for c in coordinator.engine._store.list_checkpoints(run_id)] == [0, 1]
     export = coordinator.admin.ExportModel(admin_pb2.ExportModelRequest(run_id=run_id, round=1))
     model = decode(b"".join(m.data for m in export))
     for k, v in initial.items():  # server momentum's first step is the mean: (0.1 + 0.2) / 2
@@ -259,7 +259,7 @@ def test_a_damaged_model_blob_is_never_served_nor_built_on(
     status = _finished(coordinator, run_id)
     assert status.state == "failed"
     assert f"blob {model_sha} is damaged" in status.reason, status.reason
-    assert [c.round_number for c in coordinator.engine.store.list_checkpoints(run_id)] == [0, 1]
+    assert [c.round_number for c in coordinator.engine._store.list_checkpoints(run_id)] == [0, 1]
     assert any("damaged" in m for m in _events(coordinator, run_id, "failed"))
 
 

@@ -14,7 +14,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Connection
 from sqlalchemy.pool import NullPool
 
-from fedra.coordinator.storage_faults import FAULT_EVENT
+from fedra.coordinator.engine.storage_faults import FAULT_EVENT
 from fedra.local import LocalCluster
 from fedra.storage.store import _CLAIM_KEY
 from tests.conftest import postgres_database

@@ -119,7 +119,7 @@ def test_only_the_latest_ended_runs_keep_their_series() -> None:
 def test_a_round_s_bytes_leave_carried_tasks_to_the_round_they_end_in() -> None:
     """Async: a task still training when its round closes moves on to the next round
     (the store moves its row), so it is counted, and lost or not, there only."""
-    from fedra.coordinator.rounds import _ended
+    from fedra.coordinator.engine.rounds import _ended
     from fedra.storage.records import ParticipationRecord
 
     def task(task_id: str, state: str, down: int, up: int, cut: int = 0) -> ParticipationRecord:

@@ -14,16 +14,16 @@ from typing import TYPE_CHECKING
 
 from fedra.accounting import Accountant
 from fedra.coordinator.aggregation import ServerOptimizer
-from fedra.coordinator.folding import fold_ready
-from fedra.coordinator.ledger import PROVENANCE_EVENT
-from fedra.coordinator.promotion import PromotionState
-from fedra.coordinator.rounds import (
+from fedra.coordinator.engine.folding import fold_ready
+from fedra.coordinator.engine.rounds import (
     ACCOUNTANT_KEY,
     LEGACY_ACCOUNTANT_KEY,
     RESIDUAL_PREFIX,
     publish_controls,
     start_aggregate,
 )
+from fedra.coordinator.ledger import PROVENANCE_EVENT
+from fedra.coordinator.promotion import PromotionState
 from fedra.coordinator.state import ATTEMPT_FAILED, INIT_ROUND, ActiveRun
 from fedra.privacy import PrivacyError
 from fedra.protos.codec import CodecError, StreamDecoder, TensorSpec, decode_chunks
@@ -34,7 +34,7 @@ from fedra.storage.records import RunRecord
 if TYPE_CHECKING:
     import torch
 
-    from fedra.coordinator.engine import Engine
+    from fedra.coordinator.engine.core import Engine
 
 log = logging.getLogger("fedra.coordinator")
 
@@ -44,7 +44,7 @@ def restore_run(engine: Engine, record: RunRecord) -> ActiveRun | None:
     the run cannot safely go on (it is then recorded as failed, with the reason)."""
     spec = RunSpec.from_json(record.spec_json)
     run = ActiveRun(run_id=record.id, spec=spec, optimizer=ServerOptimizer(spec))
-    ckpt = engine.store.latest_checkpoint(record.id)
+    ckpt = engine._store.latest_checkpoint(record.id)
     if ckpt is not None:
         # The model itself stays in its blob (a commit streams it: rounds.stepped_model),
         # but it is read through once here, so a damaged blob ends the run now with the
@@ -59,10 +59,10 @@ def restore_run(engine: Engine, record: RunRecord) -> ActiveRun | None:
         run.next_round = ckpt.round_number + 1
         # What each site's updates came from, as recorded: a site unchanged since is not
         # recorded again (nor shown as changed from the resume on).
-        for e in engine.store.list_events(record.id, (PROVENANCE_EVENT,)):
+        for e in engine._store.list_events(record.id, (PROVENANCE_EVENT,)):
             run.provenance[str(e.data.get("site", ""))] = str(e.data.get("digest", ""))
         if spec.promotion is not None:  # as the last commit left it, in its metrics
-            last = engine.store.get_round(record.id, ckpt.round_number)
+            last = engine._store.get_round(record.id, ckpt.round_number)
             run.promotion = PromotionState.from_metrics(last.metrics if last else {})
         if ckpt.optimizer_sha256:
             state = decode_chunks(engine.models.read_chunks(ckpt.optimizer_sha256))
@@ -80,14 +80,14 @@ def restore_run(engine: Engine, record: RunRecord) -> ActiveRun | None:
             run.optimizer.load_state_dict(state)
             run.controls_sha256, run.controls_bytes = publish_controls(engine, run)
         if ckpt.delta_sha256:
-            previous = engine.store.get_checkpoint(record.id, ckpt.round_number - 1)
+            previous = engine._store.get_checkpoint(record.id, ckpt.round_number - 1)
             if previous is not None:
                 run.base_sha256, run.delta_sha256 = previous.model_sha256, ckpt.delta_sha256
                 run.delta_bytes = engine.models.size(ckpt.delta_sha256)
     # Async: tasks a crash left between a commit and the next round's opening are lost.
     reason = "the coordinator restarted before this task joined the next round"
-    engine.store.expire_unfinished_before(record.id, run.next_round, reason, engine.clock())
-    open_round = engine.store.get_open_round(record.id)
+    engine._store.expire_unfinished_before(record.id, run.next_round, reason, engine.clock())
+    open_round = engine._store.get_open_round(record.id)
     if open_round is not None:
         if _unmasked_before(engine, run, open_round.number, open_round.attempt):
             return None
@@ -99,11 +99,11 @@ def restore_run(engine: Engine, record: RunRecord) -> ActiveRun | None:
 def _fail(engine: Engine, record: RunRecord, reason: str, number: int) -> None:
     """Record a run that cannot go on from its checkpoint as failed, with the reason."""
     now = engine.clock()
-    open_round = engine.store.get_open_round(record.id)
+    open_round = engine._store.get_open_round(record.id)
     if open_round is not None:
-        engine.store.expire_attempt(record.id, open_round.number, open_round.attempt, reason, now)
-    engine.store.set_run_state(record.id, "failed", reason, now)
-    engine.store.add_event(record.id, "failed", reason, now, number)
+        engine._store.expire_attempt(record.id, open_round.number, open_round.attempt, reason, now)
+    engine._store.set_run_state(record.id, "failed", reason, now)
+    engine._store.add_event(record.id, "failed", reason, now, number)
     log.error("run %s: %s", record.id, reason)
 
 
@@ -147,7 +147,7 @@ def _unmasked_before(engine: Engine, run: ActiveRun, number: int, attempt: int) 
         return False
     unmasked = any(
         e.kind == released and e.round_number == number and e.data.get("attempt") == attempt
-        for e in engine.store.list_events(run.run_id)
+        for e in engine._store.list_events(run.run_id)
     )
     if not unmasked:
         return False
@@ -157,9 +157,9 @@ def _unmasked_before(engine: Engine, run: ActiveRun, number: int, attempt: int) 
         "running it again would release a second sum of the same updates, so the run "
         "ends here (submit it again to go on)"
     )
-    engine.store.expire_attempt(run.run_id, number, attempt, reason, now)
-    engine.store.set_run_state(run.run_id, "failed", reason, now)
-    engine.store.add_event(run.run_id, "failed", reason, now, number)
+    engine._store.expire_attempt(run.run_id, number, attempt, reason, now)
+    engine._store.set_run_state(run.run_id, "failed", reason, now)
+    engine._store.add_event(run.run_id, "failed", reason, now, number)
     log.error("run %s: %s", run.run_id, reason)
     return True
 
@@ -171,9 +171,9 @@ def _resume_open_round(engine: Engine, run: ActiveRun, number: int, attempt: int
             f"run {run.run_id}: open round {number} does not follow the last checkpoint "
             f"(next round {run.next_round}); the database is inconsistent"
         )
-    parts = engine.store.list_participations(run.run_id, number, attempt)
+    parts = engine._store.list_participations(run.run_id, number, attempt)
     now = engine.clock()
-    if engine.store.failed_attempt(run.run_id, number, attempt, ATTEMPT_FAILED):
+    if engine._store.failed_attempt(run.run_id, number, attempt, ATTEMPT_FAILED):
         # It failed (and said so) before the restart: the next attempt opens, nothing of
         # this one is resumed or recorded again; its spooled updates will not be used.
         kept = engine.spool_kept()
@@ -181,11 +181,11 @@ def _resume_open_round(engine: Engine, run: ActiveRun, number: int, attempt: int
             if p.update_sha256 and p.update_sha256 not in kept:
                 engine.updates.delete(p.update_sha256)
             engine.mark_seen_for_recovery(p.site_id, now)
-        engine.store.clear_update_data([p.task_id for p in parts if p.update_sha256])
+        engine._store.clear_update_data([p.task_id for p in parts if p.update_sha256])
         if attempt >= run.spec.max_round_attempts:  # it was the last: the run had failed
             reason = f"round {number}: gave up after {attempt} attempts"
-            engine.store.set_run_state(run.run_id, "failed", reason, now)
-            engine.store.add_event(run.run_id, "failed", reason, now, number)
+            engine._store.set_run_state(run.run_id, "failed", reason, now)
+            engine._store.add_event(run.run_id, "failed", reason, now, number)
             log.error("run %s: %s", run.run_id, reason)
             return False
         run.next_attempt = attempt + 1
@@ -197,14 +197,14 @@ def _resume_open_round(engine: Engine, run: ActiveRun, number: int, attempt: int
         # lived in memory): the round is retried, with fresh keys.
         reason = f"the coordinator restarted; {run.aggregator.restart_reason}"
         reason = f"round {number} attempt {attempt}: {reason}"
-        engine.store.expire_attempt(run.run_id, number, attempt, reason, now, event=ATTEMPT_FAILED)
+        engine._store.expire_attempt(run.run_id, number, attempt, reason, now, event=ATTEMPT_FAILED)
         run.next_attempt = attempt + 1
         for p in parts:
             engine.mark_seen_for_recovery(p.site_id, now)
         log.info("run %s round %d: %s", run.run_id, number, reason)
         return True
     deadline = now + run.spec.round_deadline_s
-    engine.store.extend_deadline(run.run_id, number, deadline)
+    engine._store.extend_deadline(run.run_id, number, deadline)
     run.set_open(number, attempt, {p.site_id: p.task_id for p in parts}, now, deadline)
     run.next_attempt = attempt
     if number != INIT_ROUND:
@@ -221,7 +221,7 @@ def _resume_open_round(engine: Engine, run: ActiveRun, number: int, attempt: int
             a.nonce = p.nonce or b""  # a retry whose reply the restart lost is answered as done
         elif p.state == "accepted":  # the round goes on without it (the quorum permitting)
             reason = f"update {damage} across a restart"
-            engine.store.fail_participation(p.task_id, reason, now, accepted_too=True)
+            engine._store.fail_participation(p.task_id, reason, now, accepted_too=True)
             log.error("run %s round %d: %s's %s", run.run_id, number, p.site_id, reason)
             a.restore("failed")
         elif p.state in ("assigned", "downloaded"):

@@ -33,7 +33,7 @@ from fedra.protos.compression import (
 from fedra.runspec import CodecSpec
 
 if TYPE_CHECKING:
-    from fedra.coordinator.engine import Engine
+    from fedra.coordinator.engine.core import Engine
 
 
 def fold_ready(engine: Engine, run: ActiveRun) -> None:
@@ -48,7 +48,7 @@ def fold_ready(engine: Engine, run: ActiveRun) -> None:
             _fold_turns(engine, run, to_the_end=False)
         finally:
             run.fold_lock.release()
-        with engine.lock:
+        with engine._lock:
             if _next_turn(run, to_the_end=False) is None:
                 return
 
@@ -68,14 +68,14 @@ def fold_remaining(engine: Engine, run: ActiveRun) -> None:
 
 def _fold_turns(engine: Engine, run: ActiveRun, *, to_the_end: bool) -> None:
     while True:
-        with engine.lock:
+        with engine._lock:
             turn = _next_turn(run, to_the_end)
             if turn is None:
                 return
             digest, samples, site = turn.update_sha256, turn.num_samples, turn.site_id
         assert digest is not None
         fold(engine, run, digest, samples, site)
-        with engine.lock:
+        with engine._lock:
             run.folded.add(site)
             run.folded_at = time.perf_counter()
 

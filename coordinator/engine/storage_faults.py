@@ -23,7 +23,7 @@ from fedra.retry import Backoff
 from fedra.storage.store import transient_fault
 
 if TYPE_CHECKING:
-    from fedra.coordinator.engine import Engine
+    from fedra.coordinator.engine.core import Engine
 
 log = logging.getLogger("fedra.coordinator")
 FAULT_EVENT = "storage_fault"  # the ledger's record of a fault the run rode out
@@ -76,23 +76,23 @@ class StorageFaults:
     def _stopping_within(self, delay_s: float) -> bool:
         engine = self.engine
         deadline = time.monotonic() + delay_s  # not engine.clock: a test's may stand still
-        with engine.lock:
+        with engine._lock:
             while not engine.stopping and (left := deadline - time.monotonic()) > 0:
-                engine.changed.wait(min(left, _RECHECK_S))
+                engine._changed.wait(min(left, _RECHECK_S))
             return engine.stopping
 
     def _reload(self, why: str, was_open: int | None) -> bool:
-        from fedra.coordinator.recovery import restore_run  # noqa: PLC0415 - it imports rounds
+        from fedra.coordinator.engine.recovery import restore_run  # noqa: PLC0415 - it imports rounds
 
         run, engine = self.run, self.engine
         # Under the lock throughout: no upload is accepted into a half-rebuilt round. It
         # costs the other calls a pause while the accepted updates are folded again.
-        with engine.lock:
+        with engine._lock:
             while run.folding and not engine.stopping:
-                engine.changed.wait(_RECHECK_S)
+                engine._changed.wait(_RECHECK_S)
             if engine.stopping:
                 return False
-            record = engine.store.get_run(run.run_id)
+            record = engine._store.get_run(run.run_id)
             if record is None or record.state not in ("pending", "running"):
                 log.info("%s: ended meanwhile (%s)", self.tag, record.state if record else "gone")
                 return False
@@ -108,7 +108,7 @@ class StorageFaults:
             message = f"{why}; carried on from " + (
                 f"round {done}, the last committed" if done >= 0 else "the start"
             )
-            engine.store.add_event(
+            engine._store.add_event(
                 run.run_id, FAULT_EVENT, message, engine.clock(), run.open_round,
                 {"tries": self.tries},
             )  # fmt: skip

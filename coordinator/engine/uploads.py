@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from fedra.coordinator.engine.folding import fold_ready
 from fedra.coordinator.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -24,7 +25,6 @@ from fedra.coordinator.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from fedra.coordinator.folding import fold_ready
 from fedra.coordinator.ledger import MAX_ID_CHARS
 from fedra.coordinator.promotion import PROMOTED_ROUND, PROMOTION_BEST, UNPROMOTED
 from fedra.coordinator.state import ATTEMPT_FAILED, INIT_ROUND, ActiveRun, Assignment, TaskState
@@ -48,7 +48,7 @@ from fedra.storage.spool import SmallWriter
 from fedra.storage.writes import DuplicateError, WriteOp
 
 if TYPE_CHECKING:
-    from fedra.coordinator.engine import Engine
+    from fedra.coordinator.engine.core import Engine
 
 log = logging.getLogger("fedra.coordinator")
 NONCE_BYTES = 16
@@ -107,7 +107,7 @@ class UploadTicket:
 def begin_upload(engine: Engine, h: UpdateHeader) -> UploadTicket:
     """Check everything the header says before a payload byte is read."""
     _check_header_fields(h)
-    with engine.lock:
+    with engine._lock:
         # First: a retry of an update that counted is answered as done whatever the round
         # is doing now (closing, committing, committed, or resumed after a restart).
         _check_already_accepted(engine, h)
@@ -165,7 +165,7 @@ def _check_already_accepted(engine: Engine, h: UpdateHeader) -> None:
         if counted and a.nonce == h.nonce and a.update_sha256 == h.sha256:
             raise AlreadyAccepted(h.payload_bytes)
         return
-    past = engine.store.get_participation(h.task_id)
+    past = engine._store.get_participation(h.task_id)
     if (
         past is None
         or past.site_id != h.site_id
@@ -174,9 +174,9 @@ def _check_already_accepted(engine: Engine, h: UpdateHeader) -> None:
         or past.update_sha256 != h.sha256
     ):
         return  # not this site's accepted update: current_task says why it cannot be sent
-    rnd = engine.store.get_round(past.run_id, past.round_number)
+    rnd = engine._store.get_round(past.run_id, past.round_number)
     if rnd is not None and rnd.attempt == past.attempt and rnd.state in ("open", "committed"):
-        over = rnd.state == "open" and engine.store.failed_attempt(
+        over = rnd.state == "open" and engine._store.failed_attempt(
             past.run_id, past.round_number, past.attempt, ATTEMPT_FAILED
         )  # failed, the next attempt not yet open
         if not over:
@@ -200,7 +200,7 @@ def _check_staleness(engine: Engine, run: ActiveRun, a: Assignment) -> None:
         f"the update was trained on the model of round {run.open_round - tau}, {tau} models "
         f"ago; async.max_staleness is {limit}"
     )
-    engine.store.fail_participation(a.task_id, reason, engine.clock())
+    engine._store.fail_participation(a.task_id, reason, engine.clock())
     a.move(TaskState.FAILED)
     a.update_sha256 = None
     engine.notify()
@@ -355,7 +355,7 @@ def _check_init_model(ticket: UploadTicket, decoder: StreamDecoder) -> None:
 
 def abort_upload(engine: Engine, ticket: UploadTicket) -> None:
     """Give the task back to the site: nothing about it changed."""
-    with engine.lock:
+    with engine._lock:
         a = ticket.assignment
         if a.state == "uploading":
             a.move(a.before_upload)
@@ -382,7 +382,7 @@ def accept_begin(engine: Engine, ticket: UploadTicket, digest: str, nbytes: int)
     is the site's no more (it stays 'uploading')."""
     h, run, a = ticket.header, ticket.run, ticket.assignment
     upload_s = time.monotonic() - ticket.started
-    with engine.lock:
+    with engine._lock:
         if run.spec.asynchronous is not None:  # the round may have moved on meanwhile
             engine.await_carried(h.task_id)
             if run.assignments.get(h.site_id) is a and run.open_round is not None:
@@ -397,7 +397,7 @@ def accept_begin(engine: Engine, ticket: UploadTicket, digest: str, nbytes: int)
             a.move(TaskState.FAILED)
             a.update_sha256 = None
             late = f"round {ticket.round} closed before the update arrived"
-            engine.store.fail_participation(a.task_id, late, engine.clock())
+            engine._store.fail_participation(a.task_id, late, engine.clock())
             raise FailedPrecondition(
                 f"round {ticket.round} of run {run.run_id} closed before your update arrived; "
                 "poll for the next task"
@@ -407,7 +407,7 @@ def accept_begin(engine: Engine, ticket: UploadTicket, digest: str, nbytes: int)
             metrics["staleness"] = float(run.staleness(a))
         run.folding += 1  # the driver will not close the round under this write and fold
         engine.note_provenance(run, h.site_id, ticket.round)
-        return engine.store.accept_op(
+        return engine._store.accept_op(
             h.task_id, nonce=h.nonce, sha256=digest, num_samples=h.num_samples,
             metrics=metrics, bytes_up=nbytes, upload_s=upload_s, now=engine.clock(),
             data=ticket.payload,
@@ -423,7 +423,7 @@ def accept_end(
     h, run, a = ticket.header, ticket.run, ticket.assignment
     exc = durable.exception()
     if exc is not None:
-        with engine.lock:
+        with engine._lock:
             run.folding -= 1
             _drop_spooled(engine, run, digest)
             abort_upload(engine, ticket)
@@ -434,7 +434,7 @@ def accept_end(
     upload_s = time.monotonic() - ticket.started
     if ticket.payload is not None:  # durable in its row now; at hand for the fold
         engine.updates.accepted(digest, ticket.payload)
-    with engine.lock:
+    with engine._lock:
         crash_point("after_accept", ticket.round)  # durable, not folded, no reply
         a.move(TaskState.ACCEPTED)
         a.update_sha256, a.num_samples = digest, h.num_samples
@@ -450,7 +450,7 @@ def accept_end(
             "run %s round %d: folding an accepted update failed", run.run_id, ticket.round
         )
         broken = f"folding accepted updates failed: {type(exc).__name__}"
-    with engine.lock:
+    with engine._lock:
         run.folding -= 1
         run.broken = run.broken or broken
         engine.notify(run.run_id)

@@ -34,11 +34,11 @@ from fedra.accounting import Accountant
 from fedra.coordinator import promotion, scaffold
 from fedra.coordinator.aggregation import ServerOptimizer
 from fedra.coordinator.aggregators import AggregationError, Attempt
-from fedra.coordinator.folding import fold_ready, fold_remaining, has_turn
+from fedra.coordinator.engine.folding import fold_ready, fold_remaining, has_turn
+from fedra.coordinator.engine.storage_faults import StorageFaults
 from fedra.coordinator.ledger import DECLINED, idle_s
 from fedra.coordinator.observers import RoundEnded, RunEnded
 from fedra.coordinator.state import ATTEMPT_FAILED, INIT_ROUND, ActiveRun, TaskState
-from fedra.coordinator.storage_faults import StorageFaults
 from fedra.faults import crash_point
 from fedra.metrics import format_metric, is_count_metric
 from fedra.protos.codec import (
@@ -56,7 +56,7 @@ from fedra.storage.records import CheckpointRecord, ParticipationRecord
 from fedra.storage.store import ClaimLostError, transient_fault
 
 if TYPE_CHECKING:
-    from fedra.coordinator.engine import Engine
+    from fedra.coordinator.engine.core import Engine
     from fedra.runspec import PrivacySpec, RunSpec
 
 log = logging.getLogger("fedra.coordinator")
@@ -129,7 +129,7 @@ class RoundDriver:
 
     def _step(self) -> bool:
         run, engine = self.run_state, self.engine
-        with engine.lock:
+        with engine._lock:
             if engine.stopping:
                 return False
             if run.cancelled:
@@ -148,7 +148,7 @@ class RoundDriver:
             except Exception as exc:
                 log.exception("%s round %s: folding accepted updates failed", self.tag,
                               run.open_round)  # fmt: skip
-                with engine.lock:
+                with engine._lock:
                     run.broken = f"folding accepted updates failed: {type(exc).__name__}"
         return True
 
@@ -181,7 +181,7 @@ class RoundDriver:
         wanted = 1 if init else spec.sites_per_round - carried
         quorum = 1 if init else spec.quorum
         started = time.monotonic()
-        with engine.lock:
+        with engine._lock:
             while True:
                 if engine.stopping or run.cancelled:
                     return False
@@ -202,7 +202,7 @@ class RoundDriver:
                     f"round {number}: waiting for online sites serving {spec.task}: "
                     f"{len(eligible)} eligible, {want}, for {waited:.0f} s so far"
                 )
-                engine.changed.wait(_RECHECK_S)
+                engine._changed.wait(_RECHECK_S)
                 self._gather(len(eligible))
             sampled = draw(spec, number, attempt, eligible, wanted)
             assignments = {site: uuid.uuid4().hex for site in sampled}
@@ -210,11 +210,11 @@ class RoundDriver:
             deadline = now + spec.round_deadline_s
             carry = [a.task_id for a in run.carried.values()]
             opened = ("round_opened", f"attempt {attempt}: {', '.join(sampled)}")
-            engine.store.open_round(
+            engine._store.open_round(
                 run.run_id, number, attempt, assignments, now, deadline, carry=carry, event=opened
             )
             if number == INIT_ROUND and attempt == 1:
-                engine.store.set_run_state(run.run_id, "running", "", now)
+                engine._store.set_run_state(run.run_id, "running", "", now)
             run.set_open(number, attempt, assignments, now, deadline)
             logformat.set_about(round=number)
             for site in sampled:  # online when sampled: one liveness timeout to pick it up
@@ -236,13 +236,13 @@ class RoundDriver:
 
     def _wait(self) -> str:
         run, engine = self.run_state, self.engine
-        with engine.lock:
+        with engine._lock:
             while True:
                 if engine.stopping:
                     return "stopping"
                 if run.cancelled:
                     while run.folding and not engine.stopping:  # let accepted updates land
-                        engine.changed.wait(_RECHECK_S)
+                        engine._changed.wait(_RECHECK_S)
                     return "cancelled"
                 now = engine.clock()
                 if not 0.0 <= now - self._liveness_looked < _LIVENESS_LOOK_S:
@@ -260,11 +260,11 @@ class RoundDriver:
                     run.closing = True  # from here on, uploads are late
                     engine.notify()
                     while run.folding and not engine.stopping:  # let accepted updates land
-                        engine.changed.wait(_RECHECK_S)
+                        engine._changed.wait(_RECHECK_S)
                     if not run.broken and not engine.stopping:
                         self._after_uploads()
                     return "stopping" if engine.stopping else "closed"
-                engine.changed.wait(min(run.deadline_at - now, _RECHECK_S))
+                engine._changed.wait(min(run.deadline_at - now, _RECHECK_S))
                 self._gather(len(run.assignments))
 
     def _gather(self, sites: int) -> None:
@@ -274,7 +274,7 @@ class RoundDriver:
         engine, run = self.engine, self.run_state
         gap = min(_MAX_LOOK_GAP_S, _LOOK_GAP_PER_SITE_S * sites)
         if gap > 0.0005:
-            engine.changed.wait_for(lambda: engine.stopping or run.cancelled, gap)
+            engine._changed.wait_for(lambda: engine.stopping or run.cancelled, gap)
 
     def _advance_stages(self, now: float) -> None:
         """Close a stage before the uploads (a key exchange) that is complete or overdue
@@ -283,7 +283,7 @@ class RoundDriver:
         change = run.aggregator.advance(run.assignments, run.required_updates)
         for site in change.dropped:
             a = run.assignments[site]
-            self.engine.store.fail_participation(a.task_id, change.dropped_why, now)
+            self.engine._store.fail_participation(a.task_id, change.dropped_why, now)
             a.move(TaskState.FAILED)
             log.warning(
                 "%s round %s: %s: %s", self.tag, run.open_round, site, change.dropped_why,
@@ -307,7 +307,7 @@ class RoundDriver:
         run.broken = why
         engine.notify()
         while not run.broken and run.aggregator.collecting() and not engine.stopping:
-            engine.changed.wait(_RECHECK_S)
+            engine._changed.wait(_RECHECK_S)
 
     def _fail_silent_sites(self, now: float) -> None:
         """A sampled site that went silent will not answer: stop waiting for it."""
@@ -319,7 +319,7 @@ class RoundDriver:
                     if engine.hung_up(a.site_id)
                     else f"site went silent for more than {engine.settings.site_timeout_s:g} s"
                 )
-                engine.store.fail_participation(a.task_id, reason, now)
+                engine._store.fail_participation(a.task_id, reason, now)
                 a.move(TaskState.FAILED)
                 log.warning(
                     "%s round %s: %s: %s", self.tag, run.open_round, a.site_id, reason,
@@ -400,7 +400,7 @@ class RoundDriver:
         if not engine.downloads.flush():  # a committed round's ledger holds all its downloads
             why = "committing before its downloads are counted (the database is slow)"
             log.warning("%s round %d: %s", self.tag, number, why)
-        parts = engine.store.list_participations(run.run_id, number, run.attempt)
+        parts = engine._store.list_participations(run.run_id, number, run.attempt)
         metrics = weighted_metrics([p for p in parts if p.state == "accepted"])
         if accountant is not None and spec.privacy is not None:
             metrics["privacy_epsilon"] = accountant.epsilon(spec.privacy.delta)
@@ -429,7 +429,7 @@ class RoundDriver:
         crash_point("before_commit", number)
         final = "completed" if number == spec.rounds or stop else None
         carried = [] if final else self._carry_on()
-        engine.store.commit_round(
+        engine._store.commit_round(
             run.run_id, number, ckpt, metrics, now, final, stages,
             keep=carried,
             event=("round_committed", _summary(parts, metrics)), final_reason=stop,
@@ -437,7 +437,7 @@ class RoundDriver:
         if spec.promotion is not None and number != INIT_ROUND:
             run.promotion = pending_promotion
         crash_point("after_commit", number)
-        with engine.lock:
+        with engine._lock:
             run.model_specs = spec_of(model)
             run.base_sha256 = run.model_sha256 if delta_sha else ""
             run.delta_sha256 = delta_sha
@@ -468,7 +468,7 @@ class RoundDriver:
         its model and its server optimiser's state, with the privacy spent so far (never
         rolled back); the in-memory optimiser is set back too."""
         run, engine = self.run_state, self.engine
-        ckpt = engine.store.get_checkpoint(run.run_id, promoted)
+        ckpt = engine._store.get_checkpoint(run.run_id, promoted)
         assert ckpt is not None, f"promoted round {promoted} has no checkpoint"
         state: dict[str, torch.Tensor] = {}
         if ckpt.optimizer_sha256:
@@ -520,11 +520,11 @@ class RoundDriver:
         """The attempt's aggregate update, shaped like the model, and how many it combines."""
         run, engine = self.run_state, self.engine
         aggregator = run.aggregator
-        with engine.lock:
+        with engine._lock:
             aggregator.seal()
         if aggregator.release_event:
             # Durably first: a restart must not release a second sum of the same updates.
-            engine.store.add_event(
+            engine._store.add_event(
                 run.run_id, aggregator.release_event, f"attempt {run.attempt}", engine.clock(),
                 run.open_round, {"attempt": run.attempt},
             )  # fmt: skip
@@ -550,7 +550,7 @@ class RoundDriver:
             why += self._failures(number, attempt)
         reason = f"round {number} attempt {attempt}: {why}"
         carried = self._carry_on()
-        engine.store.expire_attempt(
+        engine._store.expire_attempt(
             run.run_id, number, attempt, reason, now, carried, event=ATTEMPT_FAILED
         )
         crash_point("after_attempt_failed", number)
@@ -558,11 +558,11 @@ class RoundDriver:
         # An attempt lost only to sites whose policy declined it does not count: the run
         # waits for sites that take it (an approval, a site's hours) instead of failing.
         spared = sum(
-            _declined_only(engine.store.list_participations(run.run_id, number, k))
+            _declined_only(engine._store.list_participations(run.run_id, number, k))
             for k in range(1, attempt + 1)
         )
         gives_up = attempt - spared >= spec.max_round_attempts
-        parts = engine.store.list_participations(run.run_id, number, attempt)
+        parts = engine._store.list_participations(run.run_id, number, attempt)
         engine.observers.round_ended(_ended(
             run.run_id, number, attempt, "failed" if gives_up else "retried", run.opened_at,
             now, parts, carried, reason=reason,
@@ -570,7 +570,7 @@ class RoundDriver:
         if gives_up:
             self._finish("failed", f"{reason}; gave up after {attempt} attempts")
             return False
-        with engine.lock:
+        with engine._lock:
             run.set_closed(next_round=number, next_attempt=attempt + 1)
             engine.notify()
         self._drop_round_updates(number)  # after set_closed: nothing of ours refers to them
@@ -579,7 +579,7 @@ class RoundDriver:
     def _failures(self, number: int, attempt: int, shown: int = 3) -> str:
         """'; failed: site: error, ...' for the attempt's failed tasks, the first few of
         them, each error cut short: why a round came up short, in its own reason."""
-        parts = self.engine.store.list_participations(self.run_state.run_id, number, attempt)
+        parts = self.engine._store.list_participations(self.run_state.run_id, number, attempt)
         failed = [p for p in parts if p.state == "failed"]
         if not failed:
             return ""
@@ -588,33 +588,33 @@ class RoundDriver:
         return f"; failed: {listed}{more}"
 
     def _drop_round_updates(self, number: int) -> None:
-        parts = self.engine.store.list_participations(self.run_state.run_id, number)
-        with self.engine.lock:  # this run's round is closed: only other runs can still hold one
+        parts = self.engine._store.list_participations(self.run_state.run_id, number)
+        with self.engine._lock:  # this run's round is closed: only other runs can still hold one
             kept = self.engine.spool_kept()
             for p in parts:
                 if p.update_sha256 and p.update_sha256 not in kept:
                     self.engine.updates.delete(p.update_sha256)
-        self.engine.store.clear_update_data([p.task_id for p in parts if p.update_sha256])
+        self.engine._store.clear_update_data([p.task_id for p in parts if p.update_sha256])
 
     def _finish(self, state: str, reason: str) -> None:
         run, engine = self.run_state, self.engine
         now = engine.clock()
         if run.open_round is not None:
-            engine.store.expire_attempt(run.run_id, run.open_round, run.attempt, reason, now)
+            engine._store.expire_attempt(run.run_id, run.open_round, run.attempt, reason, now)
         if run.carried:  # async, between rounds: tasks still training will not count
-            engine.store.expire_unfinished_before(run.run_id, run.next_round + 1, reason, now)
-        engine.store.set_run_state(run.run_id, state, reason, now)
-        engine.store.add_event(run.run_id, state, reason, now, run.open_round)
+            engine._store.expire_unfinished_before(run.run_id, run.next_round + 1, reason, now)
+        engine._store.set_run_state(run.run_id, state, reason, now)
+        engine._store.add_event(run.run_id, state, reason, now, run.open_round)
         log.info("%s: %s: %s", self.tag, state, reason)
         engine.observers.run_ended(RunEnded(run.run_id, state, reason))
         self._forget()
-        with engine.lock:
+        with engine._lock:
             run.drop_aggregate()  # spill files of a robust round, if any
         if run.open_round is not None:  # forgotten: nothing of ours refers to them now
             self._drop_round_updates(run.open_round)
 
     def _forget(self) -> None:
-        with self.engine.lock:
+        with self.engine._lock:
             self.engine.runs.pop(self.run_state.run_id, None)
             self.engine.notify()
 

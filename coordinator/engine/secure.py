@@ -31,7 +31,7 @@ from fedra.runspec import RunSpec
 from fedra.secagg import RoundPlan, SecAggError, ServerSecAgg, plan_round, quant_bits
 
 if TYPE_CHECKING:
-    from fedra.coordinator.engine import Engine
+    from fedra.coordinator.engine.core import Engine
 
 STAGE_WAIT_CAP_S = 30.0  # the longest one long-poll call of a stage waits
 
@@ -155,7 +155,7 @@ def _secure_task(engine: Engine, site_id: str, task_id: str) -> tuple[ActiveRun,
 
 def stage_id(engine: Engine, site_id: str, task_id: str) -> str:
     """The run whose stage a site's stage call waits on (lock taken): see ``wakeups``."""
-    with engine.lock:
+    with engine._lock:
         run, _ = _secure_task(engine, site_id, task_id)
         return run.run_id
 
@@ -170,7 +170,7 @@ def post_keys(
 ) -> None:
     """Take a site's public keys (``verify(message, signature)`` returns its certificate,
     b'' in insecure mode); none: the site asks again for its neighbours' keys."""
-    with engine.lock:
+    with engine._lock:
         run, sec = _secure_task(engine, site_id, task_id)
         if public_keys:
             if sec.stage != "keys":
@@ -193,7 +193,7 @@ def keys_answer(
     engine: Engine, site_id: str, task_id: str
 ) -> tuple[bool, dict[str, tuple[bytes, bytes, bytes]]]:
     """Once the key stage has closed: each neighbour's (keys, signature, certificate)."""
-    with engine.lock:
+    with engine._lock:
         _, sec = _secure_task(engine, site_id, task_id)
         if sec.stage == "keys":
             return False, {}
@@ -206,7 +206,7 @@ def keys_answer(
 def post_shares(
     engine: Engine, site_id: str, task_id: str, ciphertexts: Mapping[str, bytes]
 ) -> None:
-    with engine.lock:
+    with engine._lock:
         run, sec = _secure_task(engine, site_id, task_id)
         if ciphertexts:
             if sec.stage != "shares" or site_id not in sec.keys_from:
@@ -226,7 +226,7 @@ def post_shares(
 
 def shares_answer(engine: Engine, site_id: str, task_id: str) -> tuple[bool, dict[str, bytes]]:
     """Once the share stage has closed: the ciphertexts addressed to the site."""
-    with engine.lock:
+    with engine._lock:
         _, sec = _secure_task(engine, site_id, task_id)
         if sec.stage in ("keys", "shares"):
             return False, {}
@@ -234,7 +234,7 @@ def shares_answer(engine: Engine, site_id: str, task_id: str) -> tuple[bool, dic
 
 
 def check_unmask(engine: Engine, site_id: str, task_id: str) -> None:
-    with engine.lock:
+    with engine._lock:
         _, sec = _secure_task(engine, site_id, task_id)
         if site_id not in sec.shares_from:
             raise FailedPrecondition(f"site {site_id!r} is not part of this round's masked sum")
@@ -245,7 +245,7 @@ def unmask_answer(
 ) -> tuple[bool, tuple[list[str], list[str]]]:
     """Once uploads have closed: the survivors whose shares the site reveals, and the
     dropped sites whose masks it helps remove."""
-    with engine.lock:
+    with engine._lock:
         _, sec = _secure_task(engine, site_id, task_id)
         if sec.stage != "unmask":
             return False, ([], [])
@@ -258,7 +258,7 @@ def unmask_answer(
 
 
 def reveal(engine: Engine, site_id: str, task_id: str, revealed: Mapping[str, bytes]) -> None:
-    with engine.lock:
+    with engine._lock:
         run, sec = _secure_task(engine, site_id, task_id)
         if sec.stage != "unmask":
             raise FailedPrecondition(f"shares are revealed only once uploads close ({sec.stage})")

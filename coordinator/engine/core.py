@@ -20,6 +20,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 
@@ -30,6 +31,8 @@ from fedra.coordinator.attention import Attention
 from fedra.coordinator.audit import AuditTrail
 from fedra.coordinator.commits import GroupCommit
 from fedra.coordinator.downloads import Download, DownloadLedger
+from fedra.coordinator.engine.recovery import restore_run
+from fedra.coordinator.engine.rounds import RoundDriver
 from fedra.coordinator.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from fedra.coordinator.ledger import (
     DECLINED,
@@ -40,8 +43,6 @@ from fedra.coordinator.ledger import (
 )
 from fedra.coordinator.observers import Observers, RunStarted
 from fedra.coordinator.promotion import PromotionState
-from fedra.coordinator.recovery import restore_run
-from fedra.coordinator.rounds import RoundDriver
 from fedra.coordinator.state import (
     INIT_ROUND,
     ActiveRun,
@@ -55,10 +56,11 @@ from fedra.protos.serde import Provenance, SecAggRound
 from fedra.runspec import MAX_TASK_CHARS, CodecSpec, PrivacySpec, RunSpec, TrainSpec
 from fedra.storage import BlobStore, Store
 from fedra.storage.blobs import BLOCK_BYTES
-from fedra.storage.records import CheckpointRecord, RunRecord, SiteRecord
+from fedra.storage.records import CheckpointRecord, RunReads, RunRecord, SiteRecord
 from fedra.storage.spool import SMALL_UPDATE_BYTES, UpdateSpool
 
 log = logging.getLogger("fedra.coordinator")
+T = TypeVar("T")
 _CARRY_GRACE_S = 30.0  # beyond join_timeout_s, how long a carried task's call waits
 REASON_CHARS = 500  # of a failure reason a site reports, as stored
 MAX_SITE_TASKS, MAX_VERSION_CHARS = 64, 64  # what a site may register, as stored
@@ -157,12 +159,12 @@ class Engine:
         clock: Callable[[], float] = time.time,
         audit: AuditTrail | None = None,
     ) -> None:
-        self.store, self.models = store, models
+        self._store, self.models = store, models
         self.settings = settings or EngineSettings()
         self.updates = UpdateSpool(updates, store, self.settings.small_update_bytes)
         self.clock = clock
-        self.lock = threading.RLock()
-        self.changed = threading.Condition(self.lock)
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
         self.runs: dict[str, ActiveRun] = {}
         self.version = 0  # bumped on every change watchers may care about
         self.stopping = False
@@ -205,10 +207,10 @@ class Engine:
         self.models.clear_tmp()
         self.updates.clear_tmp()
         shutil.rmtree(self.updates.root / "spill", ignore_errors=True)  # robust rules' spill
-        for site in self.store.list_sites():
+        for site in self._store.list_sites():
             self._site_tasks[site.id] = site.tasks
             self._sites[site.id] = site
-        for record in self.store.list_runs(states=("pending", "running")):
+        for record in self._store.list_runs(states=("pending", "running")):
             run = restore_run(self, record)
             if run is None:
                 continue
@@ -220,38 +222,81 @@ class Engine:
     def _sweep_update_data(self) -> None:
         """Let go of the small updates' bytes that rows of ended rounds still hold (a
         crash between a round's end and its clean-up leaves them)."""
-        holding = self.store.holding_update_data()
+        holding = self._store.holding_update_data()
         if not holding:
             return
-        with self.lock:
+        with self._lock:
             live = {
                 a.task_id
                 for run in self.runs.values()
                 for a in (*run.assignments.values(), *run.carried.values())
             }
-        self.store.clear_update_data([t for t in holding if t not in live])
+        self._store.clear_update_data([t for t in holding if t not in live])
+
+    def begin_stop(self) -> None:
+        """Mark the engine stopping and wake every waiting call, which returns at once."""
+        with self._lock:
+            self.stopping = True
+            self.notify()
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop the drivers; open rounds stay open in the database for the next start."""
-        with self.lock:
-            self.stopping = True
-            self.notify()
+        self.begin_stop()
         self.wakeups.close()
         for thread in list(self._drivers.values()):
             thread.join(timeout_s)
         self.downloads.close(timeout_s)
         self.commits.close(timeout_s)
-        if self._last_seen and not self.store.fenced:  # fenced: the sites are another's now
-            self.store.touch_sites(dict(self._last_seen))
+        if self._last_seen and not self._store.fenced:  # fenced: the sites are another's now
+            self._store.touch_sites(dict(self._last_seen))
+
+    def close(self) -> None:
+        """After ``stop``: the observers' files, then the database's connections."""
+        self.observers.close()
+        self._store.close()
+
+    def holds_claim(self) -> bool:
+        """Whether this engine still drives its runs: False once another coordinator has
+        taken the database over (this one's connection dropped meanwhile)."""
+        return self._store.check_claim()
+
+    @property
+    def records(self) -> RunReads:
+        """The stored runs, read-only, for status reads (``status.StatusSource``)."""
+        return self._store
+
+    def if_free(self, fn: Callable[..., T], *args: Any) -> tuple[bool, T | None]:
+        """``(True, fn(*args))`` holding the lock if it is free this instant, else
+        ``(False, None)`` and nothing run: for a caller that must never wait for it (the
+        front door's event loop)."""
+        if not self._lock.acquire(blocking=False):
+            return False, None
+        try:
+            return True, fn(*args)
+        finally:
+            self._lock.release()
+
+    def is_free(self) -> bool:
+        """Whether the lock is free this instant: a hint (it may be taken the next), for
+        a step that takes a lock of its own before this one (a run's fold lock)."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        self._lock.release()
+        return True
+
+    def locked(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` holding the lock: several engine steps taken as one."""
+        with self._lock:
+            return fn(*args)
 
     def _launch(self, run: ActiveRun, resumed: bool = False) -> None:
         spec = json.loads(run.spec.to_json())
-        self.commits.write_later(self.store.add_event_op(
+        self.commits.write_later(self._store.add_event_op(
             run.run_id, RUN_PROVENANCE_EVENT, f"driven by fedra {__version__}", self.clock(),
             data={"coordinator_version": __version__, "resumed": int(resumed)},
         ))  # fmt: skip
         self.observers.run_started(RunStarted(run.run_id, spec, resumed))
-        with self.lock:
+        with self._lock:
             self.runs[run.run_id] = run
             driver = RoundDriver(self, run)
             thread = threading.Thread(target=driver.run, name=f"run-{run.run_id}", daemon=True)
@@ -277,14 +322,14 @@ class Engine:
         }
 
     def _notify_now(self) -> None:
-        with self.lock:
+        with self._lock:
             self.notify()
 
     def notify(self, run_id: str | None = None) -> None:
         """Wake the drivers, the calls waiting on ``run_id`` (every run's if None), and the
         polls of sites a round has just been opened for (call with the lock held)."""
         self.version += 1
-        self.changed.notify_all()
+        self._changed.notify_all()
         keys: list[tuple[str, str]] = []
         for run in self.runs.values() if run_id is None else filter(None, [self.runs.get(run_id)]):
             keys.append(run_key(run.run_id))
@@ -330,15 +375,15 @@ class Engine:
         if len(version) > MAX_VERSION_CHARS:
             raise InvalidArgument(f"version: at most {MAX_VERSION_CHARS} characters")
         now = self.clock()
-        with self.lock:
+        with self._lock:
             if self._polling[site_id] > 0:
                 log.warning(
                     "site %s registered again while another connection of it is polling: "
                     "are two processes using the same site_id?",
                     site_id,
                 )
-        self.commits.write(self.store.upsert_site_op(site_id, tasks, version, now))
-        with self.lock:
+        self.commits.write(self._store.upsert_site_op(site_id, tasks, version, now))
+        with self._lock:
             known = self._sites.get(site_id)
             first = now if known is None else known.registered_at
             self._sites[site_id] = SiteRecord(site_id, tuple(tasks), version, first, now)
@@ -360,11 +405,11 @@ class Engine:
             raise NotFound(f"site {site_id!r} is not registered; call Register first")
         now = self._last_seen[site_id] = self.clock()
         self._left.discard(site_id)
-        if now - self._seen_written_at >= LIVENESS_WRITE_S and not self.store.fenced:
+        if now - self._seen_written_at >= LIVENESS_WRITE_S and not self._store.fenced:
             # Heartbeats are kept in memory and written in one batch every few seconds
             # (nobody waits on them): what `fedra sites` shows survives a crash.
             self._seen_written_at = now
-            self.commits.write_later(self.store.touch_sites_op(dict(self._last_seen)))
+            self.commits.write_later(self._store.touch_sites_op(dict(self._last_seen)))
 
     def touch(self, site_id: str) -> None:
         """A call of the site's arrived: news from it, taken without the lock (a dict
@@ -419,7 +464,7 @@ class Engine:
 
     def site_online(self, site_id: str) -> bool:
         """Whether the site counts as online now (is_online, under the lock)."""
-        with self.lock:
+        with self._lock:
             return self.is_online(site_id, self.clock())
 
     def eligible_sites(self, run: ActiveRun, now: float) -> list[str]:
@@ -443,7 +488,7 @@ class Engine:
 
     def heartbeat(self, site_id: str, task_id: str) -> bool:
         """Record liveness; returns whether ``task_id`` (if any) still counts."""
-        with self.lock:
+        with self._lock:
             self.seen(site_id)
             if not task_id:
                 return True
@@ -453,7 +498,7 @@ class Engine:
     def poll_begin(self, site_id: str) -> tuple[float, TaskView | None]:
         """A long poll of ``site_id`` begins: it is online while it lasts. Returns when it
         began, for ``poll_end``, and the site's task if it has one already."""
-        with self.lock:
+        with self._lock:
             was_online = self.is_online(site_id, self.clock())
             self.seen(site_id)
             self._polling[site_id] += 1
@@ -463,13 +508,13 @@ class Engine:
 
     def task_for(self, site_id: str) -> TaskView | None:
         """The site's task in an open round, if it has one now."""
-        with self.lock:
+        with self._lock:
             return None if self.stopping else self._task_for(site_id)
 
     def poll_end(self, site_id: str, began: float, gone: bool) -> None:
         """The poll ended; ``gone``: its caller hung up (it stopped), and is offline at
         once unless it was heard from since the poll began (by a newer connection, say)."""
-        with self.lock:
+        with self._lock:
             self._polling[site_id] -= 1
             if not self._polling[site_id]:
                 del self._polling[site_id]
@@ -542,7 +587,7 @@ class Engine:
         self.await_carried(task_id)
         found = self.find_task(task_id)
         if found is None:
-            past = self.store.get_participation(task_id)
+            past = self._store.get_participation(task_id)
             if past is None:
                 raise NotFound(f"no task {task_id!r}")
             if past.site_id != site_id:
@@ -573,7 +618,7 @@ class Engine:
             limit = limit or time.monotonic() + run.spec.join_timeout_s + _CARRY_GRACE_S
             if time.monotonic() >= limit:
                 return
-            self.changed.wait(1.0)
+            self._changed.wait(1.0)
 
     def open_download(
         self, site_id: str, task_id: str, delta: bool = False, controls: bool = False
@@ -581,7 +626,7 @@ class Engine:
         """Check a site may download its task's model (or the compressed step to it from
         the previous model, or a SCAFFOLD run's control variate c); returns (sha256, size,
         the round whose model it is)."""
-        with self.lock:
+        with self._lock:
             run, _ = self.current_task(site_id, task_id)
             if run.open_round == INIT_ROUND:
                 raise FailedPrecondition(
@@ -611,7 +656,7 @@ class Engine:
         """Count a finished download of the model of round ``base`` (an async update's
         staleness counts from it): at once in memory, in the database in the background."""
         self.downloads.record(Download(task_id, nbytes, seconds, base))
-        with self.lock:
+        with self._lock:
             found = self.find_task(task_id)
             if found is not None and found[1].state is TaskState.ASSIGNED:
                 found[1].move(TaskState.DOWNLOADED)
@@ -624,7 +669,7 @@ class Engine:
     ) -> None:
         """The site's task will not count: it failed, or (``declined``) the site's own
         policy refused it, which leaves the site out of the run's sampling for a while."""
-        with self.lock:
+        with self._lock:
             run, a = self.current_task(site_id, task_id)
             if not a.pending:
                 raise FailedPrecondition(f"task {task_id!r} is {a.state}; nothing to report")
@@ -633,7 +678,7 @@ class Engine:
             said = logsafe.safe(reason, REASON_CHARS)
             stored = f"{DECLINED}{said}" if declined else f"site reported: {said}"
             now = self.clock()
-            self.store.fail_participation(task_id, stored, now)
+            self._store.fail_participation(task_id, stored, now)
             a.move(TaskState.FAILED)
             if declined:
                 run.declined[site_id] = now
@@ -661,7 +706,7 @@ class Engine:
                 k: v for k, v in dataclasses.asdict(told).items() if isinstance(v, str)
             }, "versions": json.dumps(dict(told.versions), sort_keys=True),
         }  # fmt: skip
-        self.commits.write_later(self.store.add_event_op(
+        self.commits.write_later(self._store.add_event_op(
             run.run_id, PROVENANCE_EVENT, f"site {site_id}: {told.entry_point}", self.clock(),
             round_number, data,
         ))  # fmt: skip
@@ -685,7 +730,7 @@ class Engine:
         summary = f"task {spec.task}, {spec.rounds} rounds"
         if given is not None:
             summary += f", from a given model as round {given.round_number}"
-        record = self.store.create_run(
+        record = self._store.create_run(
             run_id, spec.name or run_id, spec.task, spec.to_json(), now,
             start=given, event=("submitted", summary),
         )  # fmt: skip
@@ -748,7 +793,7 @@ class Engine:
 
     def cancel(self, run_id: str, who: str = "") -> str:
         record = self.get_run_record(run_id)
-        with self.lock:
+        with self._lock:
             run = self.runs.get(run_id)
             if run is None or record.finished:
                 raise FailedPrecondition(f"run {run_id} is already {record.state}")
@@ -759,7 +804,7 @@ class Engine:
         return "cancelled"
 
     def get_run_record(self, run_id: str) -> RunRecord:
-        record = self.store.get_run(run_id)
+        record = self._store.get_run(run_id)
         if record is None:
             raise NotFound(f"no run {run_id!r}")
         return record
@@ -827,11 +872,15 @@ class Engine:
         return Gauges(
             sites_registered=registered,
             sites_online=online,
-            runs_by_state=self.store.count_runs_by_state(),
+            runs_by_state=self._store.count_runs_by_state(),
             downloads_in_flight=max(0, moving - uploading),
             uploads_in_flight=uploading,
             waiting_calls=self.waiting_calls(),
         )
+
+    def active_run_ids(self) -> list[str]:
+        """The runs this engine drives now (one atomic copy: runs start and end)."""
+        return list(self.runs)
 
     def waiting_reason(self, run_id: str) -> str:
         """Why the driven run ``run_id``, with no round open, waits ('' if it does not),
@@ -858,21 +907,21 @@ class Engine:
 
     def runs_named_from(self, prefix: str) -> list[RunRecord]:
         """The runs whose name starts with ``prefix``, oldest first (a region's own)."""
-        return [r for r in self.store.list_runs() if r.name.startswith(prefix)]
+        return [r for r in self._store.list_runs() if r.name.startswith(prefix)]
 
     def sites_serving(self, task: str) -> int:
         """How many sites known to this coordinator allow ``task``."""
-        with self.lock:
+        with self._lock:
             return sum(task in tasks for tasks in self._site_tasks.values())
 
     def round_outcome(self, run_id: str, number: int) -> RoundOutcome:
         """A committed round's model, the samples and sites its counted updates had, and
         its metrics; NotFound if the round is not committed."""
-        rnd = self.store.get_round(run_id, number)
-        ckpt = self.store.get_checkpoint(run_id, number)
+        rnd = self._store.get_round(run_id, number)
+        ckpt = self._store.get_checkpoint(run_id, number)
         if rnd is None or ckpt is None or rnd.state != "committed":
             raise NotFound(f"run {run_id} has no committed round {number}")
-        parts = self.store.list_participations(run_id, number, rnd.attempt)
+        parts = self._store.list_participations(run_id, number, rnd.attempt)
         counted = [p for p in parts if p.state == "accepted"]
         tensors = decode_chunks(self.models.read_chunks(ckpt.model_sha256))
         samples = sum(p.num_samples for p in counted)
@@ -885,14 +934,14 @@ class Engine:
         with ``[promotion]`` the promoted one; with ``who`` (an admin's export), audited."""
         record = self.get_run_record(run_id)
         if round_number is None and RunSpec.from_json(record.spec_json).promotion is not None:
-            latest = self.store.latest_checkpoint(run_id)
-            last = self.store.get_round(run_id, latest.round_number) if latest else None
+            latest = self._store.latest_checkpoint(run_id)
+            last = self._store.get_round(run_id, latest.round_number) if latest else None
             promoted = PromotionState.from_metrics(last.metrics if last else {}).promoted_round
             round_number = promoted if promoted >= 0 else None  # none judged yet: the latest
         if round_number is None:
-            ckpt = self.store.latest_checkpoint(run_id)
+            ckpt = self._store.latest_checkpoint(run_id)
         else:
-            ckpt = self.store.get_checkpoint(run_id, round_number)
+            ckpt = self._store.get_checkpoint(run_id, round_number)
         if ckpt is None:
             which = "any round" if round_number is None else f"round {round_number}"
             raise NotFound(f"run {run_id} has no committed checkpoint for {which}")
@@ -909,13 +958,13 @@ class Engine:
     def wait_for_stop(self, timeout_s: float) -> None:
         """Sleep ``timeout_s`` (if positive), or less if the engine stops meanwhile."""
         if timeout_s > 0:
-            with self.lock:
-                self.changed.wait_for(lambda: self.stopping, timeout_s)
+            with self._lock:
+                self._changed.wait_for(lambda: self.stopping, timeout_s)
 
     def wait_for_change(self, version: int, timeout_s: float) -> int:
         """Block until the engine's version moves past ``version`` (or timeout); returns it."""
-        with self.lock:
-            self.changed.wait_for(lambda: self.version != version or self.stopping, timeout_s)
+        with self._lock:
+            self._changed.wait_for(lambda: self.version != version or self.stopping, timeout_s)
             return self.version
 
 

@@ -1,0 +1,160 @@
+"""The engine's boundary: its lock, store and condition variable are its own.
+
+Outside ``fedra.coordinator.engine`` nothing takes the engine's lock or touches its
+database; the front door, the servicers, the status code and the daemon call its public
+methods. These tests hold that line (ruff's SLF001 holds it in the linter too) and check
+the few methods that stand in for the lock where a caller must never wait for it.
+"""
+
+from __future__ import annotations
+
+import ast
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fedra.coordinator.engine import Engine, EngineSettings
+from fedra.storage import BlobStore, Store
+
+ROOT = Path(__file__).resolve().parent.parent
+ENGINE_DIR = ROOT / "coordinator" / "engine"
+PRIVATE = {"_lock", "_store", "_changed"}
+
+
+def _outside_sources() -> Iterator[Path]:
+    for top in ("coordinator", "client", "storage", "protos", "fedra", "bench"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            if path.is_symlink() or ENGINE_DIR in path.parents or "_pb2" in path.name:
+                continue
+            yield path
+
+
+def test_no_module_outside_the_engine_reaches_into_its_lock_or_store() -> None:
+    reached: list[str] = []
+    for path in _outside_sources():
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and node.attr in PRIVATE):
+                continue
+            owner = node.value
+            if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+                continue  # a class's own lock or store, not the engine's
+            reached.append(f"{path.relative_to(ROOT)}:{node.lineno} .{node.attr}")
+    assert not reached, "outside the engine, reaching into another object's state:\n" + (
+        "\n".join(reached)
+    )
+
+
+def test_the_scan_finds_what_it_looks_for(tmp_path: Path) -> None:
+    """The check above is not vacuous: it sees an engine's lock taken from outside."""
+    src = "def f(engine):\n    with engine._lock:\n        return engine._store\n"
+    hits = [
+        n.attr
+        for n in ast.walk(ast.parse(src))
+        if isinstance(n, ast.Attribute) and n.attr in PRIVATE
+    ]
+    assert hits == ["_lock", "_store"]
+    assert any(_outside_sources()) and not any(ENGINE_DIR in p.parents for p in _outside_sources())
+
+
+@pytest.fixture
+def engine(tmp_path: Path) -> Iterator[Engine]:
+    e = Engine(
+        Store(f"sqlite:///{tmp_path / 'db.sqlite'}"),
+        BlobStore(tmp_path / "models"),
+        BlobStore(tmp_path / "updates"),
+        EngineSettings(),
+    )
+    yield e
+    e.stop()
+    e.close()
+
+
+def test_the_engine_has_no_public_lock_store_or_condition(engine: Engine) -> None:
+    for name in ("lock", "store", "changed"):
+        assert not hasattr(engine, name), name
+
+
+def _hold(engine: Engine) -> tuple[threading.Event, threading.Thread]:
+    """Another thread holds the engine's lock until the event is set."""
+    held, release = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        engine.locked(lambda: (held.set(), release.wait(10)))
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    assert held.wait(10)
+    return release, thread
+
+
+def test_if_free_runs_now_when_the_lock_is_free_and_never_waits_when_taken(
+    engine: Engine,
+) -> None:
+    assert engine.if_free(lambda x: x * 2, 21) == (True, 42)
+    assert engine.is_free()
+    ran: list[int] = []
+    release, thread = _hold(engine)
+    try:
+        assert engine.if_free(ran.append, 1) == (False, None)
+        assert not engine.is_free()
+    finally:
+        release.set()
+        thread.join(10)
+    assert ran == []  # not run later either: the caller decides what to do instead
+    assert engine.is_free()
+
+
+def test_locked_waits_for_the_lock_and_runs_holding_it(engine: Engine) -> None:
+    release, thread = _hold(engine)
+    out: list[int] = []
+    waiter = threading.Thread(target=lambda: out.append(engine.locked(int, "7")))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive() and out == []  # waiting behind the holder
+    release.set()
+    thread.join(10)
+    waiter.join(10)
+    assert out == [7]
+
+    seen: list[tuple[bool, object]] = []
+
+    def inside() -> None:  # another thread, while fn runs: the lock is not free
+        other = threading.Thread(target=lambda: seen.append(engine.if_free(int)))
+        other.start()
+        other.join(10)
+
+    engine.locked(inside)
+    assert seen == [(False, None)]
+    assert engine.if_free(int) == (True, 0)
+
+
+def test_begin_stop_wakes_and_marks_the_engine_stopping(engine: Engine) -> None:
+    version = engine.version
+    engine.begin_stop()
+    assert engine.stopping and engine.version > version
+
+
+def test_holds_claim_is_the_store_s_claim(tmp_path: Path) -> None:
+    store = Store(f"sqlite:///{tmp_path / 'db.sqlite'}", migrate=False)
+    store.claim()
+    store.upgrade()
+    e = Engine(store, BlobStore(tmp_path / "m"), BlobStore(tmp_path / "u"), EngineSettings())
+    try:
+        assert e.holds_claim()
+    finally:
+        e.stop()
+        e.close()
+    unclaimed = Engine(
+        Store(f"sqlite:///{tmp_path / 'db.sqlite'}"),
+        BlobStore(tmp_path / "m"),
+        BlobStore(tmp_path / "u"),
+        EngineSettings(),
+    )
+    try:
+        assert not unclaimed.holds_claim()
+    finally:
+        unclaimed.stop()
+        unclaimed.close()
