@@ -8,6 +8,7 @@ of a manifest) or, by default, a SHA-256 of the ``[data]`` table as configured.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import importlib.metadata
@@ -52,9 +53,16 @@ def source_sha256(module_name: str) -> str:
     return digest.hexdigest()
 
 
+@functools.cache
+def _distributions() -> Mapping[str, list[str]]:
+    """Top-level modules to the installed distributions that provide them: a scan of every
+    installed package's metadata (tenths of a second), done once a process."""
+    return importlib.metadata.packages_distributions()
+
+
 def distribution_version(module_name: str) -> str:
     top = module_name.split(".", maxsplit=1)[0]
-    for dist in importlib.metadata.packages_distributions().get(top, []):
+    for dist in _distributions().get(top, []):
         try:
             return f"{dist} {importlib.metadata.version(dist)}"
         except importlib.metadata.PackageNotFoundError:
