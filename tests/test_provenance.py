@@ -5,8 +5,10 @@ by run status, flagged when it changes mid-run; and a site's bad provenance refu
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,7 @@ import pytest
 
 import fedra.examples.synthetic as synthetic_module
 from fedra import __version__
+from fedra.client import provenance
 from fedra.client.provenance import data_fingerprint, of_task, source_sha256
 from fedra.examples.synthetic import SyntheticTask
 from fedra.local import LocalCluster
@@ -44,6 +47,29 @@ def test_a_task_s_provenance_is_digests_never_data(tmp_path: Path) -> None:
             return "manifest:v7"
 
     assert data_fingerprint(Manifested(), DATA) == "manifest:v7"  # the task's own
+
+
+def test_the_installed_packages_are_scanned_once_a_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Many agents in one process (a scale test's workers host thousands) each describe
+    their task: the scan of every installed package's metadata is done once, not each time."""
+    scans: list[int] = []
+    real = importlib.metadata.packages_distributions
+
+    def counted() -> Mapping[str, list[str]]:
+        scans.append(1)
+        return real()
+
+    monkeypatch.setattr(importlib.metadata, "packages_distributions", counted)
+    provenance._distributions.cache_clear()
+    try:
+        versions = {provenance.distribution_version("fedra.examples.synthetic") for _ in range(5)}
+        assert versions == {f"fedra {__version__}"} and len(scans) == 1
+        assert provenance.distribution_version("no_such_module_anywhere") == ""
+        assert len(scans) == 1
+    finally:
+        provenance._distributions.cache_clear()
 
 
 def _provenance(cluster: LocalCluster, run_id: str) -> dict[str, Any]:
