@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 
 from fedra.client.config import ParallelConfig
 from fedra.client.inner import InnerHooks, InnerOptimizerError, KeepState, Rebase
@@ -111,6 +112,27 @@ class WorldResult:
         return {**self.stats.metrics(), "scatter_s": self.scatter_s, "gather_s": self.gather_s}
 
 
+def share_corrections(
+    model: torch.nn.Module, corrections: Mapping[str, torch.Tensor] | None, world: World
+) -> dict[str, torch.Tensor]:
+    """Collective, before a plan is applied: rank 0's SCAFFOLD ``c - c_i`` (by name, every
+    trainable parameter of the plain ``model``) on every rank, in one broadcast."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    flat = torch.empty(sum(p.numel() for _, p in named), dtype=torch.float32, device=world.device)
+    if world.rank == 0:
+        if corrections is None:
+            raise ValueError("rank 0 shares the SCAFFOLD corrections: none were given")
+        flat.copy_(torch.cat([corrections[n].reshape(-1).to(torch.float32) for n, _ in named]))
+    if world.size > 1:
+        dist.broadcast(flat, 0)
+    out: dict[str, torch.Tensor] = {}
+    offset = 0
+    for name, p in named:
+        out[name] = flat.narrow(0, offset, p.numel()).view(p.shape)
+        offset += p.numel()
+    return out
+
+
 def train_in_world(
     impl: ParallelTask,
     model: torch.nn.Module,
@@ -120,15 +142,21 @@ def train_in_world(
     plan: str,
     options: PlanOptions,
     world: World,
+    scaffold_lr: float = 0.0,
+    corrections: Mapping[str, torch.Tensor] | None = None,
 ) -> WorldResult:
-    """Every rank: take rank 0's weights, apply the plan, train, gather the full state."""
+    """Every rank: take rank 0's weights, apply the plan, train, gather the full state.
+
+    ``scaffold_lr`` > 0: a SCAFFOLD round at that learning rate, whose ``corrections``
+    rank 0 gives (the other ranks receive them)."""
     started = time.perf_counter()
     model = model.to(world.device)
     broadcast_module(model)  # rank 0 holds the global model
+    shared = share_corrections(model, corrections, world) if scaffold_lr > 0 else None
     crash_point(f"rank{world.rank}_train", round_number)
     runner = get_plan(plan)(model, world, options)
     scattered = time.perf_counter()
-    stats = train(runner, impl, data, settings, world)
+    stats = train(runner, impl, data, settings, world, shared, scaffold_lr)
     trained = time.perf_counter()
     state = runner.full_state_dict()
     return WorldResult(state, stats, scattered - started, time.perf_counter() - trained)
@@ -164,22 +192,29 @@ class WorldExecutor:
                 f"train.overlap: not supported on a site whose local world has "
                 f"{self.world.size} processes (plan {self.config.plan!r}) yet"
             )
-        if scaffold is not None:  # c_i would be sharded like the plan's parameters
-            raise InnerOptimizerError(
-                f"train.scaffold: not supported on a site whose local world has "
-                f"{self.world.size} processes (plan {self.config.plan!r}) yet"
-            )
-        message = {"cmd": "train", "entry_point": entry_point, "round": round_number}
+        message: dict[str, Any] = {"cmd": "train", "entry_point": entry_point}
+        message["round"] = round_number
         message["settings"] = {**asdict(settings), "params": dict(settings.params)}
+        corrections, lr = None, 0.0  # SCAFFOLD: every rank takes its part of c - c_i
+        if scaffold is not None:
+            corrections, lr = scaffold.by_name(model), scaffold.learning_rate
+            message["scaffold_lr"] = lr
         options = plan_options(self.config)
         try:
             self.control.send(message)
             result = train_in_world(
-                impl, model, data, settings, round_number, self.config.plan, options, self.world
-            )
+                impl, model, data, settings, round_number, self.config.plan, options,
+                self.world, lr, corrections,
+            )  # fmt: skip
+        except InnerOptimizerError:
+            # Every rank refuses the same optimiser at its first step, outside any
+            # collective: the task fails, the world goes on (``follow``).
+            raise
         except Exception as exc:  # the other ranks may be stuck in a collective: restart all
             raise WorldBroken(f"{type(exc).__name__}: {exc}") from exc
         assert result.state is not None  # rank 0 receives the full state
+        if scaffold is not None:
+            scaffold.steps = int(result.stats.inner.get("scaffold_steps", 0))
         return result.state, impl.num_samples(data), result.metrics()
 
     def close(self) -> None:
@@ -204,4 +239,10 @@ def follow(
         model = impl.create_model(settings.seed, settings.params)
         options = plan_options(config)
         shard = data[message["entry_point"]]
-        train_in_world(impl, model, shard, settings, message["round"], config.plan, options, world)
+        lr = float(message.get("scaffold_lr", 0.0))
+        try:
+            train_in_world(
+                impl, model, shard, settings, message["round"], config.plan, options, world, lr
+            )
+        except InnerOptimizerError as exc:  # rank 0 refused the same and reports it
+            log.warning("rank %d: the task's training was refused: %s", world.rank, exc)

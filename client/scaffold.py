@@ -91,9 +91,11 @@ class ScaffoldRound:
                     f"of shape {tuple(c.shape)}, which the model does not have"
                 )
 
-    def corrections(self, model: torch.nn.Module) -> dict[int, torch.Tensor]:
-        """``c - c_i`` for each trainable parameter, by its id, on its device and dtype."""
-        out: dict[int, torch.Tensor] = {}
+    def by_name(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """``c - c_i`` in float32 on the CPU for each trainable parameter of the plain
+        ``model``, by name (a site's local world shares these and each rank takes its
+        parameters' part: ``Runner.local_part``)."""
+        out: dict[str, torch.Tensor] = {}
         self.param_names = []
         for name, p in model.named_parameters():
             if not p.requires_grad:
@@ -104,8 +106,16 @@ class ScaffoldRound:
                 term += self.server[name].float()
             if name in self.site:
                 term -= self.site[name].float()
-            out[id(p)] = term.to(device=p.device, dtype=p.dtype)
+            out[name] = term
         return out
+
+    def corrections(self, model: torch.nn.Module) -> dict[int, torch.Tensor]:
+        """``c - c_i`` for each trainable parameter, by its id, on its device and dtype."""
+        params = dict(model.named_parameters())
+        return {
+            id(params[name]): term.to(device=params[name].device, dtype=params[name].dtype)
+            for name, term in self.by_name(model).items()
+        }
 
     def finish(self, update: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """delta c_i under ``CONTROL_PREFIX`` for every floating tensor of ``update``

@@ -78,18 +78,39 @@ def test_data_parallel_without_a_process_group_fails_clearly() -> None:
 # --- in-process: a world of one runs every plan's plumbing --------------------------------
 
 
-@pytest.mark.parametrize("mu", [0.0, 0.5], ids=["plain", "fedprox"])
+def _corrections(model: nn.Module) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return {n: 0.05 * torch.randn(p.shape, generator=g) for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("mode", ["plain", "fedprox", "scaffold"])
 @pytest.mark.parametrize("plan", ["dp", "fsdp", "tp", "fsdp+tp"])
-def test_world_of_one_trains_like_one_process(world_of_one: World, plan: str, mu: float) -> None:
-    """FedProx too: a plan's own (sharded) parameters take the proximal term."""
-    settings = FitSettings(2, 0, 4, 1e-3, 0, MOE, proximal_mu=mu)
+def test_world_of_one_trains_like_one_process(world_of_one: World, plan: str, mode: str) -> None:
+    """FedProx and SCAFFOLD too: a plan's own (sharded, DTensor) parameters take the
+    proximal term, and their part of each SCAFFOLD correction."""
+    mu, params = (0.5 if mode == "fedprox" else 0.0), dict(MOE)
+    lr = 0.05 if mode == "scaffold" else 1e-3
+    if mode == "scaffold":
+        params["optimizer"] = "sgd"
+    settings = FitSettings(2, 0, 4, lr, 0, params, proximal_mu=mu)
     data = task.load_data({"max_bytes": 20_000})
-    runner = get_plan(plan)(task.create_model(0, MOE), world_of_one, PlanOptions())
-    stats = train(runner, task, data, settings, world_of_one)
-    reference = SingleRunner(task.create_model(0, MOE))
-    ref_stats = train(reference, task, data, settings, World(0, 1, "none", CPU))
+    model = task.create_model(0, params)
+    corrections = _corrections(model) if mode == "scaffold" else None
+    scaffold_lr = lr if mode == "scaffold" else 0.0
+    runner = get_plan(plan)(model, world_of_one, PlanOptions())
+    stats = train(runner, task, data, settings, world_of_one, corrections, scaffold_lr)
+    reference = SingleRunner(task.create_model(0, params))
+    one = World(0, 1, "none", CPU)
+    ref_stats = train(reference, task, data, settings, one, corrections, scaffold_lr)
     assert stats.losses == pytest.approx(ref_stats.losses, abs=1e-6)
-    assert stats.inner == ref_stats.inner == ({"proximal_steps": 2.0} if mu else {})
+    inner = {"fedprox": {"proximal_steps": 2.0}, "scaffold": {"scaffold_steps": 2.0}}
+    assert stats.inner == ref_stats.inner == inner.get(mode, {})
+    if mode == "scaffold":  # the corrections moved the model: not trained without them
+        bare = SingleRunner(task.create_model(0, params))
+        train(bare, task, data, settings, one)
+        moved = bare.full_state_dict()
+        assert moved is not None
+        assert any(not torch.allclose(moved[k], v) for k, v in reference.model.state_dict().items())
     full, expected = runner.full_state_dict(), reference.full_state_dict()
     assert full is not None and expected is not None
     assert list(full) == list(expected)  # plain names, same order: no `module.` prefix
@@ -111,6 +132,9 @@ IDS = [
     "fsdp2xtp2",
     "fsdp2xtp2-moe",
     "fsdp2-fedprox",
+    "dp2-scaffold",
+    "fsdp2-scaffold",
+    "tp2-moe-scaffold",
 ]
 
 
@@ -127,6 +151,11 @@ IDS = [
         (4, "fsdp+tp", ("--tp-size", "2")),
         (4, "fsdp+tp", ("--tp-size", "2", "--experts", "4")),
         (2, "fsdp", ("--proximal-mu", "0.5")),
+        # SCAFFOLD: each rank adds its parameters' part of c - c_i (a DTensor's shard
+        # under fsdp and tp); a rank that left it out moves them by ~1e-2.
+        (2, "dp", ("--scaffold", "--lr", "0.05")),
+        (2, "fsdp", ("--scaffold", "--lr", "0.05")),
+        (2, "tp", ("--experts", "4", *("--scaffold", "--lr", "0.05"))),
     ],
     ids=IDS,
 )
@@ -136,3 +165,4 @@ def test_parallel_world_matches_one_process(
     report = run_check(tmp_path / "report.json", nproc, plan, *extra)
     assert_matches_one_process(report, nproc, PARAM_TOL, LOSS_TOL)
     assert report["proximal_steps"] == (3.0 if "--proximal-mu" in extra else 0.0)
+    assert report["scaffold_steps"] == (3.0 if "--scaffold" in extra else 0.0)

@@ -99,8 +99,9 @@ def test_one_stage_microbatched_step_matches_one_process(
         (2, "pp", "1f1b", ()),
         (4, "pp+dp", "1f1b", ("--pp-size", "2")),
         (2, "pp", "gpipe", ("--experts", "4")),
+        (2, "pp", "1f1b", ("--scaffold", "--lr", "0.05")),  # each stage: its own layers' part
     ],
-    ids=["pp2-gpipe", "pp2-1f1b", "pp2xdp2-1f1b", "pp2-gpipe-moe"],
+    ids=["pp2-gpipe", "pp2-1f1b", "pp2xdp2-1f1b", "pp2-gpipe-moe", "pp2-1f1b-scaffold"],
 )
 def test_pipeline_world_matches_one_process(
     tmp_path: Path, nproc: int, plan: str, schedule: str, extra: tuple[str, ...]
@@ -108,3 +109,4 @@ def test_pipeline_world_matches_one_process(
     args = ("--schedule", schedule, "--microbatches", "4", "--layers", "4", *extra)
     report = run_check(tmp_path / "report.json", nproc, plan, *args)
     assert_matches_one_process(report, nproc, PARAM_TOL, LOSS_TOL)
+    assert report["scaffold_steps"] == (3.0 if "--scaffold" in extra else 0.0)

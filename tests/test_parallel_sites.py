@@ -7,7 +7,10 @@ site and one update, whatever plan ran inside.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import torch
 
 from fedra.local import LocalCluster
 from fedra.protos.v1 import admin_pb2
@@ -115,3 +118,54 @@ def test_killed_local_rank_fails_the_round_cleanly_and_the_site_rejoins(
     assert cluster.sites["dp-site"].alive()
     log = cluster.sites["dp-site"].log_path.read_text()
     assert "rank1_train" in log or "restart" in log.lower()
+
+
+# Plain SGD (SCAFFOLD's option II assumes it), dense: tp and fsdp shard every block.
+SGD_MODEL = {"d_model": "32", "seq_len": "32", "n_layers": "2", "n_heads": "4", "optimizer": "sgd"}
+SCAFFOLD_STEPS = 4
+
+
+def _scaffold_run(
+    root: Path, plans: dict[str, dict[str, object] | None]
+) -> tuple[admin_pb2.RunStatus, dict[str, torch.Tensor]]:
+    """A 3-round SCAFFOLD run of charlm on these sites: its status and final model."""
+    with LocalCluster(root) as cluster:
+        cluster.start_coordinator(flags=FAST)
+        for part, (site_id, parallel) in enumerate(plans.items()):
+            start(cluster, site_id, part, parallel)
+        cluster.wait_for_sites(list(plans), timeout_s=180)
+        train = TrainSpec(local_steps=SCAFFOLD_STEPS, batch_size=8, learning_rate=0.05,
+                          params=SGD_MODEL, scaffold=True)  # fmt: skip
+        spec = RunSpec(task=CHARLM, rounds=3, sites_per_round=len(plans), min_sites=len(plans),
+                       round_deadline_s=180.0, join_timeout_s=90.0, seed=3, train=train,
+                       ).validate()  # fmt: skip
+        with cluster.admin() as admin:
+            run_id = admin.submit(spec)
+            status = finished_status(cluster, run_id)
+            return status, admin.export_model(run_id)
+
+
+@pytest.mark.timeout(600)
+def test_a_scaffold_run_on_local_worlds_matches_the_same_run_on_single_processes(
+    tmp_path: Path,
+) -> None:
+    """SCAFFOLD at sites whose training is sharded (fsdp, tp over 2 ranks each): every
+    rank adds its shard of c - c_i to its gradients, rank 0 keeps c_i+ from the gathered
+    model; the run's model is the one single-process sites reach, round by round."""
+    worlds: dict[str, dict[str, object] | None] = {
+        "site-a": {"nproc": 2, "plan": "fsdp"},
+        "site-b": {"nproc": 2, "plan": "tp"},
+    }
+    status, model = _scaffold_run(tmp_path / "worlds", worlds)
+    assert status.state == "completed", status.reason
+    for r in (r for r in status.rounds if r.number > 0):
+        accepted = [p for p in r.participations if p.status == "accepted"]
+        assert sorted(p.site_id for p in accepted) == sorted(worlds)
+        for p in accepted:  # corrected at every step, from the c_i of the round before
+            assert p.metrics["scaffold_steps"] == SCAFFOLD_STEPS
+            assert p.metrics["scaffold_from_round"] == r.number - 1, (p.site_id, r.number)
+    single, reference = _scaffold_run(tmp_path / "single", dict.fromkeys(worlds))
+    assert single.state == "completed", single.reason
+    assert sorted(model) == sorted(reference)
+    for name, tensor in reference.items():
+        torch.testing.assert_close(model[name], tensor, rtol=0, atol=1e-5, msg=name)

@@ -17,15 +17,17 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from fedra.accounting import RoundEvent, epsilon_after
 from fedra.admin import AdminClient
 from fedra.client.connection import Assignment
 from fedra.config import ConfigError
 from fedra.coordinator.engine import EngineSettings, GivenModel
 from fedra.coordinator.errors import InvalidArgument
 from fedra.local import LocalCluster
+from fedra.privacy import clip_factor
 from fedra.protos.v1 import admin_pb2, site_pb2
 from fedra.region import RUN_PREFIX, RegionAgent, RegionConfig
-from fedra.runspec import CodecSpec, RunSpec, SecAggSpec, TrainSpec
+from fedra.runspec import CodecSpec, PrivacySpec, RunSpec, SecAggSpec, TrainSpec
 from tests.conftest import InProcessCoordinator, fedra_cli
 
 SYNTHETIC = "fedra.examples.synthetic:task"
@@ -276,3 +278,70 @@ def test_a_two_level_federation_ends_where_the_flat_one_does(
     for name in expected:  # two means in a row round differently from one: fp32's last bits
         assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6)
     assert any(not torch.equal(first[k], got[k]) for k in got)  # and the model moved
+
+
+CLIP, NOISE = 0.01, 1.0  # a clip every region's update exceeds; noise std = NOISE * CLIP
+EXTRA = 2000  # parameters besides the 9 trained ones: samples enough for the noise's std
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(420)
+def test_upstream_privacy_clips_each_region_s_update_as_one_unit(tmp_path: Path) -> None:
+    """An upstream run with ``[privacy]`` through two regions: each round's step is the
+    regions' updates (each its regional run's final model minus the round's global
+    model), each clipped as one unit to ``clip``, summed, plus Gaussian noise of standard
+    deviation ``noise_multiplier * clip``, over ``sites_per_round``. Taken from the
+    exported models, what is left once the clipped updates are taken away is that noise:
+    its mean is 0 and its standard deviation is ``noise_multiplier * clip``, over the
+    2,009 coordinates of three rounds; the run is charged its rounds' privacy."""
+    privacy = PrivacySpec(clip=CLIP, noise_multiplier=NOISE, epsilon=50.0, delta=1e-5)
+    train = TrainSpec(local_steps=4, batch_size=16, learning_rate=0.05,
+                      params={"extra_params": str(EXTRA)})  # fmt: skip
+    run = dataclasses.replace(spec(ROUNDS, sites=len(SITES)), train=train, privacy=privacy)
+    with ExitStack() as stack:
+        upstream = stack.enter_context(LocalCluster(tmp_path / "upstream"))
+        upstream.start_coordinator(flags=[
+            "--heartbeat-s", "0.5", "--site-timeout-s", "30", "--poll-timeout-s", "5",
+            "--admin-port", "none"])  # fmt: skip
+        regions: dict[str, LocalCluster] = {}
+        for region_id, sites in SITES.items():
+            region = stack.enter_context(LocalCluster(tmp_path / region_id))
+            region.start_coordinator(flags=_region_flags(upstream, region_id, False))
+            for site_id in sites:
+                region.start_site(site_id, [SYNTHETIC], site_data(site_id))
+            region.wait_for_sites(sites)
+            regions[region_id] = region
+        upstream.wait_for_sites(list(SITES))
+        with upstream.admin() as admin:
+            run_id = admin.submit(run.validate())
+            status = _finished(admin, run_id)
+            assert status.state == "completed", status.reason
+            models = [admin.export_model(run_id, round_number=r) for r in range(ROUNDS + 1)]
+        updates: dict[int, list[dict[str, torch.Tensor]]] = {r: [] for r in range(1, ROUNDS + 1)}
+        for region in regions.values():
+            with region.admin() as admin:
+                for number, regional in _regional_rounds(region).items():
+                    final = admin.export_model(regional.run_id)
+                    base = models[number - 1]
+                    updates[number].append({k: final[k] - base[k] for k in base})
+    last = max(status.rounds, key=lambda r: r.number)  # charged as any run of 3 rounds
+    assert last.metrics["privacy_epsilon"] == pytest.approx(
+        epsilon_after(RoundEvent(NOISE), ROUNDS, 1e-5)
+    )
+    residuals = []
+    for number in range(1, ROUNDS + 1):
+        clipped: dict[str, torch.Tensor] = {k: torch.zeros_like(v, dtype=torch.float64)
+                                            for k, v in models[0].items()}  # fmt: skip
+        for u in updates[number]:
+            norm = float(sum(float((t.double() ** 2).sum()) for t in u.values()) ** 0.5)
+            assert norm > 2 * CLIP, norm  # the clip binds: an unclipped sum would show
+            for k, t in u.items():
+                clipped[k] += t.double() * clip_factor(norm, CLIP)
+        step = {k: models[number][k].double() - models[number - 1][k].double() for k in clipped}
+        # FedAvg, server_lr 1: step = (clipped sum + noise) / sites_per_round.
+        residuals += [(len(SITES) * step[k] - clipped[k]).reshape(-1) for k in clipped]
+    noise = torch.cat(residuals)
+    assert noise.numel() == ROUNDS * (EXTRA + 9)
+    std = NOISE * CLIP  # over 6,027 draws the sample std is within 2% of it (5 sigma: 4.6%)
+    assert abs(float(noise.mean())) < 5 * std / noise.numel() ** 0.5, float(noise.mean())
+    assert abs(float(noise.std()) / std - 1) < 0.05, float(noise.std())

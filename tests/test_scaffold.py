@@ -479,16 +479,24 @@ def _server_c(cluster: LocalCluster, run_id: str, number: int) -> dict[str, torc
     return scaffold.controls_of(decode_chunks(blobs.read_chunks(ckpt.optimizer_sha256, 1 << 20)))
 
 
-def test_a_local_world_of_several_processes_refuses_scaffold() -> None:
-    """Its ranks would each hold a shard of c_i: refused before any rank is told."""
+def test_an_optimiser_a_local_world_refuses_fails_the_task_not_the_world() -> None:
+    """Every rank refuses the same optimiser at its first step, outside any collective:
+    rank 0 raises the refusal itself (the agent reports the task failed) and not
+    ``WorldBroken``, which would restart the site's whole local world."""
+    sent: list[dict[str, Any]] = []
 
-    class _Untouched:
-        def send(self, message: object) -> None:
-            raise AssertionError("no rank should be told to train")
+    class _Ranks:  # the other ranks' channel: what they are told
+        def send(self, message: dict[str, Any]) -> None:
+            sent.append(message)
 
-    config = ParallelConfig(nproc=2, plan="dp")
-    world = World(0, 2, "gloo", torch.device("cpu"))
-    executor = WorldExecutor(config, world, _Untouched())  # type: ignore[arg-type]
-    settings, round_ = FitSettings(1, 0, 1, 0.1, seed=0), ScaffoldRound({}, {}, 0.1, 1)
-    with pytest.raises(InnerOptimizerError, match=r"^train\.scaffold: not supported"):
-        executor.train(charlm.task, "m:t", 1, nn.Linear(1, 1), None, settings, None, round_)
+    world = World(0, 1, "gloo", torch.device("cpu"))
+    executor = WorldExecutor(ParallelConfig(nproc=2, plan="none"), world, _Ranks())  # type: ignore[arg-type]
+    params = {"d_model": "16", "n_layers": "1", "n_heads": "2", "d_ff": "32", "seq_len": "8"}
+    settings = FitSettings(1, 0, 2, 0.1, seed=0, params=params)  # AdamW: not plain SGD
+    model = charlm.task.create_model(0, params)
+    data = charlm.task.load_data({"max_bytes": 20_000})
+    with pytest.raises(InnerOptimizerError, match=r"^train\.scaffold: .* is AdamW"):
+        executor.train(
+            charlm.task, "m:t", 1, model, data, settings, None, ScaffoldRound({}, {}, 0.1, 1)
+        )
+    assert sent and sent[0]["scaffold_lr"] == 0.1  # the other ranks were told: they refuse too

@@ -41,6 +41,11 @@ def _args() -> argparse.Namespace:
     p.add_argument("--schedule", default="1f1b")
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--proximal-mu", type=float, default=0.0, help="FedProx's mu (0: off)")
+    p.add_argument(
+        "--scaffold",
+        action="store_true",
+        help="SCAFFOLD: plain SGD, each gradient corrected by a seeded random c - c_i",
+    )
     p.add_argument("--no-reference", action="store_true", help="skip the one-process run")
     p.add_argument(
         "--warmup", action="store_true", help="run one round first: time the steady state"
@@ -71,6 +76,8 @@ def main() -> None:
         "top_k": "2" if args.experts > 1 else "1",
         "moe_every": "1",
     }
+    if args.scaffold:
+        params["optimizer"] = "sgd"  # SCAFFOLD's option II assumes plain SGD steps
     settings = FitSettings(
         args.steps, 0, args.batch_size, args.lr, seed=0, params=params, proximal_mu=args.proximal_mu
     )
@@ -81,17 +88,22 @@ def main() -> None:
         warm = FitSettings(1, 0, args.batch_size, args.lr, seed=0, params=params)
         train_in_world(task, task.create_model(0, params), data, warm, 0, args.plan, options, world)
     model = task.create_model(0, params)
+    scaffold_lr = args.lr if args.scaffold else 0.0
+    corrections = _corrections(model) if args.scaffold and world.rank == 0 else None
     # The same code path a site's local world runs every round.
-    result = train_in_world(task, model, data, settings, 0, args.plan, options, world)
+    result = train_in_world(
+        task, model, data, settings, 0, args.plan, options, world, scaffold_lr, corrections
+    )
     full, stats = result.state, result.stats
     if world.rank == 0:
         assert full is not None
         report: dict[str, Any] = {"plan": args.plan, "world": world.size, "backend": world.backend}
         report.update(losses=stats.losses, tokens_per_s=stats.tokens / stats.seconds)
         report.update(proximal_steps=stats.inner.get("proximal_steps", 0.0))
+        report.update(scaffold_steps=stats.inner.get("scaffold_steps", 0.0))
         report.update(scatter_s=result.scatter_s, train_s=stats.seconds, gather_s=result.gather_s)
         if not args.no_reference:
-            report.update(_compare(full, settings, data, params, world))
+            report.update(_compare(full, settings, data, params, world, scaffold_lr))
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     dist.barrier()
     dist.destroy_process_group()
@@ -104,16 +116,30 @@ def main() -> None:
     os._exit(0)
 
 
+def _corrections(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A seeded ``c - c_i`` for every trainable parameter, large enough that a rank that
+    left its part out would move its parameters far beyond the check's tolerance."""
+    g = torch.Generator().manual_seed(1234)
+    return {
+        name: 0.05 * torch.randn(p.shape, generator=g)
+        for name, p in model.named_parameters()
+        if p.requires_grad
+    }
+
+
 def _compare(
     full: dict[str, torch.Tensor],
     settings: FitSettings,
     data: Any,
     params: dict[str, str],
     world: World,
+    scaffold_lr: float = 0.0,
 ) -> dict[str, Any]:
     reference = task.create_model(0, params).to(world.device)
     ref_runner = SingleRunner(reference)
-    ref_stats = train(ref_runner, task, data, settings, World(0, 1, world.backend, world.device))
+    one = World(0, 1, world.backend, world.device)
+    corrections = _corrections(reference) if scaffold_lr > 0 else None
+    ref_stats = train(ref_runner, task, data, settings, one, corrections, scaffold_lr)
     ref_state = ref_runner.full_state_dict()
     assert ref_state is not None
     missing = sorted(set(ref_state) ^ set(full))

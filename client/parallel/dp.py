@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from fedra.client.parallel.plan import LossFn, PlanOptions, World
+from fedra.client.parallel.plan import LossFn, PlanOptions, World, plain_part
 
 
 def local_batch(
@@ -62,6 +62,12 @@ class DataParallelRunner:
     def parameters(self) -> list[nn.Parameter]:
         return list(self.wrapped.parameters())
 
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return list(self.wrapped.named_parameters())
+
+    def local_part(self, name: str, param: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
+        return plain_part(name, param, full)
+
     def train_step(self, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn) -> torch.Tensor | None:
         x, y = local_batch(x, y, self.dp_rank, self.dp_size)
         loss = loss_fn(self.wrapped(x), y)
@@ -75,6 +81,9 @@ class DDPRunner(DataParallelRunner):
     def __init__(self, ddp: DistributedDataParallel, world: World) -> None:
         super().__init__(ddp, world, world.rank, world.size)
         self.module: nn.Module = ddp.module
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return list(self.module.named_parameters())  # plain names: no `module.`
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         # Replicas are identical, so rank 0 needs no communication (plain names: no `module.`).

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fedra.client.parallel.plan import LossFn, PlanOptions, World
+from fedra.client.parallel.plan import LossFn, PlanOptions, World, plain_part
 from fedra.examples.gpt import MoE, local_experts
 
 
@@ -126,6 +126,16 @@ class EPRunner:
 
     def parameters(self) -> list[nn.Parameter]:
         return list(self.model.parameters())
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return list(self.model.named_parameters())
+
+    def local_part(self, name: str, param: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
+        """An expert tensor: this rank's experts, the rows ``apply_ep`` kept."""
+        if name in self.expert_names:
+            per_rank = full.shape[0] // self.world.size
+            full = full.narrow(0, self.world.rank * per_rank, per_rank)
+        return plain_part(name, param, full)
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn) -> torch.Tensor:
         if x.shape[0] % self.world.size:

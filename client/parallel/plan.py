@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -55,6 +56,16 @@ class Runner(Protocol):
 
     def parameters(self) -> list[nn.Parameter]:
         """This rank's parameters, for the optimiser."""
+        ...
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The same parameters under the plain model's names (a pipeline stage: its own)."""
+        ...
+
+    def local_part(self, name: str, param: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
+        """What this rank's ``param`` holds of ``full``, a tensor shaped like the plain
+        model's ``name``: in the parameter's own layout (a DTensor's shard, a slice of the
+        experts), so that it adds to the parameter's gradient (SCAFFOLD's ``c - c_i``)."""
         ...
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn) -> torch.Tensor | None:
@@ -97,6 +108,20 @@ def get_plan(name: str) -> Plan:
     return plan
 
 
+def plain_part(name: str, param: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
+    """``full`` in ``param``'s layout: distributed as the DTensor parameter is (every rank
+    holds ``full``: nothing is sent), or as it is for a plain parameter of its shape."""
+    full = full.to(device=param.device, dtype=param.dtype)
+    if isinstance(param, DTensor):
+        return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+    if tuple(full.shape) != tuple(param.shape):
+        raise ValueError(
+            f"tensor {name!r} is {tuple(full.shape)} in the plain model but this rank's "
+            f"parameter is {tuple(param.shape)}"
+        )
+    return full
+
+
 def broadcast_module(model: nn.Module, src: int = 0) -> None:
     """Make every rank's weights equal to rank ``src``'s (before a plan is applied)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -114,6 +139,12 @@ class SingleRunner:
 
     def parameters(self) -> list[nn.Parameter]:
         return list(self.model.parameters())
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return list(self.model.named_parameters())
+
+    def local_part(self, name: str, param: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
+        return plain_part(name, param, full)
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn) -> torch.Tensor | None:
         loss = loss_fn(self.model(x), y)

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
-from fedra.client.parallel.plan import LossFn, PlanOptions, World
+from fedra.client.parallel.plan import LossFn, PlanOptions, World, plain_part
 from fedra.protos import codec
 
 SCHEDULES: dict[str, type[PipelineScheduleSingle]] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -103,6 +103,12 @@ class PipelineRunner:
 
     def parameters(self) -> list[nn.Parameter]:
         return list(self.module.parameters())
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return list(self.module.named_parameters())  # the stage's blocks keep their names
+
+    def local_part(self, name: str, param: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
+        return plain_part(name, param, full)
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """A microbatch's mean loss over the microbatch count: the summed grads are the mean's."""

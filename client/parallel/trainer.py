@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,11 +35,29 @@ class TrainStats:
 
 
 def train(
-    runner: Runner, task: ParallelTask, data: Any, settings: FitSettings, world: World
+    runner: Runner,
+    task: ParallelTask,
+    data: Any,
+    settings: FitSettings,
+    world: World,
+    corrections: Mapping[str, torch.Tensor] | None = None,
+    scaffold_lr: float = 0.0,
 ) -> TrainStats:
-    """Run the round's local steps with ``runner``; every rank of the world calls this."""
+    """Run the round's local steps with ``runner``; every rank of the world calls this.
+
+    ``corrections``: SCAFFOLD's ``c - c_i`` for every trainable parameter of the plain
+    model, by name, on every rank; each rank adds its parameters' part to their gradients
+    before each step of plain SGD at ``scaffold_lr`` (``inner.InnerHooks``)."""
     params = runner.parameters()
-    hooks = InnerHooks(params, settings.proximal_mu)  # before the first step: w_global
+    by_id = None
+    if corrections is not None:
+        by_id = {
+            id(p): runner.local_part(name, p, corrections[name])
+            for name, p in runner.named_parameters()
+            if p.requires_grad
+        }
+    # Before the first step: w_global, for FedProx.
+    hooks = InnerHooks(params, settings.proximal_mu, corrections=by_id, learning_rate=scaffold_lr)
     optimizer = task.optimizer(params, settings)
     hooks.attach(optimizer)
     steps = task.num_steps(data, settings)

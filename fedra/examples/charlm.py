@@ -120,8 +120,14 @@ class CharLMTask:
     def optimizer(
         self, params: list[torch.nn.Parameter], settings: FitSettings
     ) -> torch.optim.Optimizer:
+        """AdamW; ``[train.params] optimizer = "sgd"``: plain SGD, which SCAFFOLD needs."""
         wd = float(settings.params.get("weight_decay", "0.0"))
-        return torch.optim.AdamW(params, lr=settings.learning_rate, weight_decay=wd, foreach=False)
+        kind, lr = settings.params.get("optimizer", "adamw"), settings.learning_rate
+        if kind == "sgd":
+            return torch.optim.SGD(params, lr=lr, weight_decay=wd, foreach=False)
+        if kind != "adamw":
+            raise ValueError(f"train.params.optimizer: {kind!r} is not adamw or sgd")
+        return torch.optim.AdamW(params, lr=lr, weight_decay=wd, foreach=False)
 
     def fit(self, model: torch.nn.Module, data: CharLMData, settings: FitSettings) -> FitResult:
         """Single-process training: the reference every parallel plan must match."""
