@@ -57,35 +57,46 @@ def _two_nodes(
     return parallel
 
 
-def _tiny_spec(rounds: int, sites: int, quorum: int) -> RunSpec:
+def _tiny_spec(
+    rounds: int, sites: int, quorum: int, params: dict[str, str] | None = None
+) -> RunSpec:
     s = spec(rounds, sites, quorum)
-    return replace(s, train=replace(s.train, params=TINY)).validate()
+    return replace(s, train=replace(s.train, params=params or TINY)).validate()
 
 
 # Plans whose ranks talk across the nodes differently: DDP's all-reduce and a pipeline's
-# point-to-point sends between stages.
+# point-to-point sends between stages; then DTensor collectives of tensor parallelism,
+# FSDP2's all-gathers and reduce-scatters, and expert parallelism's all-to-all (its
+# block 1 a mixture of 2 experts, one a rank).
 PLANS = {"dp": {"plan": "dp"}, "pp": {"plan": "pp", "pp_schedule": "1f1b", "microbatches": 2}}
+SHARDED = {"tp": {"plan": "tp"}, "fsdp": {"plan": "fsdp"}, "ep": {"plan": "ep"}}
+TINY_MOE = TINY | {"n_experts": "2", "top_k": "2"}
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-def test_sites_on_two_nodes_train_the_bits_of_one_node(cluster: LocalCluster) -> None:
+@pytest.mark.parametrize(
+    ("plans", "params"), [(PLANS, TINY), (SHARDED, TINY_MOE)], ids=["dp-pp", "tp-fsdp-ep"]
+)
+def test_sites_on_two_nodes_train_the_bits_of_one_node(
+    cluster: LocalCluster, plans: dict[str, dict[str, Any]], params: dict[str, str]
+) -> None:
     """The same sites (a site's id seeds its shuffling), spec and data: a run with each
     site on two nodes of one process each, then a run with each on one node of two."""
     cluster.start_coordinator(flags=FAST)
-    for site_id, plan in PLANS.items():
+    for site_id, plan in plans.items():
         _two_nodes(cluster, site_id, "2", plan)
-    cluster.wait_for_sites(list(PLANS), timeout_s=240)
-    two_nodes = _accepted_updates(cluster)
-    for name in [*PLANS, *(f"{s}.node1" for s in PLANS)]:
+    cluster.wait_for_sites(list(plans), timeout_s=240)
+    two_nodes = _accepted_updates(cluster, len(plans), params)
+    for name in [*plans, *(f"{s}.node1" for s in plans)]:
         cluster.sites.pop(name).stop()
-    for site_id, plan in PLANS.items():
+    for site_id, plan in plans.items():
         cluster.start_site(site_id, [CHARLM], DATA, parallel={"nproc": 2, **plan})
-    one_node = _accepted_updates(cluster)
-    expected = {(s, n) for s in PLANS for n in (1, 2)}
+    one_node = _accepted_updates(cluster, len(plans), params)
+    expected = {(s, n) for s in plans for n in (1, 2)}
     assert set(two_nodes) == set(one_node) == expected, (two_nodes, one_node)
     assert two_nodes == one_node  # the same updates, bit for bit, each round
-    for site_id, plan in PLANS.items():
+    for site_id, plan in plans.items():
         node0 = (cluster.state_dir / "logs" / f"{site_id}.log").read_text()
         assert f"local world of 2 ranks on 2 nodes, plan {plan['plan']}" in node0  # rank 0
         assert f"local world of 2 ranks on 1 node, plan {plan['plan']}" in node0
@@ -93,10 +104,12 @@ def test_sites_on_two_nodes_train_the_bits_of_one_node(cluster: LocalCluster) ->
         assert "local world of" not in node1  # node 1 never talks to the coordinator
 
 
-def _accepted_updates(cluster: LocalCluster) -> dict[tuple[str, int], str | None]:
+def _accepted_updates(
+    cluster: LocalCluster, sites: int, params: dict[str, str]
+) -> dict[tuple[str, int], str | None]:
     """Run two rounds with every site; (site, round) -> the digest of its accepted update."""
     with cluster.admin() as admin:
-        run_id = admin.submit(_tiny_spec(rounds=2, sites=len(PLANS), quorum=len(PLANS)))
+        run_id = admin.submit(_tiny_spec(rounds=2, sites=sites, quorum=sites, params=params))
     status = finished_status(cluster, run_id)
     assert status.state == "completed", status.reason
     store = Store(f"sqlite:///{cluster.state_dir / 'fedra.db'}", migrate=False)
