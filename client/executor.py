@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from fedra.client.config import ParallelConfig
 from fedra.client.inner import InnerHooks, InnerOptimizerError, KeepState, Rebase
+from fedra.client.optstate import CarriedState, from_bytes, to_bytes
 from fedra.client.parallel.extract import HostStager
 from fedra.client.parallel.plan import PlanOptions, World, broadcast_module, get_plan
 from fedra.client.parallel.trainer import TrainStats, train
@@ -112,25 +113,23 @@ class WorldResult:
         return {**self.stats.metrics(), "scatter_s": self.scatter_s, "gather_s": self.gather_s}
 
 
-def share_corrections(
-    model: torch.nn.Module, corrections: Mapping[str, torch.Tensor] | None, world: World
-) -> dict[str, torch.Tensor]:
-    """Collective, before a plan is applied: rank 0's SCAFFOLD ``c - c_i`` (by name, every
-    trainable parameter of the plain ``model``) on every rank, in one broadcast."""
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    flat = torch.empty(sum(p.numel() for _, p in named), dtype=torch.float32, device=world.device)
-    if world.rank == 0:
-        if corrections is None:
-            raise ValueError("rank 0 shares the SCAFFOLD corrections: none were given")
-        flat.copy_(torch.cat([corrections[n].reshape(-1).to(torch.float32) for n, _ in named]))
+def share_carried(carried: CarriedState | None, world: World) -> CarriedState | None:
+    """Collective: rank 0's kept optimiser state (or its having none) on every rank, as
+    the safetensors bytes it is kept in (no pickle), in two broadcasts."""
+    payload = to_bytes(carried) if world.rank == 0 and carried is not None else b""
+    size = torch.tensor([len(payload)], dtype=torch.int64, device=world.device)
     if world.size > 1:
-        dist.broadcast(flat, 0)
-    out: dict[str, torch.Tensor] = {}
-    offset = 0
-    for name, p in named:
-        out[name] = flat.narrow(0, offset, p.numel()).view(p.shape)
-        offset += p.numel()
-    return out
+        dist.broadcast(size, 0)
+    if int(size.item()) == 0:
+        return None
+    if world.rank == 0:
+        if world.size > 1:
+            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            dist.broadcast(data.to(world.device), 0)
+        return carried
+    data = torch.empty(int(size.item()), dtype=torch.uint8, device=world.device)
+    dist.broadcast(data, 0)
+    return from_bytes(data.cpu().numpy().tobytes())
 
 
 def train_in_world(
@@ -144,19 +143,26 @@ def train_in_world(
     world: World,
     scaffold_lr: float = 0.0,
     corrections: Mapping[str, torch.Tensor] | None = None,
+    keep: KeepState | None = None,
 ) -> WorldResult:
     """Every rank: take rank 0's weights, apply the plan, train, gather the full state.
 
     ``scaffold_lr`` > 0: a SCAFFOLD round at that learning rate, whose ``corrections``
-    rank 0 gives (the other ranks receive them)."""
+    rank 0 gives (the other ranks receive theirs: ``trainer.train``). ``keep``: the run
+    keeps its inner optimiser's state; rank 0's ``keep.carried`` goes to every rank, and rank 0's
+    ``keep.result`` is the whole state after training (``trainer.train``)."""
     started = time.perf_counter()
     model = model.to(world.device)
     broadcast_module(model)  # rank 0 holds the global model
-    shared = share_corrections(model, corrections, world) if scaffold_lr > 0 else None
+    # The plain model's parameters, before a plan cuts or shards them: what rank 0's
+    # corrections and kept state are laid out over.
+    plain = [(name, p.shape, p.requires_grad) for name, p in model.named_parameters()]
+    if keep is not None:
+        keep.carried = share_carried(keep.carried, world)
     crash_point(f"rank{world.rank}_train", round_number)
     runner = get_plan(plan)(model, world, options)
     scattered = time.perf_counter()
-    stats = train(runner, impl, data, settings, world, shared, scaffold_lr)
+    stats = train(runner, impl, data, settings, world, corrections, scaffold_lr, keep, plain)
     trained = time.perf_counter()
     state = runner.full_state_dict()
     return WorldResult(state, stats, scattered - started, time.perf_counter() - trained)
@@ -182,11 +188,6 @@ class WorldExecutor:
     ) -> tuple[dict[str, torch.Tensor], int, dict[str, float]]:
         if not isinstance(impl, ParallelTask):
             raise TypeError(f"task {entry_point!r} does not support parallel plans")
-        if keep is not None:  # each rank would hold its shard of the state: not carried yet
-            raise InnerOptimizerError(
-                f"train.keep_optimizer_state: not supported on a site whose local world has "
-                f"{self.world.size} processes (plan {self.config.plan!r}) yet"
-            )
         if rebase is not None:  # the ranks would each move their shard, at the same step
             raise InnerOptimizerError(
                 f"train.overlap: not supported on a site whose local world has "
@@ -199,12 +200,14 @@ class WorldExecutor:
         if scaffold is not None:
             corrections, lr = scaffold.by_name(model), scaffold.learning_rate
             message["scaffold_lr"] = lr
+        if keep is not None:  # rank 0's kept state goes to every rank before the plan
+            message["keep_round"] = keep.round_number
         options = plan_options(self.config)
         try:
             self.control.send(message)
             result = train_in_world(
                 impl, model, data, settings, round_number, self.config.plan, options,
-                self.world, lr, corrections,
+                self.world, lr, corrections, keep,
             )  # fmt: skip
         except InnerOptimizerError:
             # Every rank refuses the same optimiser at its first step, outside any
@@ -240,9 +243,11 @@ def follow(
         options = plan_options(config)
         shard = data[message["entry_point"]]
         lr = float(message.get("scaffold_lr", 0.0))
+        keep = KeepState(None, int(message["keep_round"])) if "keep_round" in message else None
         try:
             train_in_world(
-                impl, model, shard, settings, message["round"], config.plan, options, world, lr
-            )
+                impl, model, shard, settings, message["round"], config.plan, options, world,
+                lr, None, keep,
+            )  # fmt: skip
         except InnerOptimizerError as exc:  # rank 0 refused the same and reports it
             log.warning("rank %d: the task's training was refused: %s", world.rank, exc)

@@ -18,7 +18,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save
+from safetensors.torch import load, save
 
 from fedra.files import fsync_dir, write_atomic
 
@@ -117,6 +117,24 @@ def read_tagged(
 def load_file(path: Path) -> CarriedState:
     """Read a file ``to_bytes`` wrote; OptimizerStateError if it is not one."""
     tensors, meta = read_tagged(path, _META_KEY, _FORMAT, "an optimiser state file")
+    return _carried(path, tensors, meta)
+
+
+def from_bytes(data: bytes) -> CarriedState:
+    """What ``to_bytes`` made, read back from memory (a rank receiving rank 0's state)."""
+    try:
+        size = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8 : 8 + size])
+        meta: dict[str, Any] = json.loads(header["__metadata__"][_META_KEY])
+        tensors = load(data)
+    except (ValueError, KeyError, TypeError, SafetensorError) as exc:
+        raise OptimizerStateError(f"not an optimiser state: {exc}") from exc
+    if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
+        raise OptimizerStateError(f"an optimiser state of format {meta!r}, not {_FORMAT}")
+    return _carried(Path("<received>"), tensors, meta)
+
+
+def _carried(path: Path, tensors: Mapping[str, torch.Tensor], meta: dict[str, Any]) -> CarriedState:
     try:
         state: dict[int, dict[str, Any]] = {int(i): {} for i in meta["indices"]}
         for index, entries in meta["scalars"].items():

@@ -352,17 +352,44 @@ def test_a_promotion_cut_between_its_renames_completes_when_done_again(tmp_path:
     assert [store.load("run", r).after_round for r in (2, 3)] == [1, 2]  # type: ignore[union-attr]
 
 
-def test_a_local_world_of_several_processes_refuses_to_keep_the_state() -> None:
-    """Its ranks would each hold a shard of the state: refused before any rank is told."""
+def test_a_local_world_keeps_the_state_a_single_process_keeps(world_of_one: World) -> None:
+    """A site's local world (here a world of one through the same path: the kept state
+    shared from rank 0, each rank's part loaded, the whole gathered back) keeps its
+    optimiser's state in the very layout a site of one process keeps it in (the task's own
+    ``fit``): a site may change its plan between rounds, and a state file is a state file.
+    Two rounds each way; the second starts from the state the first left."""
+    params = {"d_model": "16", "n_layers": "2", "n_heads": "2", "d_ff": "32", "seq_len": "16"}
+    settings = FitSettings(3, 0, 4, 1e-2, seed=0, params=params)
+    data = charlm.task.load_data({"max_bytes": 20_000})
+    executor = WorldExecutor(ParallelConfig(nproc=1, plan="none"), world_of_one, _Ranks())  # type: ignore[arg-type]
+    local = LocalExecutor(torch.device("cpu"))
+    out: dict[str, tuple[dict[str, torch.Tensor], CarriedState]] = {}
+    for name, run in (("world", executor), ("single", local)):
+        model, keep = charlm.task.create_model(0, params), KeepState(None, 1)
+        for round_number in (1, 2):
+            state, _, metrics = run.train(
+                charlm.task, CHARLM, round_number, model, data, settings, keep
+            )
+            assert keep.result is not None and keep.result.after_round == round_number
+            assert metrics["inner_state_rounds"] == round_number - 1
+            model = charlm.task.create_model(0, params)
+            model.load_state_dict(state)
+            keep = KeepState(keep.result, round_number + 1)
+        assert keep.carried is not None and keep.carried.rounds == 2
+        out[name] = (state, keep.carried)
+    (world_model, world_kept), (single_model, single_kept) = out["world"], out["single"]
+    for key, tensor in single_model.items():
+        assert_close(world_model[key], tensor, rtol=0, atol=1e-6, msg=key)
+    assert world_kept.groups == single_kept.groups
+    assert sorted(world_kept.state) == sorted(single_kept.state)
+    for index, entries in single_kept.state.items():
+        assert sorted(world_kept.state[index]) == sorted(entries)
+        for key, value in entries.items():
+            assert_close(world_kept.state[index][key], value, rtol=0, atol=1e-6)
 
-    class _Untouched:
-        def send(self, message: object) -> None:
-            raise AssertionError("no rank should be told to train")
 
-    config = ParallelConfig(nproc=2, plan="dp")
-    world = World(0, 2, "gloo", torch.device("cpu"))
-    executor = WorldExecutor(config, world, _Untouched())  # type: ignore[arg-type]
-    task = charlm.task
-    with pytest.raises(InnerOptimizerError, match=r"^train\.keep_optimizer_state: not supported"):
-        executor.train(task, CHARLM, 1, nn.Linear(1, 1), None,
-                       FitSettings(1, 0, 1, 0.1, seed=0), KeepState(None, 1))  # fmt: skip
+class _Ranks:
+    """The other ranks' channel of a world of one: nobody to tell."""
+
+    def send(self, message: object) -> None:
+        pass

@@ -132,9 +132,9 @@ IDS = [
     "fsdp2xtp2",
     "fsdp2xtp2-moe",
     "fsdp2-fedprox",
-    "dp2-scaffold",
     "fsdp2-scaffold",
     "tp2-moe-scaffold",
+    "fsdp2xtp2-keep",
 ]
 
 
@@ -153,9 +153,12 @@ IDS = [
         (2, "fsdp", ("--proximal-mu", "0.5")),
         # SCAFFOLD: each rank adds its parameters' part of c - c_i (a DTensor's shard
         # under fsdp and tp); a rank that left it out moves them by ~1e-2.
-        (2, "dp", ("--scaffold", "--lr", "0.05")),
         (2, "fsdp", ("--scaffold", "--lr", "0.05")),
         (2, "tp", ("--experts", "4", *("--scaffold", "--lr", "0.05"))),
+        # keep_optimizer_state: a second round from the AdamW state the first left,
+        # gathered whole on rank 0 and each rank's part loaded again; DTensors sharded
+        # over both mesh dimensions.
+        (4, "fsdp+tp", ("--tp-size", "2", "--keep")),
     ],
     ids=IDS,
 )
@@ -166,3 +169,5 @@ def test_parallel_world_matches_one_process(
     assert_matches_one_process(report, nproc, PARAM_TOL, LOSS_TOL)
     assert report["proximal_steps"] == (3.0 if "--proximal-mu" in extra else 0.0)
     assert report["scaffold_steps"] == (3.0 if "--scaffold" in extra else 0.0)
+    assert report["inner_state_rounds"] == (1.0 if "--keep" in extra else 0.0)
+    assert report["state_max_abs_diff"] < PARAM_TOL

@@ -199,10 +199,12 @@ def test_two_ranks_exchange_tokens_and_match_one_process(tmp_path: Path) -> None
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     ("nproc", "extra"),
-    [(2, ()), (4, ()), (2, ("--scaffold", "--lr", "0.05"))],
-    ids=["ep2", "ep4", "ep2-scaffold"],  # SCAFFOLD: each rank takes its experts' rows
+    [(2, ()), (4, ()), (2, ("--scaffold", "--lr", "0.05")), (2, ("--keep",))],
+    ids=["ep2", "ep4", "ep2-scaffold", "ep2-keep"],  # each rank: its experts' rows
 )
 def test_check_matches_one_process(nproc: int, extra: tuple[str, ...], tmp_path: Path) -> None:
     report = run_check(tmp_path / "ep.json", nproc, "ep", "--experts", "4", *extra)
     assert_matches_one_process(report, nproc, PARAM_TOL, LOSS_TOL)
-    assert report["scaffold_steps"] == (3.0 if extra else 0.0)
+    assert report["scaffold_steps"] == (3.0 if "--scaffold" in extra else 0.0)
+    assert report["inner_state_rounds"] == (1.0 if "--keep" in extra else 0.0)
+    assert report["state_max_abs_diff"] < PARAM_TOL

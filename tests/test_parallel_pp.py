@@ -100,8 +100,17 @@ def test_one_stage_microbatched_step_matches_one_process(
         (4, "pp+dp", "1f1b", ("--pp-size", "2")),
         (2, "pp", "gpipe", ("--experts", "4")),
         (2, "pp", "1f1b", ("--scaffold", "--lr", "0.05")),  # each stage: its own layers' part
+        # Each stage's optimiser state to rank 0 (replica 0's), and each rank's back.
+        (4, "pp+dp", "1f1b", ("--pp-size", "2", "--keep")),
     ],
-    ids=["pp2-gpipe", "pp2-1f1b", "pp2xdp2-1f1b", "pp2-gpipe-moe", "pp2-1f1b-scaffold"],
+    ids=[
+        "pp2-gpipe",
+        "pp2-1f1b",
+        "pp2xdp2-1f1b",
+        "pp2-gpipe-moe",
+        "pp2-1f1b-scaffold",
+        "pp2xdp2-1f1b-keep",
+    ],
 )
 def test_pipeline_world_matches_one_process(
     tmp_path: Path, nproc: int, plan: str, schedule: str, extra: tuple[str, ...]
@@ -110,3 +119,5 @@ def test_pipeline_world_matches_one_process(
     report = run_check(tmp_path / "report.json", nproc, plan, *args)
     assert_matches_one_process(report, nproc, PARAM_TOL, LOSS_TOL)
     assert report["scaffold_steps"] == (3.0 if "--scaffold" in extra else 0.0)
+    assert report["inner_state_rounds"] == (1.0 if "--keep" in extra else 0.0)
+    assert report["state_max_abs_diff"] < PARAM_TOL

@@ -125,24 +125,28 @@ SGD_MODEL = {"d_model": "32", "seq_len": "32", "n_layers": "2", "n_heads": "4", 
 SCAFFOLD_STEPS = 4
 
 
-def _scaffold_run(
-    root: Path, plans: dict[str, dict[str, object] | None]
-) -> tuple[admin_pb2.RunStatus, dict[str, torch.Tensor]]:
-    """A 3-round SCAFFOLD run of charlm on these sites: its status and final model."""
+SCAFFOLD = TrainSpec(local_steps=SCAFFOLD_STEPS, batch_size=8, learning_rate=0.05,
+                     params=SGD_MODEL, scaffold=True)  # fmt: skip
+
+
+def _run(
+    root: Path, plans: dict[str, dict[str, object] | None], train: TrainSpec
+) -> tuple[admin_pb2.RunStatus, dict[str, torch.Tensor], dict[str, Path]]:
+    """A 3-round run of charlm on these sites: its status, its final model, and each
+    site's state directory."""
     with LocalCluster(root) as cluster:
         cluster.start_coordinator(flags=FAST)
         for part, (site_id, parallel) in enumerate(plans.items()):
             start(cluster, site_id, part, parallel)
         cluster.wait_for_sites(list(plans), timeout_s=180)
-        train = TrainSpec(local_steps=SCAFFOLD_STEPS, batch_size=8, learning_rate=0.05,
-                          params=SGD_MODEL, scaffold=True)  # fmt: skip
         spec = RunSpec(task=CHARLM, rounds=3, sites_per_round=len(plans), min_sites=len(plans),
                        round_deadline_s=180.0, join_timeout_s=90.0, seed=3, train=train,
                        ).validate()  # fmt: skip
         with cluster.admin() as admin:
             run_id = admin.submit(spec)
             status = finished_status(cluster, run_id)
-            return status, admin.export_model(run_id)
+            states = {s: cluster.state_dir / "sites" / s for s in plans}
+            return status, admin.export_model(run_id), states
 
 
 @pytest.mark.timeout(600)
@@ -156,7 +160,7 @@ def test_a_scaffold_run_on_local_worlds_matches_the_same_run_on_single_processes
         "site-a": {"nproc": 2, "plan": "fsdp"},
         "site-b": {"nproc": 2, "plan": "tp"},
     }
-    status, model = _scaffold_run(tmp_path / "worlds", worlds)
+    status, model, _ = _run(tmp_path / "worlds", worlds, SCAFFOLD)
     assert status.state == "completed", status.reason
     for r in (r for r in status.rounds if r.number > 0):
         accepted = [p for p in r.participations if p.status == "accepted"]
@@ -164,7 +168,39 @@ def test_a_scaffold_run_on_local_worlds_matches_the_same_run_on_single_processes
         for p in accepted:  # corrected at every step, from the c_i of the round before
             assert p.metrics["scaffold_steps"] == SCAFFOLD_STEPS
             assert p.metrics["scaffold_from_round"] == r.number - 1, (p.site_id, r.number)
-    single, reference = _scaffold_run(tmp_path / "single", dict.fromkeys(worlds))
+    single, reference, _ = _run(tmp_path / "single", dict.fromkeys(worlds), SCAFFOLD)
+    assert single.state == "completed", single.reason
+    assert sorted(model) == sorted(reference)
+    for name, tensor in reference.items():
+        torch.testing.assert_close(model[name], tensor, rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.timeout(600)
+def test_kept_optimiser_state_on_local_worlds_matches_the_same_run_on_single_processes(
+    tmp_path: Path,
+) -> None:
+    """keep_optimizer_state at sites whose AdamW state is sharded (fsdp, tp over 2 ranks):
+    rank 0 gathers the state whole after each round and keeps it as a site of one process
+    does; the next round each rank loads its part. The run's model is the one
+    single-process sites reach, and each round after the first carried the rounds before."""
+    worlds: dict[str, dict[str, object] | None] = {
+        "site-a": {"nproc": 2, "plan": "fsdp"},
+        "site-b": {"nproc": 2, "plan": "tp"},
+    }
+    dense = {k: v for k, v in SGD_MODEL.items() if k != "optimizer"}  # AdamW: state to keep
+    train = TrainSpec(local_steps=4, batch_size=8, learning_rate=3e-3, params=dense,
+                      keep_optimizer_state=True)  # fmt: skip
+    status, model, states = _run(tmp_path / "worlds", worlds, train)
+    assert status.state == "completed", status.reason
+    for r in (r for r in status.rounds if r.number > 0):
+        accepted = [p for p in r.participations if p.status == "accepted"]
+        assert sorted(p.site_id for p in accepted) == sorted(worlds)
+        for p in accepted:
+            assert p.metrics["inner_state_rounds"] == r.number - 1, (p.site_id, r.number)
+    for folder in states.values():  # kept by rank 0, in the one-process layout
+        files = sorted(f.name for f in folder.glob("optimizer-*.safetensors"))
+        assert [f.count(".") for f in files] == [2, 1], files  # .prev, then the latest
+    single, reference, _ = _run(tmp_path / "single", dict.fromkeys(worlds), train)
     assert single.state == "completed", single.reason
     assert sorted(model) == sorted(reference)
     for name, tensor in reference.items():

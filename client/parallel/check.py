@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 
 from fedra.client.executor import train_in_world
+from fedra.client.inner import KeepState
+from fedra.client.optstate import CarriedState
 from fedra.client.parallel.plan import PlanOptions, SingleRunner, World
 from fedra.client.parallel.trainer import train
 from fedra.client.task import FitSettings
@@ -45,6 +47,12 @@ def _args() -> argparse.Namespace:
         "--scaffold",
         action="store_true",
         help="SCAFFOLD: plain SGD, each gradient corrected by a seeded random c - c_i",
+    )
+    p.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep_optimizer_state: two rounds, the second starting from the optimiser state "
+        "the first left (gathered whole, then each rank's part); its state compared too",
     )
     p.add_argument("--no-reference", action="store_true", help="skip the one-process run")
     p.add_argument(
@@ -90,10 +98,21 @@ def main() -> None:
     model = task.create_model(0, params)
     scaffold_lr = args.lr if args.scaffold else 0.0
     corrections = _corrections(model) if args.scaffold and world.rank == 0 else None
+    keep = KeepState(None, 1) if args.keep else None
     # The same code path a site's local world runs every round.
     result = train_in_world(
-        task, model, data, settings, 0, args.plan, options, world, scaffold_lr, corrections
+        task, model, data, settings, 0, args.plan, options, world, scaffold_lr, corrections, keep
     )
+    if keep is not None:  # a second round from the first's model and optimiser state
+        model = task.create_model(0, params)
+        if world.rank == 0:
+            assert result.state is not None
+            model.load_state_dict(result.state)
+        keep = KeepState(keep.result, 2)
+        result = train_in_world(
+            task, model, data, settings, 0, args.plan, options, world, scaffold_lr, corrections,
+            keep,
+        )  # fmt: skip
     full, stats = result.state, result.stats
     if world.rank == 0:
         assert full is not None
@@ -101,9 +120,11 @@ def main() -> None:
         report.update(losses=stats.losses, tokens_per_s=stats.tokens / stats.seconds)
         report.update(proximal_steps=stats.inner.get("proximal_steps", 0.0))
         report.update(scaffold_steps=stats.inner.get("scaffold_steps", 0.0))
+        report.update(inner_state_rounds=stats.inner.get("inner_state_rounds", 0.0))
         report.update(scatter_s=result.scatter_s, train_s=stats.seconds, gather_s=result.gather_s)
         if not args.no_reference:
-            report.update(_compare(full, settings, data, params, world, scaffold_lr))
+            kept = keep.result if keep is not None else None
+            report.update(_compare(full, settings, data, params, world, scaffold_lr, kept))
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     dist.barrier()
     dist.destroy_process_group()
@@ -134,12 +155,21 @@ def _compare(
     params: dict[str, str],
     world: World,
     scaffold_lr: float = 0.0,
+    kept: CarriedState | None = None,
 ) -> dict[str, Any]:
     reference = task.create_model(0, params).to(world.device)
     ref_runner = SingleRunner(reference)
     one = World(0, 1, world.backend, world.device)
     corrections = _corrections(reference) if scaffold_lr > 0 else None
-    ref_stats = train(ref_runner, task, data, settings, one, corrections, scaffold_lr)
+    plain = [(name, p.shape, p.requires_grad) for name, p in reference.named_parameters()]
+    keep = KeepState(None, 1) if kept is not None else None
+    ref_stats = train(ref_runner, task, data, settings, one, corrections, scaffold_lr, keep, plain)
+    if keep is not None:
+        keep = KeepState(keep.result, 2)
+        ref_runner = SingleRunner(reference)
+        ref_stats = train(
+            ref_runner, task, data, settings, one, corrections, scaffold_lr, keep, plain
+        )
     ref_state = ref_runner.full_state_dict()
     assert ref_state is not None
     missing = sorted(set(ref_state) ^ set(full))
@@ -150,7 +180,26 @@ def _compare(
         for name, ref in ref_state.items()
         if name in full
     }
+    state_diff = 0.0
+    if kept is not None:  # the optimiser state the second round left, entry by entry
+        assert keep is not None and keep.result is not None
+        expected = keep.result.state
+        assert sorted(kept.state) == sorted(expected), (sorted(kept.state), sorted(expected))
+        for index, entries in expected.items():
+            assert sorted(kept.state[index]) == sorted(entries)
+            for key, want in entries.items():
+                got = kept.state[index][key]
+                if isinstance(want, torch.Tensor):
+                    delta = (
+                        (got.float() - want.float()).abs().max()
+                        if got.shape == want.shape
+                        else float("inf")
+                    )
+                    state_diff = max(state_diff, float(delta))
+                elif got != want:
+                    state_diff = float("inf")
     return {
+        "state_max_abs_diff": state_diff,
         "reference_losses": ref_stats.losses,
         "reference_tokens_per_s": ref_stats.tokens / ref_stats.seconds,
         "mismatched_names": missing,

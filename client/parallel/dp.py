@@ -7,12 +7,15 @@ slices the step is the one a single process takes on the whole batch.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from fedra.client.parallel.plan import LossFn, PlanOptions, World, plain_part
@@ -67,6 +70,19 @@ class DataParallelRunner:
 
     def local_part(self, name: str, param: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
         return plain_part(name, param, full)
+
+    def gather(
+        self, tensors: Mapping[str, torch.Tensor], owners: Mapping[str, str]
+    ) -> dict[str, torch.Tensor] | None:
+        """A DTensor (fsdp, tp: sharded like its parameter) is all-gathered, key by key in
+        the same order on every rank; a plain one (dp: replicas agree) is rank 0's own."""
+        out: dict[str, torch.Tensor] = {}
+        for key in sorted(tensors):
+            value = tensors[key]
+            whole = value.full_tensor() if isinstance(value, DTensor) else value
+            if self.world.rank == 0:
+                out[key] = whole.detach().cpu().clone()
+        return out if self.world.rank == 0 else None
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn) -> torch.Tensor | None:
         x, y = local_batch(x, y, self.dp_rank, self.dp_size)

@@ -8,6 +8,7 @@ back. Non-expert parameters are replicated and their gradients averaged.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -130,11 +131,28 @@ class EPRunner:
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return list(self.model.named_parameters())
 
+    def gather(
+        self, tensors: Mapping[str, torch.Tensor], owners: Mapping[str, str]
+    ) -> dict[str, torch.Tensor] | None:
+        """An expert's tensor (its rows this rank's experts) is all-gathered, key by key
+        in the same order on every rank; the replicated ones are rank 0's own."""
+        experts = set(self.expert_names)
+        out: dict[str, torch.Tensor] = {}
+        for key in sorted(tensors):
+            value = tensors[key].detach().contiguous()
+            if owners[key] in experts and value.dim() > 0 and self.world.size > 1:
+                parts = [torch.empty_like(value) for _ in range(self.world.size)]
+                dist.all_gather(parts, value)
+                value = torch.cat(parts)
+            if self.world.rank == 0:
+                out[key] = value.cpu().clone()
+        return out if self.world.rank == 0 else None
+
     def local_part(self, name: str, param: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
         """An expert tensor: this rank's experts, the rows ``apply_ep`` kept."""
         if name in self.expert_names:
             per_rank = full.shape[0] // self.world.size
-            full = full.narrow(0, self.world.rank * per_rank, per_rank)
+            full = full.narrow(0, self.world.rank * per_rank, per_rank).clone()  # not a view
         return plain_part(name, param, full)
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn) -> torch.Tensor:

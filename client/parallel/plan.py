@@ -9,7 +9,7 @@ state dict under the plain model's names, shapes and dtypes.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -80,6 +80,14 @@ class Runner(Protocol):
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Collective: every rank calls it; rank 0 gets the full CPU state dict, others None."""
+        ...
+
+    def gather(
+        self, tensors: Mapping[str, torch.Tensor], owners: Mapping[str, str]
+    ) -> dict[str, torch.Tensor] | None:
+        """Collective, the inverse of ``local_part``: each of this rank's ``tensors`` is
+        laid out as the parameter ``owners[key]`` (an optimiser's moments; a 0-d step
+        count is kept as it is); rank 0 gets them whole on the CPU, others None."""
         ...
 
 
@@ -153,3 +161,8 @@ class SingleRunner:
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+
+    def gather(
+        self, tensors: Mapping[str, torch.Tensor], owners: Mapping[str, str]
+    ) -> dict[str, torch.Tensor] | None:
+        return {k: v.detach().cpu().clone() for k, v in tensors.items()}

@@ -8,6 +8,7 @@ last, and runs a ``torch.distributed.pipelining`` schedule over microbatches.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TypeVar
 
 import torch
@@ -170,9 +171,24 @@ class PipelineRunner:
             self._send_state(dst=0)
         return None
 
-    def _send_state(self, dst: int) -> None:
-        """Send this stage's state as its size, then its codec bytes (no pickle)."""
-        state = {k: v.detach().cpu() for k, v in self.module.state_dict().items()}
+    def gather(
+        self, tensors: Mapping[str, torch.Tensor], owners: Mapping[str, str]
+    ) -> dict[str, torch.Tensor] | None:
+        """Rank 0 takes replica 0's stages' tensors (each stage holds its own layers')."""
+        if self.world.rank == 0:
+            whole = {k: v.detach().cpu().clone() for k, v in tensors.items()}
+            for src in self.replica0_ranks[1:]:
+                whole.update(self._receive_state(src))
+            return whole
+        if self.world.rank in self.replica0_ranks:
+            self._send_state(dst=0, tensors=tensors)
+        return None
+
+    def _send_state(self, dst: int, tensors: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Send this stage's state (or ``tensors``) as its size, then its codec bytes (no
+        pickle)."""
+        source = self.module.state_dict() if tensors is None else tensors
+        state = {k: v.detach().cpu() for k, v in source.items()}
         payload = torch.frombuffer(bytearray(codec.encode(state)), dtype=torch.uint8)
         size = torch.tensor([payload.numel()], dtype=torch.int64)
         dist.send(size.to(self.world.device), dst)
