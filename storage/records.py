@@ -125,3 +125,23 @@ class RunReads(Protocol):
     def list_events(self, run_id: str, kinds: tuple[str, ...] = ()) -> list[EventRecord]: ...
 
     def last_event_id(self, run_id: str, kinds: tuple[str, ...]) -> int: ...
+
+
+class ReadsOf:
+    """Only the ``RunReads`` of a store that also writes: what its owner hands a reader,
+    which then has no write to reach for. Keep one per store (readers cache by it)."""
+
+    def __init__(self, store: RunReads) -> None:
+        self._store = store
+
+    def list_runs(self, states: Sequence[str] | None = None) -> list[RunRecord]:
+        return self._store.list_runs(states)
+
+    def read_run(self, run_id: str, *, since: int = 0, limit: int | None = None) -> RunView | None:
+        return self._store.read_run(run_id, since=since, limit=limit)
+
+    def list_events(self, run_id: str, kinds: tuple[str, ...] = ()) -> list[EventRecord]:
+        return self._store.list_events(run_id, kinds)
+
+    def last_event_id(self, run_id: str, kinds: tuple[str, ...]) -> int:
+        return self._store.last_event_id(run_id, kinds)

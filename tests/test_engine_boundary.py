@@ -158,3 +158,13 @@ def test_holds_claim_is_the_store_s_claim(tmp_path: Path) -> None:
     finally:
         unclaimed.stop()
         unclaimed.close()
+
+
+def test_records_read_and_cannot_write(engine: Engine) -> None:
+    """What status code is handed: the stored runs to read, and nothing that writes; the
+    same object each time (status caches provenance by it)."""
+    records = engine.records
+    assert records is engine.records
+    assert records.list_runs() == [] and records.read_run("nope") is None
+    for write in ("create_run", "add_event", "write_batch", "close"):
+        assert not hasattr(records, write), write

@@ -56,7 +56,7 @@ from fedra.protos.serde import Provenance, SecAggRound
 from fedra.runspec import MAX_TASK_CHARS, CodecSpec, PrivacySpec, RunSpec, TrainSpec
 from fedra.storage import BlobStore, Store
 from fedra.storage.blobs import BLOCK_BYTES
-from fedra.storage.records import CheckpointRecord, RunReads, RunRecord, SiteRecord
+from fedra.storage.records import CheckpointRecord, ReadsOf, RunReads, RunRecord, SiteRecord
 from fedra.storage.spool import SMALL_UPDATE_BYTES, UpdateSpool
 
 log = logging.getLogger("fedra.coordinator")
@@ -160,6 +160,7 @@ class Engine:
         audit: AuditTrail | None = None,
     ) -> None:
         self._store, self.models = store, models
+        self._records = ReadsOf(store)  # what status reads get: no write to reach for
         self.settings = settings or EngineSettings()
         self.updates = UpdateSpool(updates, store, self.settings.small_update_bytes)
         self.clock = clock
@@ -263,7 +264,7 @@ class Engine:
     @property
     def records(self) -> RunReads:
         """The stored runs, read-only, for status reads (``status.StatusSource``)."""
-        return self._store
+        return self._records
 
     def if_free(self, fn: Callable[..., T], *args: Any) -> tuple[bool, T | None]:
         """``(True, fn(*args))`` holding the lock if it is free this instant, else
