@@ -191,6 +191,33 @@ def _region_flags(upstream: LocalCluster, region_id: str, secagg: bool) -> list[
             *(["--region-secagg"] if secagg else [])]  # fmt: skip
 
 
+def _two_levels(
+    stack: ExitStack,
+    tmp_path: Path,
+    secagg: bool,
+    equal: bool,
+    faults: dict[str, dict[str, str]] | None = None,
+) -> tuple[LocalCluster, dict[str, LocalCluster]]:
+    """An upstream and the regions of ``SITES``, each with its sites, all registered;
+    ``faults``: a region's coordinator's extra environment (a crash point)."""
+    upstream = stack.enter_context(LocalCluster(tmp_path / "upstream"))
+    # A region silent while it restarts stays the round's site: a longer timeout.
+    upstream.start_coordinator(flags=[
+        "--heartbeat-s", "0.5", "--site-timeout-s", "30", "--poll-timeout-s", "5",
+        "--admin-port", "none"])  # fmt: skip
+    regions: dict[str, LocalCluster] = {}
+    for region_id, sites in SITES.items():
+        region = stack.enter_context(LocalCluster(tmp_path / region_id))
+        region.start_coordinator(flags=_region_flags(upstream, region_id, secagg),
+                                 extra_env=(faults or {}).get(region_id))  # fmt: skip
+        for site_id in sites:
+            region.start_site(site_id, [SYNTHETIC], site_data(site_id, equal=equal))
+        region.wait_for_sites(sites)
+        regions[region_id] = region
+    upstream.wait_for_sites(list(SITES))
+    return upstream, regions
+
+
 def _regional_rounds(region: LocalCluster) -> dict[int, admin_pb2.RunStatus]:
     """The region's regional runs, by the upstream round each ran: one a round, each
     completed (a region that restarts carries on with its run, it starts none again)."""
@@ -230,23 +257,8 @@ def test_a_two_level_federation_ends_where_the_flat_one_does(
         flat[equal] = _flat(tmp_path, rounds, equal=equal)
     expected = flat[equal]
     with ExitStack() as stack:
-        upstream = stack.enter_context(LocalCluster(tmp_path / "upstream"))
-        # A region silent while it restarts stays the round's site: a longer timeout.
-        upstream.start_coordinator(flags=[
-            "--heartbeat-s", "0.5", "--site-timeout-s", "30", "--poll-timeout-s", "5",
-            "--admin-port", "none"])  # fmt: skip
-        regions: dict[str, LocalCluster] = {}
-        for region_id, sites in SITES.items():
-            region = stack.enter_context(LocalCluster(tmp_path / region_id))
-            killed = crash and region_id == "region-a"
-            fault = {"FEDRA_FAULT_CRASH": "after_accept:2"} if killed else None
-            region.start_coordinator(flags=_region_flags(upstream, region_id, secagg),
-                                     extra_env=fault)  # fmt: skip
-            for site_id in sites:
-                region.start_site(site_id, [SYNTHETIC], site_data(site_id, equal=equal))
-            region.wait_for_sites(sites)
-            regions[region_id] = region
-        upstream.wait_for_sites(list(SITES))
+        crashing = {"region-a": {"FEDRA_FAULT_CRASH": "after_accept:2"}} if crash else {}
+        upstream, regions = _two_levels(stack, tmp_path, secagg, equal, crashing)
         with upstream.admin() as admin:
             run_id = admin.submit(spec(rounds, sites=len(SITES), secagg=upstream_secagg))
             if crash:
@@ -304,19 +316,7 @@ def test_upstream_privacy_clips_each_region_s_update_as_one_unit(tmp_path: Path)
                       params={"extra_params": str(EXTRA)})  # fmt: skip
     run = dataclasses.replace(spec(ROUNDS, sites=len(SITES)), train=train, privacy=privacy)
     with ExitStack() as stack:
-        upstream = stack.enter_context(LocalCluster(tmp_path / "upstream"))
-        upstream.start_coordinator(flags=[
-            "--heartbeat-s", "0.5", "--site-timeout-s", "30", "--poll-timeout-s", "5",
-            "--admin-port", "none"])  # fmt: skip
-        regions: dict[str, LocalCluster] = {}
-        for region_id, sites in SITES.items():
-            region = stack.enter_context(LocalCluster(tmp_path / region_id))
-            region.start_coordinator(flags=_region_flags(upstream, region_id, False))
-            for site_id in sites:
-                region.start_site(site_id, [SYNTHETIC], site_data(site_id))
-            region.wait_for_sites(sites)
-            regions[region_id] = region
-        upstream.wait_for_sites(list(SITES))
+        upstream, regions = _two_levels(stack, tmp_path, secagg=False, equal=False)
         with upstream.admin() as admin:
             run_id = admin.submit(run.validate())
             status = _finished(admin, run_id)
