@@ -179,6 +179,24 @@ def plain_backoff(conn: Connection) -> None:
     conn.wait_reconnected = wait  # type: ignore[method-assign]
 
 
+def take_turns(agent: SiteAgent, turns: threading.BoundedSemaphore) -> None:
+    """The agent's work on a task (download, training, upload) waits for one of its
+    worker's ``turns``; its heartbeats, started before, do not. A site on a machine of its
+    own answers its heartbeat whatever its training does. A worker's 1,250 sites whose
+    round opens at one instant would instead all be runnable at once in one interpreter:
+    each torch call or gRPC event hands the interpreter lock to the next of 1,250 threads,
+    a heartbeat waits its turn behind all of them, and at 5,000 sites thousands of sites
+    went silent for 20 s with their updates still to come (docs/scale.md). With turns,
+    a site waiting for one is a slow site that answers, as a real slow site is."""
+    work = agent._train_and_upload
+
+    def in_turn(*args: Any, **kwargs: Any) -> None:
+        with turns:
+            work(*args, **kwargs)
+
+    agent._train_and_upload = in_turn  # type: ignore[method-assign]
+
+
 def lower_priority(nice: int) -> None:
     """Run this worker's threads at ``nice``, and its whole session too. Linux schedules a
     session (this worker has one of its own) as one group against the others
@@ -249,6 +267,10 @@ def worker_main(args: argparse.Namespace) -> None:
     tasks = {TASK: load_task(TASK)}
     indices = range(args.first, args.first + args.count)
     agents = [make_agent(args.address, i, tasks, tally, args.fit_delay_s) for i in indices]
+    if args.site_turns > 0:
+        turns = threading.BoundedSemaphore(args.site_turns)
+        for agent in agents:
+            take_turns(agent, turns)
     print("ready", flush=True)
     if sys.stdin.readline().strip() != "go":
         return
@@ -333,6 +355,7 @@ def start_workers(
         command += ["--first", str(first), "--count", str(count), "--stats", str(stats)]
         command += ["--timeout-s", f"{timeout_s:.0f}", "--fit-delay-s", str(args.fit_delay_s)]
         command += ["--site-nice", str(args.site_nice), "--site-cpus", args.site_cpus]
+        command += ["--site-turns", str(args.site_turns)]
         with (root / f"worker-{i}.log").open("ab") as log:
             popen = subprocess.Popen(
                 command,
@@ -700,7 +723,9 @@ class Measurement:
         run["submit_to_round_0_s"] = min(opened) - submitted if opened else None
         self.reached("rounds_read")
         self._cpu(before, sampler)
-        if reads_before is not None:  # the operators' reads, in their own process
+        if (
+            reads_before is not None and reads_pid is not None
+        ):  # the operators' reads, in their own process
             run["reads_process_cpu_s"] = proc_sample(reads_pid).cpu_s - reads_before.cpu_s
         run["admin_port"] = bool(cluster.admin_address)
         if not finished:
@@ -898,6 +923,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "the others to the coordinator alone",
     )
     parser.add_argument(
+        "--site-turns",
+        type=int,
+        default=16,
+        help="how many of a worker's sites work on their task at once (download, training, "
+        "upload), the others waiting their turn while they heartbeat; 0: all at once",
+    )
+    parser.add_argument(
         "--coordinator-flags",
         default="",
         help="more flags for `fedra coordinator`, e.g. '--workers 8' (default: none, its defaults)",
@@ -923,6 +955,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.error("--sites, --rounds and --procs must be positive")
         if args.db != "sqlite" and not args.db.startswith("postgresql"):
             parser.error("--db: sqlite or a postgresql URL")
+    if args.site_turns < 0:
+        parser.error("--site-turns must be 0 (all at once) or positive")
     if args.site_cpus:
         try:
             cpus = cpu_list(args.site_cpus)

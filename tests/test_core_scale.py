@@ -512,7 +512,9 @@ def test_shared_pages_keep_a_large_page_for_its_cost_and_build_a_small_one_each_
     from fedra.coordinator.status import SharedPages
 
     now = [0.0]
-    pages = SharedPages(share=0.1, max_age_s=1.0, min_participations=10, clock=lambda: now[0])
+    pages = SharedPages(
+        share=0.1, max_age_s=1.0, min_participations=10, clock=lambda: now[0], max_share=0.5
+    )
     built: list[int] = []
     later = _HeldExecutor()
 
@@ -543,7 +545,7 @@ def test_shared_pages_keep_a_large_page_for_its_cost_and_build_a_small_one_each_
     assert second is not None and second is not first and built == [3, 3, 20, 20]
     now[0] += 0.7  # 0.7 s since: not even as long again
     assert pages.answer(large, build(20, 0.0), later) is None and later.held == []
-    third = pages.get(large, build(20, 0.5))  # 5 s by its cost, but at most max_age_s
+    third = pages.get(large, build(20, 0.5))  # 5 s by its cost, but max_age_s (0.5 / 0.5)
     now[0] += 0.4  # 0.9 s since its build began: what it shows is that old
     assert pages.get(large, build(20, 0.0)) is third
     now[0] += 0.2
@@ -561,6 +563,38 @@ def test_shared_pages_keep_a_large_page_for_its_cost_and_build_a_small_one_each_
     assert len(taken.rounds[0].participations) == 21
     later.run_all()  # the queued rebuild finds it taken over: builds nothing
     assert built[-1] == 21 and len(built) == 9
+
+
+def test_shared_pages_build_a_costly_page_at_most_max_share_of_the_time() -> None:
+    from fedra.coordinator.status import SharedPages
+
+    pages = SharedPages(share=0.05, max_age_s=0.5, max_share=0.25)
+    assert pages.fresh_for(0.01) == pytest.approx(0.2)  # cost / share
+    assert pages.fresh_for(0.1) == pytest.approx(0.5)  # at most max_age_s
+    assert pages.fresh_for(0.3) == pytest.approx(1.2)  # costlier: cost / max_share
+    assert pages.fresh_for(10.0) == pytest.approx(40.0)
+    # Asked for without pause, a key's page is built at most once a moment: the share of
+    # a thread its builds take is cost / fresh_for(cost).
+    for cost in (0.001, 0.02, 0.125, 0.3, 2.0):
+        assert cost / pages.fresh_for(cost) <= 0.25 + 1e-12
+    with pytest.raises(ValueError, match="max_share"):
+        SharedPages(max_share=0.0)
+
+    now = [0.0]
+    pages = SharedPages(share=0.05, max_age_s=0.5, min_participations=1, clock=lambda: now[0])
+    built: list[int] = []
+
+    def build() -> admin_pb2.RunStatus:
+        built.append(1)
+        now[0] += 0.3  # a round of thousands of sites: 0.3 s to build its page
+        return _page(5)
+
+    key = ("run", 0, False)
+    page = pages.get(key, build)
+    now[0] += 0.8  # 1.1 s since its build began: it still answers
+    assert pages.get(key, build) is page and built == [1]
+    now[0] += 0.2  # 1.3 s: past its 1.2 s
+    assert pages.get(key, build) is not page and built == [1, 1]
 
 
 def test_shared_pages_share_one_build_between_calls_at_once_and_pass_on_its_error() -> None:

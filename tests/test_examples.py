@@ -20,6 +20,7 @@ import torch
 from fedra.client.task import FitSettings, Task, load_task
 from fedra.config import ConfigError
 from fedra.examples import digits, synthetic
+from fedra.examples.layers import seeded_linear
 
 # (entry point, params) for each task; the synthetic one with its big block switched on.
 TASKS = [
@@ -79,6 +80,23 @@ def test_create_model_leaves_the_global_rng_alone(entry_point: str, params: dict
     before = torch.get_rng_state()
     load_task(entry_point).create_model(3, params)
     assert torch.equal(before, torch.get_rng_state())
+
+
+@pytest.mark.parametrize(("in_features", "out_features"), [(8, 1), (64, 32), (32, 10)])
+def test_seeded_linear_draws_nn_linear_s_init_from_its_generator(
+    in_features: int, out_features: int
+) -> None:
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    layer = seeded_linear(in_features, out_features, torch.Generator().manual_seed(11))
+    assert torch.equal(before, torch.get_rng_state())
+    assert type(layer) is torch.nn.Linear  # a plain layer, in type and repr
+    # nn.Linear's default distribution, U(-1/sqrt(in), 1/sqrt(in)): weight first, then bias.
+    generator, bound = torch.Generator().manual_seed(11), 1.0 / math.sqrt(in_features)
+    weight = torch.empty(out_features, in_features).uniform_(-bound, bound, generator=generator)
+    bias = torch.empty(out_features).uniform_(-bound, bound, generator=generator)
+    assert torch.equal(layer.weight, weight) and torch.equal(layer.bias, bias)
+    assert layer.weight.dtype == torch.float32 and layer.weight.requires_grad
 
 
 def test_initial_weights_are_bit_identical_in_another_process() -> None:

@@ -22,6 +22,7 @@ from torch import nn
 
 from fedra.client.task import FitResult, FitSettings
 from fedra.config import ConfigError, get, require
+from fedra.examples.layers import seeded_linear
 
 NUM_FEATURES = 64
 NUM_CLASSES = 10
@@ -176,23 +177,6 @@ def _local_split(x: torch.Tensor, y: torch.Tensor, seed: int, site: int) -> Digi
     return DigitsData(x[train_rows], y[train_rows], x[eval_rows], y[eval_rows])
 
 
-def _linear(in_features: int, out_features: int, generator: torch.Generator) -> nn.Linear:
-    """An ``nn.Linear`` with its default init distribution drawn from ``generator`` only."""
-    # Built on the meta device so its own init neither draws from nor disturbs the global RNG;
-    # fresh CPU parameters replace the meta ones (Module.to_empty costs ~0.5 s of imports).
-    with torch.device("meta"):
-        layer = nn.Linear(in_features, out_features)
-    bound = 1.0 / math.sqrt(in_features)
-    # dtype and device spelled out: a process's torch defaults must not change the weights.
-    weight = torch.empty(out_features, in_features, dtype=torch.float32, device="cpu")
-    bias = torch.empty(out_features, dtype=torch.float32, device="cpu")
-    weight.uniform_(-bound, bound, generator=generator)
-    bias.uniform_(-bound, bound, generator=generator)
-    layer.weight = nn.Parameter(weight)
-    layer.bias = nn.Parameter(bias)
-    return layer
-
-
 def _batches(num_samples: int, batch_size: int, steps: int, seed: int) -> Iterator[torch.Tensor]:
     """Yield ``steps`` mini-batches of row indices, reshuffling at every pass over the data."""
     generator = torch.Generator().manual_seed(seed)
@@ -287,9 +271,9 @@ class DigitsTask:
         # A private generator: the same seed gives the same weights in any process.
         generator = torch.Generator().manual_seed(seed)
         return nn.Sequential(
-            _linear(NUM_FEATURES, hidden, generator),
+            seeded_linear(NUM_FEATURES, hidden, generator),
             nn.ReLU(),
-            _linear(hidden, NUM_CLASSES, generator),
+            seeded_linear(hidden, NUM_CLASSES, generator),
         )
 
     def load_data(self, config: Mapping[str, Any]) -> DigitsData:

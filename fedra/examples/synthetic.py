@@ -19,6 +19,7 @@ from torch import nn
 
 from fedra.client.task import FitResult, FitSettings
 from fedra.config import ConfigError, get, require
+from fedra.examples.layers import seeded_linear
 
 TRUE_WEIGHT_SEED = 1234
 NOISE_STD = 0.01
@@ -45,7 +46,7 @@ class SyntheticModel(nn.Module):
     def __init__(self, dim: int, extra_params: int, seed: int) -> None:
         super().__init__()
         generator = torch.Generator().manual_seed(seed)
-        self.linear = _linear(dim, 1, generator)
+        self.linear = seeded_linear(dim, 1, generator)
         self.extra: nn.Parameter | None = None
         if extra_params > 0:
             # Random, not zero, so the decay in fit gives codecs a varied delta. Frozen to
@@ -58,23 +59,6 @@ class SyntheticModel(nn.Module):
         """Predictions of shape ``[n]`` for inputs ``[n, dim]``."""
         out: torch.Tensor = self.linear(x)
         return out.squeeze(-1)
-
-
-def _linear(in_features: int, out_features: int, generator: torch.Generator) -> nn.Linear:
-    """An ``nn.Linear`` with its default init distribution drawn from ``generator`` only."""
-    # Built on the meta device so its own init neither draws from nor disturbs the global RNG;
-    # fresh CPU parameters replace the meta ones (Module.to_empty costs ~0.5 s of imports).
-    with torch.device("meta"):
-        layer = nn.Linear(in_features, out_features)
-    bound = 1.0 / math.sqrt(in_features)
-    # dtype and device spelled out: a process's torch defaults must not change the weights.
-    weight = torch.empty(out_features, in_features, dtype=torch.float32, device="cpu")
-    bias = torch.empty(out_features, dtype=torch.float32, device="cpu")
-    weight.uniform_(-bound, bound, generator=generator)
-    bias.uniform_(-bound, bound, generator=generator)
-    layer.weight = nn.Parameter(weight)
-    layer.bias = nn.Parameter(bias)
-    return layer
 
 
 def _param_int(params: Mapping[str, str], key: str, default: int, minimum: int) -> int:
