@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import gc
 import itertools
 import json
 import logging
@@ -103,6 +104,8 @@ class SiteTally:
         self.warnings: Counter[str] = Counter()
         self.crashes: Counter[str] = Counter()
         self.frozen = False  # set when the bench stops the agents: what follows is ours
+        self.heartbeat_longest_s = 0.0  # the longest heartbeat call, sent to answered
+        self.heartbeat_gap_s = 0.0  # the longest between two of a task's heartbeats sent
 
     def add(self, counter: Counter[str], key: str) -> None:
         with self._lock:
@@ -115,8 +118,15 @@ class SiteTally:
             setattr(conn, name, self._counted(name, getattr(conn, name)))
 
     def _counted(self, name: str, call: Callable[..., Any]) -> Callable[..., Any]:
+        last: list[Any] = [None, 0.0]  # this agent's last heartbeat: its task, when sent
+
         @functools.wraps(call)
         def counted(*args: Any, **kwargs: Any) -> Any:
+            sent = time.monotonic()
+            if name == "heartbeat" and not self.frozen:
+                if args and last[0] == args[0]:  # the same task's: how long since the last
+                    self.heartbeat_gap_s = max(self.heartbeat_gap_s, sent - last[1])
+                last[:] = [args[0] if args else None, sent]
             try:
                 result = call(*args, **kwargs)
             except grpc.RpcError as exc:
@@ -125,6 +135,10 @@ class SiteTally:
             except Exception as exc:  # e.g. a model whose SHA-256 does not match
                 self.add(self.calls, f"{name} {type(exc).__name__}")
                 raise
+            finally:
+                if name == "heartbeat" and not self.frozen:
+                    took = time.monotonic() - sent
+                    self.heartbeat_longest_s = max(self.heartbeat_longest_s, took)
             self.add(self.calls, f"{name} OK")
             return result
 
@@ -177,6 +191,22 @@ def plain_backoff(conn: Connection) -> None:
         return False
 
     conn.wait_reconnected = wait  # type: ignore[method-assign]
+
+
+class GcPauses:
+    """The worker's garbage collections: how many of the oldest generation, and the
+    longest and total time the collector held the interpreter (every thread stops)."""
+
+    def __init__(self) -> None:
+        self.started, self.full, self.longest_s, self.total_s = 0.0, 0, 0.0, 0.0
+
+    def callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self.started = time.perf_counter()
+            return
+        took = time.perf_counter() - self.started
+        self.full += info.get("generation") == 2
+        self.longest_s, self.total_s = max(self.longest_s, took), self.total_s + took
 
 
 def take_turns(agent: SiteAgent, turns: threading.BoundedSemaphore) -> None:
@@ -271,6 +301,18 @@ def worker_main(args: argparse.Namespace) -> None:
         turns = threading.BoundedSemaphore(args.site_turns)
         for agent in agents:
             take_turns(agent, turns)
+    # No automatic collections in a worker: a site process of its own has a small heap
+    # and its collections take milliseconds, but a worker holds 1,250 sites' objects and
+    # every collection stops all of them at once, heartbeats included. At 5,000 sites
+    # the workers' collections took 217 of their 234 s of CPU, the longest 17.8 s, and
+    # thousands of sites went silent for 20 s in each round's first attempt. What is
+    # built is frozen out of the way; what a run leaves in cycles waits for the end.
+    gc.collect()
+    gc.freeze()
+    if args.worker_gc == "off":
+        gc.disable()
+    pauses = GcPauses()
+    gc.callbacks.append(pauses.callback)
     print("ready", flush=True)
     if sys.stdin.readline().strip() != "go":
         return
@@ -288,11 +330,15 @@ def worker_main(args: argparse.Namespace) -> None:
 
     threading.Thread(target=wait_for_stop, daemon=True).start()
     stop.wait(args.timeout_s)
-    finish(agents, threads, tally, args.stats)
+    finish(agents, threads, tally, args.stats, pauses)
 
 
 def finish(
-    agents: list[SiteAgent], threads: list[threading.Thread], tally: SiteTally, path: Path
+    agents: list[SiteAgent],
+    threads: list[threading.Thread],
+    tally: SiteTally,
+    path: Path,
+    pauses: GcPauses,
 ) -> NoReturn:
     """Stop the agents (what they see from here on is not counted), write the tally."""
     tally.frozen = True
@@ -308,6 +354,9 @@ def finish(
         "rounds_done": sum(a.rounds_done for a in agents),
         "registered": sum(a.registered for a in agents),
         "agents_not_stopped": sum(t.is_alive() for t in threads),
+        "gc": {"full": pauses.full, "longest_s": pauses.longest_s, "total_s": pauses.total_s},
+        "heartbeat_longest_s": tally.heartbeat_longest_s,
+        "heartbeat_gap_s": tally.heartbeat_gap_s,
     }
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(stats))
@@ -355,7 +404,7 @@ def start_workers(
         command += ["--first", str(first), "--count", str(count), "--stats", str(stats)]
         command += ["--timeout-s", f"{timeout_s:.0f}", "--fit-delay-s", str(args.fit_delay_s)]
         command += ["--site-nice", str(args.site_nice), "--site-cpus", args.site_cpus]
-        command += ["--site-turns", str(args.site_turns)]
+        command += ["--site-turns", str(args.site_turns), "--worker-gc", args.worker_gc]
         with (root / f"worker-{i}.log").open("ab") as log:
             popen = subprocess.Popen(
                 command,
@@ -649,6 +698,11 @@ def merge_tallies(stats: list[dict[str, Any]]) -> dict[str, Any]:
         "registered": sum(s.get("registered", 0) for s in stats),
         "agents_not_stopped": sum(s.get("agents_not_stopped", 0) for s in stats),
         "workers_missing_figures": sum(bool(s.get("missing")) for s in stats),
+        "gc_longest_s": max((s.get("gc", {}).get("longest_s", 0.0) for s in stats), default=0.0),
+        "gc_total_s": sum(s.get("gc", {}).get("total_s", 0.0) for s in stats),
+        "gc_full": sum(s.get("gc", {}).get("full", 0) for s in stats),
+        "heartbeat_longest_s": [s.get("heartbeat_longest_s", 0.0) for s in stats],
+        "heartbeat_gap_s": [s.get("heartbeat_gap_s", 0.0) for s in stats],
     }
 
 
@@ -703,6 +757,7 @@ class Measurement:
         reads_before = proc_sample(reads_pid) if reads_pid else None
         try:
             before = proc_sample(cluster.coordinator.pid)
+            sites_before = sum(proc_sample(w.popen.pid).cpu_s for w in workers)
             with cluster.admin() as admin:
                 spec = make_spec(self.n, self.args.rounds, self.args.round_deadline_s)
                 submitted = time.time()
@@ -712,6 +767,13 @@ class Measurement:
                 cluster, run_id, self.args.admin_hz, self.deadline
             )
             self.reached("run_ended")
+            # The emulated sites' own CPU in the run: what the machine had left for the
+            # coordinator is what they did not take.
+            sites_cpu_s = sum(proc_sample(w.popen.pid).cpu_s for w in workers) - sites_before
+            self.result["sites_cpu_s"] = sites_cpu_s
+            self.result["sites_cpu_ms_per_site_round"] = (
+                1000 * sites_cpu_s / (self.n * self.args.rounds)
+            )
             self.result["site_calls"] = merge_tallies(stop_workers(workers))
             workers.clear()
             self.reached("sites_stopped")
@@ -853,6 +915,11 @@ def print_result(r: dict[str, Any]) -> None:
             print(f" (its operators' read process: {run['reads_process_cpu_s']:.1f} s in the run)")
         else:
             print()
+        if r.get("sites_cpu_s") is not None:
+            print(
+                f"  the emulated sites (the workers): {r['sites_cpu_s']:.1f} s of CPU in the run, "
+                f"{r['sites_cpu_ms_per_site_round']:.2f} ms per site per round asked for"
+            )
         gaps = ", ".join(f"{g:.1f}" for g in run.get("between_rounds_s", []))
         print(f"  run {run.get('run_s') or 0:.1f} s from round 0 opening to the last commit "
               f"(SubmitRun took {run['submit_s']:.2f} s, round 0 opened "
@@ -873,6 +940,12 @@ def print_result(r: dict[str, Any]) -> None:
     print(f"  site errors by code: {sites['errors_by_code'] or 'none'} (by call: "
           f"{failed or 'none'}); admin errors: {run.get('admin_errors') or 'none'}; "
           f"agents crashed: {sites['agents_crashed'] or 'none'}")  # fmt: skip
+    print(f"  the workers' garbage collections: {sites.get('gc_full', 0)} full, "
+          f"{sites.get('gc_total_s', 0.0):.2f} s in all, the longest "
+          f"{sites.get('gc_longest_s', 0.0):.2f} s; the longest heartbeat call in each: "
+          f"{', '.join(f'{x:.1f}' for x in sites.get('heartbeat_longest_s', []))} s, the "
+          f"longest between two of a task's: "
+          f"{', '.join(f'{x:.1f}' for x in sites.get('heartbeat_gap_s', []))} s")  # fmt: skip
     stages = ", ".join(f"{k} {v:g}" for k, v in r["timeline_s"].items())
     print(f"  timeline (s from start): {stages}")
     for text, count in sorted(sites["warnings"].items(), key=lambda kv: -kv[1])[:5]:
@@ -928,6 +1001,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=16,
         help="how many of a worker's sites work on their task at once (download, training, "
         "upload), the others waiting their turn while they heartbeat; 0: all at once",
+    )
+    parser.add_argument(
+        "--worker-gc",
+        choices=("off", "on"),
+        default="off",
+        help="the worker processes' automatic garbage collection (default off: a worker's "
+        "collections stop all of its sites at once, which sites of their own do not see)",
     )
     parser.add_argument(
         "--coordinator-flags",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -784,6 +785,20 @@ def _fit_seed(seed: int, round_number: int, site_id: str) -> int:
     return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1
 
 
+FIRST_BEAT = (0.5, 1.0)  # where in its interval a task's first heartbeat falls, drawn
+
+
+def first_beat_s(interval_s: float, rng: random.Random | None = None) -> float:
+    """When a task's first heartbeat is due: at a point drawn in the second half of the
+    interval, the next ones an interval apart. A round's sites get their tasks at one
+    instant; beating at the interval's end, they would all beat at one instant every
+    interval (thousands of calls at once at the coordinator, every 5 s). Never later than
+    the interval, so the coordinator hears a site as often as before; a task shorter than
+    half an interval still sends none."""
+    low, high = FIRST_BEAT
+    return interval_s * (rng or random).uniform(low, high)
+
+
 class _Heartbeat:
     """Beats while a task runs; notices when the coordinator withdraws the task."""
 
@@ -794,7 +809,9 @@ class _Heartbeat:
         self.thread = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
 
     def _beat(self) -> None:
-        while not self.done.wait(self.interval_s):
+        wait = first_beat_s(self.interval_s)
+        while not self.done.wait(wait):
+            wait = self.interval_s
             if self.conn.moved_within(self.interval_s):
                 continue  # the coordinator hears the site through its transfer
             try:

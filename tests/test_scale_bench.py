@@ -24,7 +24,7 @@ def _bench(tmp_path: Path) -> tuple[dict[str, Any], str]:
     out = tmp_path / "scale.json"
     args = [str(BENCH), "--sites", str(SITES), "--rounds", str(ROUNDS)]
     args += ["--procs", "2", "--timeout-s", "75", "--out", str(out)]
-    args += ["--site-cpus", str(SITE_CPU)]
+    args += ["--site-cpus", str(SITE_CPU), "--site-turns", "1"]  # a worker's sites one by one
     (tmp_path / "tmp").mkdir()
     env = {"TMPDIR": str(tmp_path / "tmp")}  # its temporary directories
     done = run_python(*args, env=env, timeout_s=100)
@@ -48,6 +48,8 @@ def test_scale_bench_reports_every_figure(tmp_path: Path) -> None:
     assert all(x["updates"] == SITES for x in training), training
     assert 0 < run["round_s_median"] <= run["round_s_max"], run
     assert run["cpu_ms_per_site_round"] > 0, run
+    assert r["sites_cpu_s"] > 0 and r["sites_cpu_ms_per_site_round"] > 0, r
+    assert "the emulated sites (the workers):" in printed, printed
     for sample in (r["idle"], r["connected"], run["peak"]):
         assert sample["rss_kb"] > 0 and sample["threads"] > 0, sample
     assert isinstance(r["rss_growth_kb_per_site"], float), r
@@ -68,6 +70,11 @@ def test_scale_bench_reports_every_figure(tmp_path: Path) -> None:
     for pid in r["pids"]:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_scale_bench_refuses_negative_site_turns() -> None:
+    done = run_python(str(BENCH), "--site-turns", "-1", timeout_s=60)
+    assert done.returncode == 2 and "--site-turns" in done.stderr, done.stderr
 
 
 @pytest.mark.parametrize("cpus", ["one", "1-x", "3-1", "99999"])

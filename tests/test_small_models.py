@@ -7,6 +7,8 @@ of as a file (storage.spool)."""
 from __future__ import annotations
 
 import hashlib
+import itertools
+import random
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,7 +19,7 @@ import pytest
 import torch
 from sqlalchemy import text
 
-from fedra.client.agent import SiteAgent, _Heartbeat
+from fedra.client.agent import FIRST_BEAT, SiteAgent, _Heartbeat, first_beat_s
 from fedra.client.config import SiteConfig
 from fedra.client.connection import Assignment, Connection
 from fedra.client.executor import LocalExecutor
@@ -191,6 +193,44 @@ def test_a_heartbeat_is_skipped_while_a_transfer_moves_bytes() -> None:
                     time.sleep(0.02)
             assert b.beats > 0
         assert not b.conn.moved_within(10.0)  # no transfer under way
+    finally:
+        b.conn.close()
+
+
+def test_a_round_s_first_heartbeats_are_spread_over_the_second_half_of_the_interval() -> None:
+    """Sites that got their tasks at one instant do not all beat at one instant: each
+    first beat is drawn in [interval / 2, interval], never later than the interval."""
+    rng = random.Random(7)
+    firsts = [first_beat_s(4.0, rng) for _ in range(5000)]
+    assert FIRST_BEAT == (0.5, 1.0)
+    assert 2.0 <= min(firsts) < 2.01 and 3.99 < max(firsts) <= 4.0
+    # Spread evenly: each tenth of that half holds about a tenth of them (binomial: 500
+    # each, sd 21; a constant or a narrow draw puts thousands in one).
+    tenths = [0] * 10
+    for first in firsts:
+        tenths[min(9, int((first - 2.0) / 0.2))] += 1
+    assert all(400 < n < 600 for n in tenths), tenths
+
+
+def test_a_heartbeat_beats_first_within_its_interval_then_an_interval_apart() -> None:
+    b = _Beating()
+    times: list[float] = []
+
+    def heartbeat(task_id: str, timeout_s: float = 10.0) -> bool:
+        times.append(time.monotonic())
+        return True
+
+    b.conn.heartbeat = heartbeat  # type: ignore[method-assign]
+    try:
+        started = time.monotonic()
+        with _Heartbeat(b.conn, "t", 0.2):
+            deadline = started + 10
+            while len(times) < 3 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert len(times) >= 3
+        assert times[0] - started >= 0.1  # not at once: in the interval's second half
+        gaps = [later - earlier for earlier, later in itertools.pairwise(times)]
+        assert all(g >= 0.2 for g in gaps), gaps  # then an interval apart
     finally:
         b.conn.close()
 
