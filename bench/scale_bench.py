@@ -20,6 +20,12 @@ synthetic task (9 parameters) and uploads, in a run of ``--rounds`` rounds of Fe
   wrapping the methods of each agent's own Connection object), the agents' own warnings
   by message, and the admin caller's failed calls.
 
+With ``--regions R`` (a list, e.g. ``0,2``: each N is measured with each), the sites
+register with R regional coordinators (``fedra coordinator --upstream``, site i under
+region i % R) and the run is submitted to their upstream, which samples the R regions
+every round; it prints the upstream's CPU per region-round, the regions' per
+site-round, and the sites each level projects to serve at one CPU-second per second.
+
 Each agent's channel has a TCP connection of its own, as a site in a process of its own
 has (``separate_connections``). Training takes milliseconds, so a site heartbeats only
 when its task outlasts the heartbeat interval; ``--fit-delay-s 6`` makes every one do so.
@@ -296,7 +302,12 @@ def worker_main(args: argparse.Namespace) -> None:
     logging.getLogger("fedra.site").addHandler(WarningCounter(tally))
     tasks = {TASK: load_task(TASK)}
     indices = range(args.first, args.first + args.count)
-    agents = [make_agent(args.address, i, tasks, tally, args.fit_delay_s) for i in indices]
+    # With regions, site i registers with region i % R (the addresses in order).
+    addresses = args.address.split(",")
+    agents = [
+        make_agent(addresses[i % len(addresses)], i, tasks, tally, args.fit_delay_s)
+        for i in indices
+    ]
     if args.site_turns > 0:
         turns = threading.BoundedSemaphore(args.site_turns)
         for agent in agents:
@@ -393,9 +404,11 @@ class Worker:
 
 
 def start_workers(
-    address: str, n: int, args: argparse.Namespace, root: Path, timeout_s: float
+    addresses: list[str], n: int, args: argparse.Namespace, root: Path, timeout_s: float
 ) -> list[Worker]:
-    """``procs`` worker processes sharing the N sites; each told its share."""
+    """``procs`` worker processes sharing the N sites; each told its share, and the
+    coordinators its sites register with (site i with ``addresses[i % len]``)."""
+    address = ",".join(addresses)
     workers, first, procs = [], 0, max(1, min(args.procs, n))
     for i in range(procs):
         count = n // procs + (i < n % procs)
@@ -716,50 +729,69 @@ def database(db: str) -> AbstractContextManager[str | None]:
 class Measurement:
     """One N's figures as they come in, and when each stage of it ended."""
 
-    def __init__(self, n: int, args: argparse.Namespace) -> None:
-        self.n, self.args = n, args
+    def __init__(self, n: int, regions: int, args: argparse.Namespace) -> None:
+        self.n, self.regions, self.args = n, regions, args
         self.started = time.monotonic()
         self.deadline = self.started + args.timeout_s
         procs = max(1, min(args.procs, n))
         self.result: dict[str, Any] = {"sites": n, "procs": procs, "rounds_requested": args.rounds}
+        self.result["regions"] = regions  # 0: flat
+        self.region_clusters: list[LocalCluster] = []
         self.result["timeline_s"] = {}  # seconds from the start of this N
 
     def reached(self, stage: str) -> None:
         self.result["timeline_s"][stage] = round(time.monotonic() - self.started, 2)
 
-    def connect(self, cluster: LocalCluster, root: Path, workers: list[Worker]) -> None:
+    def connect(
+        self, cluster: LocalCluster, sites_at: list[LocalCluster], root: Path, workers: list[Worker]
+    ) -> None:
         """Start the worker processes (into ``workers``), and their agents once all are
-        built; wait until every site is online."""
-        assert cluster.coordinator is not None
-        r, n, pid = self.result, self.n, cluster.coordinator.pid
+        built; wait until every site is online at the coordinator it registers with
+        (``sites_at``: ``cluster`` itself, or its regions). RSS and registration figures
+        are the first of those coordinators', per site it holds."""
+        assert cluster.coordinator is not None and sites_at[0].coordinator is not None
+        r, n, pid = self.result, self.n, sites_at[0].coordinator.pid
         r["idle"] = asdict(idle := proc_sample(pid))
         left = self.deadline - time.monotonic()
-        workers += start_workers(cluster.address, n, self.args, root, left + 60.0)
-        r["pids"] = [pid, *(w.popen.pid for w in workers)]
+        addresses = [c.address for c in sites_at]
+        workers += start_workers(addresses, n, self.args, root, left + 60.0)
+        mine = [c.coordinator.pid for c in (cluster, *self.region_clusters) if c.coordinator]
+        r["pids"] = [*mine, *(w.popen.pid for w in workers)]
         wait_ready(workers, self.deadline)
         self.reached("agents_built")
         tell(workers, "go")
-        r["register_s"], r["online_seen"] = wait_online(cluster, n, self.deadline)
+        began, seen = time.monotonic(), 0
+        for k, at in enumerate(sites_at):  # site i registers with sites_at[i % len]
+            held = len(range(k, n, len(sites_at)))
+            waited, online = wait_online(at, held, self.deadline)
+            seen += online
+            if waited is None:
+                r["register_s"], r["online_seen"] = None, seen
+                raise TimeoutError(f"only {seen} of {n} sites online in time")
+        r["register_s"], r["online_seen"] = time.monotonic() - began, seen
         self.reached("all_online")
+        held = len(range(0, n, len(sites_at)))
         r["connected"] = asdict(connected := proc_sample(pid))
-        r["rss_growth_kb_per_site"] = (connected.rss_kb - idle.rss_kb) / n
-        r["register_cpu_ms_per_site"] = 1000 * (connected.cpu_s - idle.cpu_s) / n
-        if r["register_s"] is None:
-            raise TimeoutError(f"only {r['online_seen']} of {n} sites online in time")
+        r["rss_growth_kb_per_site"] = (connected.rss_kb - idle.rss_kb) / held
+        r["register_cpu_ms_per_site"] = 1000 * (connected.cpu_s - idle.cpu_s) / held
 
     def run(self, cluster: LocalCluster, workers: list[Worker]) -> None:
-        """The run over all sites, probed until it ends; then the sites stop (emptying
-        ``workers``), their figures are in, and the rounds are read, faster without them."""
+        """The run over all sites (or all regions), probed until it ends; then the sites
+        stop (emptying ``workers``), their figures are in, and the rounds are read,
+        faster without them."""
         assert cluster.coordinator is not None
         sampler = Sampler(cluster.coordinator.pid)
         sampler.start()
         reads_pid = _reads_pid(cluster)
         reads_before = proc_sample(reads_pid) if reads_pid else None
+        region_pids = [c.coordinator.pid for c in self.region_clusters if c.coordinator]
         try:
             before = proc_sample(cluster.coordinator.pid)
+            regions_before = sum(proc_sample(pid).cpu_s for pid in region_pids)
             sites_before = sum(proc_sample(w.popen.pid).cpu_s for w in workers)
             with cluster.admin() as admin:
-                spec = make_spec(self.n, self.args.rounds, self.args.round_deadline_s)
+                sampled = self.regions or self.n  # the upstream's sites are the regions
+                spec = make_spec(sampled, self.args.rounds, self.args.round_deadline_s)
                 submitted = time.time()
                 run_id = admin.submit(spec)
                 submit_s = time.time() - submitted
@@ -770,6 +802,10 @@ class Measurement:
             # The emulated sites' own CPU in the run: what the machine had left for the
             # coordinator is what they did not take.
             sites_cpu_s = sum(proc_sample(w.popen.pid).cpu_s for w in workers) - sites_before
+            if region_pids:
+                self.result["regions_cpu_s"] = (
+                    sum(proc_sample(pid).cpu_s for pid in region_pids) - regions_before
+                )
             self.result["sites_cpu_s"] = sites_cpu_s
             self.result["sites_cpu_ms_per_site_round"] = (
                 1000 * sites_cpu_s / (self.n * self.args.rounds)
@@ -808,9 +844,22 @@ class Measurement:
         after = sampler.at(max(closed)) if closed else None
         cpu_s = None if after is None else after.cpu_s - before.cpu_s
         run["coordinator_cpu_s"] = cpu_s
-        per = None if cpu_s is None else 1000 * cpu_s / (self.n * len(closed))
+        sampled = self.regions or self.n  # two levels: the upstream's, a region-round
+        per = None if cpu_s is None else 1000 * cpu_s / (sampled * len(closed))
         run["cpu_ms_per_site_round"] = per
         run["peak"] = asdict(sampler.peak())
+        regions_cpu_s = self.result.get("regions_cpu_s")
+        if self.regions and closed and regions_cpu_s is not None:
+            # The regions' CPU over the whole run, per site-round of the rounds committed
+            # (a regional run a round, and the region's own upload, included).
+            run["regions_cpu_ms_per_site_round"] = 1000 * regions_cpu_s / (self.n * len(closed))
+        # Site-rounds one CPU-second serves: sites a coordinator holds at one CPU-second
+        # per second of round; two levels: regions an upstream holds times sites a region.
+        if per:
+            run["projected_sites"] = 1000 / per
+            region_ms = run.get("regions_cpu_ms_per_site_round")
+            if self.regions:
+                run["projected_sites"] = (1000 / per) * (1000 / region_ms) if region_ms else None
 
 
 def _reads_pid(cluster: LocalCluster) -> int | None:
@@ -822,11 +871,13 @@ def _reads_pid(cluster: LocalCluster) -> int | None:
     return int(ready["pid"]) if cluster.admin_address else None
 
 
-def measure(n: int, args: argparse.Namespace) -> dict[str, Any]:
-    """One coordinator and ``n`` sites, everything stopped and removed before it returns."""
-    m = Measurement(n, args)
+def measure(n: int, regions: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One coordinator and ``n`` sites (or an upstream, ``regions`` regional coordinators
+    and ``n`` sites spread over them), everything stopped and removed before it returns."""
+    m = Measurement(n, regions, args)
     with ExitStack() as stack:
-        root = args.work_dir / f"n{n}" if args.work_dir else None
+        name = f"n{n}" if not regions else f"n{n}-r{regions}"
+        root = args.work_dir / name if args.work_dir else None
         if root is None:
             root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fedra-scale-")))
         root.mkdir(parents=True, exist_ok=True)
@@ -838,7 +889,10 @@ def measure(n: int, args: argparse.Namespace) -> dict[str, Any]:
                 db_url=db_url, timeout_s=120.0, flags=shlex.split(args.coordinator_flags)
             )
             m.reached("coordinator_ready")
-            m.connect(cluster, root, workers)
+            m.region_clusters = start_regions(stack, cluster, regions, root, args, m.deadline)
+            if regions:
+                m.reached("regions_ready")
+            m.connect(cluster, m.region_clusters or [cluster], root, workers)
             m.run(cluster, workers)
         except (ClusterError, TimeoutError, OSError, grpc.RpcError) as exc:
             m.result["failure"] = f"{type(exc).__name__}: {exc}"
@@ -851,6 +905,32 @@ def measure(n: int, args: argparse.Namespace) -> dict[str, Any]:
     return m.result
 
 
+def start_regions(
+    stack: ExitStack,
+    upstream: LocalCluster,
+    count: int,
+    root: Path,
+    args: argparse.Namespace,
+    deadline: float,
+) -> list[LocalCluster]:
+    """``count`` regional coordinators of ``upstream`` (``--upstream``, plaintext both
+    ways, each its own SQLite), once the upstream sees every one online."""
+    regions = []
+    for k in range(count):
+        region = stack.enter_context(LocalCluster(root / f"region-{k}", secure=False))
+        flags = ["--upstream", upstream.address, "--upstream-insecure"]
+        flags += ["--region-id", f"region-{k}", "--region-task", TASK]
+        region.start_coordinator(
+            timeout_s=120.0, flags=[*flags, *shlex.split(args.coordinator_flags)]
+        )
+        regions.append(region)
+    if count:
+        waited, online = wait_online(upstream, count, deadline)
+        if waited is None:
+            raise TimeoutError(f"only {online} of {count} regions online upstream in time")
+    return regions
+
+
 def judge(r: dict[str, Any]) -> list[dict[str, Any]]:
     """Each aim with the figure it is judged on and whether it is met at this N."""
     run = r.get("run", {})
@@ -858,7 +938,12 @@ def judge(r: dict[str, Any]) -> list[dict[str, Any]]:
     p99s = [a["p99_ms"] for a in admin.values() if a["p99_ms"] is not None]
     values: dict[str, Any] = {
         "first_attempt": run.get("first_attempt"),
-        "cpu": run.get("cpu_ms_per_site_round") if run.get("finished_in_time") else None,
+        # Two levels: what a site costs the coordinator it talks to, its region.
+        "cpu": run.get(
+            "regions_cpu_ms_per_site_round" if r.get("regions") else "cpu_ms_per_site_round"
+        )
+        if run.get("finished_in_time")
+        else None,
         "admin_p99": max(p99s) if p99s else None,
         "rss": r.get("rss_growth_kb_per_site") if r.get("register_s") is not None else None,
     }
@@ -897,7 +982,8 @@ def _kb(sample: dict[str, Any] | None) -> str:
 
 def print_result(r: dict[str, Any]) -> None:
     n, run, sites = r["sites"], r.get("run", {}), r["site_calls"]
-    print(f"\nN={n} ({r['procs']} worker processes, {r['rounds_requested']} rounds):")
+    where = f", in {r['regions']} regions under one upstream" if r.get("regions") else ""
+    print(f"\nN={n}{where} ({r['procs']} worker processes, {r['rounds_requested']} rounds):")
     reg = r.get("register_s")
     shown = f"{reg:.1f} s" if reg is not None else f"NOT all: {r.get('online_seen')} online"
     print(f"  register: all {n} online in {shown}", end="")
@@ -908,13 +994,29 @@ def print_result(r: dict[str, Any]) -> None:
             f"{run.get('first_attempt', 0)} on their first attempt; round time median "
             f"{run.get('round_s_median') or 0:.2f} s, max {run.get('round_s_max') or 0:.2f} s"
         )
-        print(
-            f"  coordinator CPU {_ms(run['cpu_ms_per_site_round'], 2)} per site per round", end=""
-        )
+        if r.get("regions"):
+            print(
+                f"  the regions' CPU {_ms(run.get('regions_cpu_ms_per_site_round'), 2)} per site "
+                f"per round (a regional run a round included); the upstream's "
+                f"{_ms(run['cpu_ms_per_site_round'], 2)} per region per round", end=""
+            )  # fmt: skip
+        else:
+            print(
+                f"  coordinator CPU {_ms(run['cpu_ms_per_site_round'], 2)} per site per round",
+                end="",
+            )
         if run.get("reads_process_cpu_s") is not None:
             print(f" (its operators' read process: {run['reads_process_cpu_s']:.1f} s in the run)")
         else:
             print()
+        if run.get("projected_sites"):
+            how = (
+                "regions an upstream serves x sites a region serves"
+                if r.get("regions")
+                else ("sites one coordinator serves")
+            )
+            print(f"  projected, at one CPU-second per second of round: {how}: "
+                  f"{run['projected_sites']:,.0f}")  # fmt: skip
         if r.get("sites_cpu_s") is not None:
             print(
                 f"  the emulated sites (the workers): {r['sites_cpu_s']:.1f} s of CPU in the run, "
@@ -933,9 +1035,15 @@ def print_result(r: dict[str, Any]) -> None:
                   f"{a['calls']} calls; slowest: {slow}")  # fmt: skip
         for problem, count in sorted(run["participation_problems"].items())[:5]:
             print(f"  participations {problem}: {count}")
-    print(f"  coordinator RSS, threads: idle {_kb(r.get('idle'))}; connected "
-          f"{_kb(r.get('connected'))}; peak in the run {_kb(run.get('peak'))}; growth "
-          f"{r.get('rss_growth_kb_per_site', 0):.1f} kB per connected site")  # fmt: skip
+    if r.get("regions"):  # the sites' coordinator is a region; the peak is the upstream's
+        print(f"  region 0's RSS, threads: idle {_kb(r.get('idle'))}; connected "
+              f"{_kb(r.get('connected'))}; growth {r.get('rss_growth_kb_per_site', 0):.1f} kB "
+              f"per connected site; the upstream's peak in the run "
+              f"{_kb(run.get('peak'))}")  # fmt: skip
+    else:
+        print(f"  coordinator RSS, threads: idle {_kb(r.get('idle'))}; connected "
+              f"{_kb(r.get('connected'))}; peak in the run {_kb(run.get('peak'))}; growth "
+              f"{r.get('rss_growth_kb_per_site', 0):.1f} kB per connected site")  # fmt: skip
     failed = {k: v for k, v in sites["calls"].items() if not k.endswith(" OK")}
     print(f"  site errors by code: {sites['errors_by_code'] or 'none'} (by call: "
           f"{failed or 'none'}); admin errors: {run.get('admin_errors') or 'none'}; "
@@ -975,6 +1083,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--sites", default="100,1000", help="comma-separated N, e.g. 100,1000")
     parser.add_argument("--rounds", type=int, default=3, help="training rounds after round 0")
     parser.add_argument("--procs", type=int, default=4, help="worker processes hosting sites")
+    parser.add_argument(
+        "--regions",
+        default="0",
+        help="comma-separated region counts, each N measured with each: 0 is flat (one "
+        "coordinator); R > 0 is an upstream and R regional coordinators (--upstream), site i "
+        "under region i %% R, each region its own SQLite, e.g. 0,2",
+    )
     parser.add_argument("--db", default="sqlite", help="sqlite, or a PostgreSQL URL under "
                         "which a fresh database is made for each N")  # fmt: skip
     parser.add_argument("--out", type=Path, help="write the figures here as JSON")
@@ -1033,6 +1148,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.sizes = [int(s) for s in args.sites.split(",") if s.strip()]
         if not args.sizes or min(args.sizes) < 1 or args.rounds < 1 or args.procs < 1:
             parser.error("--sites, --rounds and --procs must be positive")
+        try:
+            args.region_counts = [int(x) for x in args.regions.split(",") if x.strip()]
+        except ValueError:
+            parser.error(f"--regions: not a list of counts: {args.regions!r}")
+        if not args.region_counts or min(args.region_counts) < 0:
+            parser.error("--regions: counts of 0 (flat) or more")
+        if max(args.region_counts) > min(args.sizes):
+            parser.error("--regions: each region needs a site (a count above the smallest N)")
         if args.db != "sqlite" and not args.db.startswith("postgresql"):
             parser.error("--db: sqlite or a postgresql URL")
     if args.site_turns < 0:
@@ -1062,8 +1185,9 @@ def main(argv: list[str] | None = None) -> int:
     interrupted = False
     try:
         for n in args.sizes:
-            results.append(measure(n, args))
-            print_result(results[-1])
+            for regions in args.region_counts:
+                results.append(measure(n, regions, args))
+                print_result(results[-1])
     except KeyboardInterrupt:
         interrupted = True
         print("\ninterrupted: everything started was stopped", file=sys.stderr)

@@ -72,6 +72,42 @@ def test_scale_bench_reports_every_figure(tmp_path: Path) -> None:
             os.kill(pid, 0)
 
 
+@pytest.mark.timeout(110)
+def test_scale_bench_runs_the_sites_under_regions(tmp_path: Path) -> None:
+    """--regions 2: an upstream, two regional coordinators, the sites spread over them;
+    the upstream's rounds commit, and the regions' CPU and the projection are reported."""
+    out = tmp_path / "scale.json"
+    args = [str(BENCH), "--sites", str(SITES), "--rounds", "1", "--regions", "2"]
+    args += ["--procs", "2", "--timeout-s", "75", "--out", str(out), "--admin-hz", "1"]
+    (tmp_path / "tmp").mkdir()
+    done = run_python(*args, env={"TMPDIR": str(tmp_path / "tmp")}, timeout_s=100)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (r,) = json.loads(out.read_text())["results"]
+    assert r["regions"] == 2 and "failure" not in r, r
+    assert r["online_seen"] == SITES, r  # each region's half of them
+    run = r["run"]
+    assert run["state"] == "completed" and run["committed"] == run["first_attempt"] == 1, run
+    training = [x for x in run["rounds"] if x["number"] >= 1]
+    assert [x["updates"] for x in training] == [2], training  # one update a region
+    assert run["cpu_ms_per_site_round"] > 0 and run["regions_cpu_ms_per_site_round"] > 0, run
+    expected = (1000 / run["cpu_ms_per_site_round"]) * (1000 / run["regions_cpu_ms_per_site_round"])
+    assert run["projected_sites"] == pytest.approx(expected), run
+    assert "in 2 regions under one upstream" in done.stdout, done.stdout
+    assert r["site_calls"]["calls"]["register OK"] == SITES, r["site_calls"]
+    assert len(r["pids"]) == 5  # the upstream, two regions, two workers: all gone
+    for pid in r["pids"]:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+@pytest.mark.parametrize(
+    ("regions", "needle"), [("x", "not a list"), ("-1", "0 (flat)"), ("9", "a site")]
+)
+def test_scale_bench_refuses_bad_region_counts(regions: str, needle: str) -> None:
+    done = run_python(str(BENCH), "--sites", "8", "--regions", regions, timeout_s=60)
+    assert done.returncode == 2 and needle in done.stderr, done.stderr
+
+
 def test_scale_bench_refuses_negative_site_turns() -> None:
     done = run_python(str(BENCH), "--site-turns", "-1", timeout_s=60)
     assert done.returncode == 2 and "--site-turns" in done.stderr, done.stderr
