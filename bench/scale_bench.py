@@ -118,6 +118,12 @@ class SiteTally:
             if not self.frozen:
                 counter[key] += 1
 
+    def longest(self, field: str, seconds: float) -> None:
+        """Keep ``seconds`` in ``field`` if it is the longest yet (agents' threads call)."""
+        with self._lock:
+            if not self.frozen and seconds > getattr(self, field):
+                setattr(self, field, seconds)
+
     def hook(self, conn: Connection) -> None:
         """Count every call an agent makes through ``conn`` (its instance's methods only)."""
         for name in COUNTED_CALLS:
@@ -129,9 +135,9 @@ class SiteTally:
         @functools.wraps(call)
         def counted(*args: Any, **kwargs: Any) -> Any:
             sent = time.monotonic()
-            if name == "heartbeat" and not self.frozen:
+            if name == "heartbeat":
                 if args and last[0] == args[0]:  # the same task's: how long since the last
-                    self.heartbeat_gap_s = max(self.heartbeat_gap_s, sent - last[1])
+                    self.longest("heartbeat_gap_s", sent - last[1])
                 last[:] = [args[0] if args else None, sent]
             try:
                 result = call(*args, **kwargs)
@@ -142,9 +148,8 @@ class SiteTally:
                 self.add(self.calls, f"{name} {type(exc).__name__}")
                 raise
             finally:
-                if name == "heartbeat" and not self.frozen:
-                    took = time.monotonic() - sent
-                    self.heartbeat_longest_s = max(self.heartbeat_longest_s, took)
+                if name == "heartbeat":
+                    self.longest("heartbeat_longest_s", time.monotonic() - sent)
             self.add(self.calls, f"{name} OK")
             return result
 
@@ -176,12 +181,11 @@ def separate_connections() -> None:
 
 
 def fewer_wakeups(seconds: float = 2.0) -> None:
-    """gRPC's synchronous client wakes every thread blocked in a call (a long poll, a
-    stream) 10 times a second to check for signals (``grpc._common.MAXIMUM_WAIT_TIMEOUT``).
-    A site process has a few such threads; a worker hosting 1,250 sites has 1,250, and
-    their wake-ups alone kept both cores busy in the kernel at 5,000 sites (75% system
-    time in the workers, the coordinator at a quarter of a core). The workers look every
-    ``seconds`` instead: the coordinator and the agents' code are unchanged."""
+    """gRPC's synchronous client wakes a thread waiting on a future or a stream 10 times a
+    second to check for signals (``grpc._common.MAXIMUM_WAIT_TIMEOUT``); the workers look
+    every ``seconds`` instead. A blocking unary call (a long poll, a heartbeat) is not one
+    of those: its Cython loop wakes every 200 ms whatever this says (docs/scale.md, 5,000
+    sites: what the emulation costs). The coordinator and the agents' code are unchanged."""
     grpc._common.MAXIMUM_WAIT_TIMEOUT = seconds  # type: ignore[attr-defined]
 
 
@@ -308,7 +312,7 @@ def worker_main(args: argparse.Namespace) -> None:
         make_agent(addresses[i % len(addresses)], i, tasks, tally, args.fit_delay_s)
         for i in indices
     ]
-    if args.site_turns > 0:
+    if args.site_turns > 0:  # 0 by default with --fit-delay-s, whose sleep would hold a turn
         turns = threading.BoundedSemaphore(args.site_turns)
         for agent in agents:
             take_turns(agent, turns)
@@ -318,9 +322,9 @@ def worker_main(args: argparse.Namespace) -> None:
     # the workers' collections took 217 of their 234 s of CPU, the longest 17.8 s, and
     # thousands of sites went silent for 20 s in each round's first attempt. What is
     # built is frozen out of the way; what a run leaves in cycles waits for the end.
-    gc.collect()
-    gc.freeze()
     if args.worker_gc == "off":
+        gc.collect()
+        gc.freeze()
         gc.disable()
     pauses = GcPauses()
     gc.callbacks.append(pauses.callback)
@@ -807,9 +811,6 @@ class Measurement:
                     sum(proc_sample(pid).cpu_s for pid in region_pids) - regions_before
                 )
             self.result["sites_cpu_s"] = sites_cpu_s
-            self.result["sites_cpu_ms_per_site_round"] = (
-                1000 * sites_cpu_s / (self.n * self.args.rounds)
-            )
             self.result["site_calls"] = merge_tallies(stop_workers(workers))
             workers.clear()
             self.reached("sites_stopped")
@@ -819,6 +820,12 @@ class Measurement:
         run.update(read_rounds(cluster, run_id), finished_in_time=finished, submit_s=submit_s)
         opened = [r["opened_unix_s"] for r in run["rounds"]]
         run["submit_to_round_0_s"] = min(opened) - submitted if opened else None
+        # The sites' CPU over the whole run, per site and training attempt opened (a failed
+        # attempt asked every site too): round 0, one site's, is in the run but not counted.
+        attempts = sum(x["attempt"] for x in run["rounds"] if x["number"] > 0)
+        if attempts and "sites_cpu_s" in self.result:
+            per = 1000 * self.result["sites_cpu_s"] / (self.n * attempts)
+            self.result["sites_cpu_ms_per_site_attempt"] = per
         self.reached("rounds_read")
         self._cpu(before, sampler)
         if (
@@ -920,9 +927,9 @@ def start_regions(
         region = stack.enter_context(LocalCluster(root / f"region-{k}", secure=False))
         flags = ["--upstream", upstream.address, "--upstream-insecure"]
         flags += ["--region-id", f"region-{k}", "--region-task", TASK]
-        region.start_coordinator(
-            timeout_s=120.0, flags=[*flags, *shlex.split(args.coordinator_flags)]
-        )
+        flags += shlex.split(args.coordinator_flags)
+        left = max(1.0, min(120.0, deadline - time.monotonic()))
+        region.start_coordinator(timeout_s=left, flags=flags)
         regions.append(region)
     if count:
         waited, online = wait_online(upstream, count, deadline)
@@ -1017,10 +1024,10 @@ def print_result(r: dict[str, Any]) -> None:
             )
             print(f"  projected, at one CPU-second per second of round: {how}: "
                   f"{run['projected_sites']:,.0f}")  # fmt: skip
-        if r.get("sites_cpu_s") is not None:
+        if r.get("sites_cpu_ms_per_site_attempt") is not None:
             print(
                 f"  the emulated sites (the workers): {r['sites_cpu_s']:.1f} s of CPU in the run, "
-                f"{r['sites_cpu_ms_per_site_round']:.2f} ms per site per round asked for"
+                f"{r['sites_cpu_ms_per_site_attempt']:.2f} ms per site per round's attempt"
             )
         gaps = ", ".join(f"{g:.1f}" for g in run.get("between_rounds_s", []))
         print(f"  run {run.get('run_s') or 0:.1f} s from round 0 opening to the last commit "
@@ -1113,16 +1120,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--site-turns",
         type=int,
-        default=16,
+        default=None,
         help="how many of a worker's sites work on their task at once (download, training, "
-        "upload), the others waiting their turn while they heartbeat; 0: all at once",
+        "upload), the others waiting their turn while they heartbeat; 0: all at once "
+        "(default 16, and 0 with --fit-delay-s, whose sleep would hold a turn)",
     )
     parser.add_argument(
         "--worker-gc",
         choices=("off", "on"),
         default="off",
-        help="the worker processes' automatic garbage collection (default off: a worker's "
-        "collections stop all of its sites at once, which sites of their own do not see)",
+        help="the worker processes' automatic garbage collection (default off, what they "
+        "built frozen first: a worker's collections stop all of its sites at once, which sites "
+        "of their own do not see); on: Python's default",
     )
     parser.add_argument(
         "--coordinator-flags",
@@ -1158,6 +1167,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.error("--regions: each region needs a site (a count above the smallest N)")
         if args.db != "sqlite" and not args.db.startswith("postgresql"):
             parser.error("--db: sqlite or a postgresql URL")
+    if args.site_turns is None:
+        args.site_turns = 0 if args.fit_delay_s > 0 else 16
     if args.site_turns < 0:
         parser.error("--site-turns must be 0 (all at once) or positive")
     if args.site_cpus:

@@ -786,6 +786,8 @@ def _fit_seed(seed: int, round_number: int, site_id: str) -> int:
 
 
 FIRST_BEAT = (0.5, 1.0)  # where in its interval a task's first heartbeat falls, drawn
+# Its own generator: a task that seeds ``random`` for its training keeps what it drew.
+_BEATS = random.Random()
 
 
 def first_beat_s(interval_s: float, rng: random.Random | None = None) -> float:
@@ -796,7 +798,7 @@ def first_beat_s(interval_s: float, rng: random.Random | None = None) -> float:
     the interval, so the coordinator hears a site as often as before; a task shorter than
     half an interval still sends none."""
     low, high = FIRST_BEAT
-    return interval_s * (rng or random).uniform(low, high)
+    return interval_s * (rng or _BEATS).uniform(low, high)
 
 
 class _Heartbeat:

@@ -168,7 +168,9 @@ class SharedPages:
     in the background, so that a caller seldom waits for a build. What a page shows is
     at most ``2 * max_age_s`` old (a second) from the start of its build; a smaller page
     is built afresh for each call; a costlier one, at most ``2 * cost / max_share`` (2.4 s
-    for that 0.3 s page). The caller puts in ``key`` what a page must not be
+    for that 0.3 s page), and never more than ``2 * max_stale_s`` (10 s) after a build
+    that took longer than ``max_stale_s * max_share``. The caller puts in ``key`` what a
+    page must not be
     kept across (GetRun: the run's phase, so that a cancel and the run's end are not
     hidden by a page of before). Safe from any thread.
     """
@@ -180,11 +182,12 @@ class SharedPages:
         min_participations: int = 256,
         clock: Callable[[], float] = time.monotonic,
         max_share: float = 0.25,
+        max_stale_s: float = 5.0,
     ) -> None:
-        for name, value in (("share", share), ("max_share", max_share)):
-            if not 0.0 < value <= 1.0:
-                raise ValueError(f"{name} must be in (0, 1], got {value}")
+        if not 0.0 < share <= max_share <= 1.0:
+            raise ValueError(f"need 0 < share <= max_share <= 1, got {share} and {max_share}")
         self.share, self.max_age_s, self.max_share = share, max_age_s, max_share
+        self.max_stale_s = max(max_age_s, max_stale_s)
         self.min_participations, self.clock = min_participations, clock
         self._lock = threading.Lock()
         self._pages: dict[tuple[object, ...], _Page] = {}
@@ -192,8 +195,10 @@ class SharedPages:
         self._large: set[tuple[object, ...]] = set()  # keys whose last page was large
 
     def fresh_for(self, cost: float) -> float:
-        """How long a large page that took ``cost`` seconds to build is kept."""
-        return min(cost / self.share, max(self.max_age_s, cost / self.max_share))
+        """How long a large page that took ``cost`` seconds to build is kept: never more
+        than ``max_stale_s``, however long one build took (a pause of the process)."""
+        kept = min(cost / self.share, max(self.max_age_s, cost / self.max_share))
+        return min(kept, self.max_stale_s)
 
     def answer(
         self,

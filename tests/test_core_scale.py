@@ -572,13 +572,14 @@ def test_shared_pages_build_a_costly_page_at_most_max_share_of_the_time() -> Non
     assert pages.fresh_for(0.01) == pytest.approx(0.2)  # cost / share
     assert pages.fresh_for(0.1) == pytest.approx(0.5)  # at most max_age_s
     assert pages.fresh_for(0.3) == pytest.approx(1.2)  # costlier: cost / max_share
-    assert pages.fresh_for(10.0) == pytest.approx(40.0)
+    assert pages.fresh_for(10.0) == pytest.approx(5.0)  # never past max_stale_s
     # Asked for without pause, a key's page is built at most once a moment: the share of
     # a thread its builds take is cost / fresh_for(cost).
-    for cost in (0.001, 0.02, 0.125, 0.3, 2.0):
+    for cost in (0.001, 0.02, 0.125, 0.3, 1.25):
         assert cost / pages.fresh_for(cost) <= 0.25 + 1e-12
-    with pytest.raises(ValueError, match="max_share"):
-        SharedPages(max_share=0.0)
+    for bad in ({"max_share": 0.0}, {"share": 0.5}, {"max_share": 1.5}):
+        with pytest.raises(ValueError, match="max_share"):
+            SharedPages(**bad)  # type: ignore[arg-type]
 
     now = [0.0]
     pages = SharedPages(share=0.05, max_age_s=0.5, min_participations=1, clock=lambda: now[0])
@@ -601,7 +602,7 @@ def test_shared_pages_share_one_build_between_calls_at_once_and_pass_on_its_erro
     from fedra.coordinator.errors import NotFound
     from fedra.coordinator.status import SharedPages
 
-    pages = SharedPages(share=1.0, max_age_s=0.0, min_participations=1)
+    pages = SharedPages(share=1.0, max_age_s=0.0, min_participations=1, max_share=1.0)
     key = ("run", 0, False)
     pages.get(key, lambda: _page(5))  # large: the next builds are shared, none kept
     started, release = threading.Event(), threading.Event()

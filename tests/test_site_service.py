@@ -1033,6 +1033,7 @@ def test_get_run_shares_a_large_page_for_a_moment_and_shows_a_cancel_at_once(
     assert isinstance(pages, status_mod.SharedPages)
     monkeypatch.setattr(pages, "min_participations", 1)
     monkeypatch.setattr(pages, "max_age_s", 60.0)
+    monkeypatch.setattr(pages, "max_stale_s", 60.0)
     monkeypatch.setattr(pages, "share", 1e-6)
     run_id, tasks = start_round_one(coordinator)
     store = coordinator.engine._store

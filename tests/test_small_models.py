@@ -212,7 +212,12 @@ def test_a_round_s_first_heartbeats_are_spread_over_the_second_half_of_the_inter
     assert all(400 < n < 600 for n in tenths), tenths
 
 
-def test_a_heartbeat_beats_first_within_its_interval_then_an_interval_apart() -> None:
+def test_a_heartbeat_beats_first_when_drawn_then_an_interval_apart(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from fedra.client import agent as agent_mod
+
+    monkeypatch.setattr(agent_mod, "first_beat_s", lambda interval_s: 0.05)
     b = _Beating()
     times: list[float] = []
 
@@ -223,14 +228,14 @@ def test_a_heartbeat_beats_first_within_its_interval_then_an_interval_apart() ->
     b.conn.heartbeat = heartbeat  # type: ignore[method-assign]
     try:
         started = time.monotonic()
-        with _Heartbeat(b.conn, "t", 0.2):
+        with _Heartbeat(b.conn, "t", 0.5):
             deadline = started + 10
             while len(times) < 3 and time.monotonic() < deadline:
                 time.sleep(0.01)
         assert len(times) >= 3
-        assert times[0] - started >= 0.1  # not at once: in the interval's second half
+        assert 0.05 <= times[0] - started < 0.45  # the drawn point, well before the interval
         gaps = [later - earlier for earlier, later in itertools.pairwise(times)]
-        assert all(g >= 0.2 for g in gaps), gaps  # then an interval apart
+        assert all(g >= 0.5 for g in gaps), gaps  # then an interval apart
     finally:
         b.conn.close()
 
