@@ -1,0 +1,132 @@
+"""How fast a grpc.aio server takes new calls while its event loop has other work.
+
+A grpc.aio server asks gRPC's core for its next call one at a time: the request is
+answered through the event loop, so the server takes at most one new call per pass of
+its loop. While a pass also runs other ready callbacks (the handlers of thousands of
+calls in flight, their timers), each new call waits for a whole pass in the core's queue,
+and the calls a second it can take fall as the passes lengthen, however idle its CPU is
+otherwise. Calls waiting there are not seen by their handler, so a coordinator cannot
+tell a site's heartbeat queued there from a site that went silent.
+
+This starts a bare ``grpc.aio`` server on one loop, keeps ``--busy`` callbacks of about
+``--work-us`` each ready on that loop (each reschedules itself: every pass runs all of
+them), and calls the server from client threads as fast as they can for ``--seconds``.
+It prints the calls a second taken for each ``--busy`` (a comma-separated list), the
+loop's pass time measured, and their product (calls per pass).
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/accept_rate.py --busy 0,10,50,200
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+_METHOD = "/bench.Accept/Ping"
+
+
+def _spin(work_us: float) -> None:
+    end = time.perf_counter() + work_us / 1e6
+    while time.perf_counter() < end:
+        pass
+
+
+def _client(port: int, seconds: float, window: int, counts: list[int]) -> None:
+    """Calls in flight ``window`` at a time until ``seconds`` have passed."""
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call: grpc.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(_METHOD)
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            futures = [call.future(b"", timeout=60) for _ in range(window)]
+            for future in futures:
+                future.result()
+            counts.append(window)
+
+
+async def measure(busy: int, work_us: float, seconds: float, threads: int) -> dict[str, Any]:
+    server = grpc.aio.server()
+
+    async def ping(request: bytes, context: Any) -> bytes:
+        return b""
+
+    handler: grpc.RpcMethodHandler[bytes, bytes] = grpc.unary_unary_rpc_method_handler(ping)
+    service = grpc.method_handlers_generic_handler("bench.Accept", {"Ping": handler})
+    server.add_generic_rpc_handlers((service,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    loop = asyncio.get_running_loop()
+    stopping = False
+    passes = [0]
+
+    def busy_callback() -> None:
+        _spin(work_us)
+        if not stopping:
+            loop.call_soon(busy_callback)
+
+    def count_pass() -> None:  # one in the ready queue: it runs once a pass
+        passes[0] += 1
+        if not stopping:
+            loop.call_soon(count_pass)
+
+    for _ in range(busy):
+        loop.call_soon(busy_callback)
+    loop.call_soon(count_pass)
+    counts: list[int] = []
+    clients = [
+        threading.Thread(target=_client, args=(port, seconds, 16, counts)) for _ in range(threads)
+    ]
+    started = time.monotonic()
+    for client in clients:
+        client.start()
+    while any(c.is_alive() for c in clients):
+        await asyncio.sleep(0.05)
+    took = time.monotonic() - started
+    stopping = True
+    await server.stop(0)
+    calls_per_s = sum(counts) / took
+    pass_ms = 1000 * took / max(1, passes[0])
+    return {
+        "busy": busy,
+        "calls_per_s": calls_per_s,
+        "pass_ms": pass_ms,
+        "calls_per_pass": calls_per_s * pass_ms / 1000,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--busy", default="0,10,50,200", help="ready callbacks, comma-separated")
+    parser.add_argument("--work-us", type=float, default=20.0, help="each callback's work")
+    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--threads", type=int, default=2, help="client threads")
+    parser.add_argument("--out", type=Path, help="write the figures here as JSON")
+    args = parser.parse_args(argv)
+    try:
+        counts = [int(b) for b in args.busy.split(",") if b.strip()]
+    except ValueError:
+        parser.error(f"--busy: not a list of counts: {args.busy!r}")
+    if not counts or min(counts) < 0 or args.seconds <= 0 or args.threads < 1:
+        parser.error("--busy counts must be >= 0, --seconds and --threads positive")
+    results = []
+    for busy in counts:
+        r = asyncio.run(measure(busy, args.work_us, args.seconds, args.threads))
+        results.append(r)
+        print(
+            f"{busy:5d} callbacks of {args.work_us:g} us ready a pass: loop pass "
+            f"{r['pass_ms']:.2f} ms, {r['calls_per_s']:,.0f} calls a second taken "
+            f"({r['calls_per_pass']:.2f} a pass)"
+        )
+    if args.out:
+        args.out.write_text(json.dumps({"results": results}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
