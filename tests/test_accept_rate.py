@@ -17,15 +17,16 @@ BENCH = Path(__file__).resolve().parents[1] / "bench" / "accept_rate.py"
 
 def test_a_busy_loop_takes_fewer_calls_a_second(tmp_path: Path) -> None:
     out = tmp_path / "accept.json"
-    args = [str(BENCH), "--busy", "0,200", "--seconds", "1", "--threads", "1", "--out", str(out)]
-    done = run_python(*args, timeout_s=60)
+    args = [str(BENCH), "--busy", "0,200", "--seconds", "1", "--out", str(out)]
+    done = run_python(*args, timeout_s=120)
     assert done.returncode == 0, done.stdout + done.stderr
     idle, busy = json.loads(out.read_text())["results"]
     assert idle["busy"] == 0 and busy["busy"] == 200
     assert idle["calls_per_s"] > 0 and busy["calls_per_s"] > 0, (idle, busy)
-    # 200 callbacks of 20 us make a pass of about 4 ms: the server takes calls several
-    # times slower (measured here: 10-40x), however idle its CPU otherwise is.
+    # 200 callbacks of 20 us make a pass of about 4 ms: the server takes calls many times
+    # slower (measured here: about 80x), while its client has a process of its own.
     assert busy["pass_ms"] > 5 * idle["pass_ms"], (idle, busy)
+    assert idle["failed"] == 0, idle
     assert busy["calls_per_s"] < idle["calls_per_s"] / 3, (idle, busy)
     assert "calls a second taken" in done.stdout
 
