@@ -156,23 +156,23 @@ class SharedPages:
     A page of a round that thousands of sites are in reads and builds thousands of
     participations (tens of ms): with operators, dashboards or scrapers asking a few
     times a second, that alone took a tenth of a core or more. A page that read at least
-    ``min_participations`` is kept for a moment after it is built: for ``cost / share``
-    (its build time over ``share``), at most ``max_age_s`` for a page that costs up to
-    ``max_age_s * max_share`` to build, and ``cost / max_share`` for a costlier one. So
-    building pages takes at most about ``share`` of one thread however often they are
-    asked for, and at most ``max_share`` of one for a round so large that its page costs
-    more: a round of 5,000 sites in its third attempt (15,000 participations) took 0.3 s
-    to build here, and at most ``max_age_s`` apart those builds took most of a core. Once
-    a key's page was that large, the calls that ask while one is being built wait for
-    that build. For as long again it still answers (``answer``) while its rebuild runs
-    in the background, so that a caller seldom waits for a build. What a page shows is
-    at most ``2 * max_age_s`` old (a second) from the start of its build; a smaller page
-    is built afresh for each call; a costlier one, at most ``2 * cost / max_share`` (2.4 s
-    for that 0.3 s page), and never more than ``2 * max_stale_s`` (10 s) after a build
-    that took longer than ``max_stale_s * max_share``. The caller puts in ``key`` what a
-    page must not be
-    kept across (GetRun: the run's phase, so that a cancel and the run's end are not
-    hidden by a page of before). Safe from any thread.
+    ``min_participations`` is kept for a moment after it is built (``fresh_for``): for
+    ``cost / share`` (its build time over ``share``) up to ``max_age_s``, for
+    ``cost / max_share`` where that is longer, and never for more than ``max_stale_s``.
+    So building pages takes at most about ``share`` of one thread however often they are
+    asked for, ``max_share`` for a round so large that its page costs more than
+    ``max_age_s * share`` (a round of 5,000 sites in its third attempt, 15,000
+    participations, took 0.3 s to build here, and rebuilt every ``max_age_s`` those
+    builds took most of a core), and more only for a build that took longer than
+    ``max_stale_s * max_share`` (a pause of the process). Once a key's page was that
+    large, the calls that ask while one is being built wait for that build. For as long
+    again it still answers (``answer``) while its rebuild runs in the background, so that
+    a caller seldom waits for a build. What a page shows is at most ``2 * max_age_s`` old
+    (a second) from the start of its build, ``2 * cost / max_share`` for a costlier one
+    (2.4 s for that 0.3 s page), and never more than ``2 * max_stale_s`` (10 s); a
+    smaller page is built afresh for each call. The caller puts in ``key`` what a page
+    must not be kept across (GetRun: the run's phase, so that a cancel and the run's end
+    are not hidden by a page of before). Safe from any thread.
     """
 
     def __init__(
