@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
 import time
@@ -39,15 +40,24 @@ def _spin(work_us: float) -> None:
         pass
 
 
-def client_main(port: int, seconds: float, window: int) -> None:
-    """Calls in flight ``window`` at a time until ``seconds`` have passed; prints the
-    calls answered and those that failed (each call waits at most 10 s)."""
+def client_main(port: int, seconds: float, window: int, connections: int) -> None:
+    """Calls in flight ``window`` at a time, spread over ``connections`` connections,
+    until ``seconds`` have passed; prints the calls answered and those that failed (each
+    call waits at most 10 s)."""
     answered, failed = 0, 0
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        call: grpc.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(_METHOD)
+    options = [("grpc.use_local_subchannel_pool", 1)]  # a connection per channel
+    channels = [
+        grpc.insecure_channel(f"127.0.0.1:{port}", options=options) for _ in range(connections)
+    ]
+    with contextlib.ExitStack() as stack:
+        for channel in channels:
+            stack.enter_context(channel)
+        methods: list[grpc.UnaryUnaryMultiCallable[bytes, bytes]] = [
+            channel.unary_unary(_METHOD) for channel in channels
+        ]
         end = time.monotonic() + seconds
         while time.monotonic() < end:
-            calls = [call.future(b"", timeout=10) for _ in range(window)]
+            calls = [methods[i % connections].future(b"", timeout=10) for i in range(window)]
             for c in calls:
                 try:
                     c.result()
@@ -57,17 +67,38 @@ def client_main(port: int, seconds: float, window: int) -> None:
     print(json.dumps({"answered": answered, "failed": failed}), flush=True)
 
 
-async def measure(busy: int, work_us: float, seconds: float) -> dict[str, Any]:
-    server = grpc.aio.server()
+async def _bare_servers(count: int) -> tuple[list[grpc.aio.Server], int]:
+    """``count`` servers of one method on one port, sharing it (SO_REUSEPORT): the kernel
+    gives each new connection to one of them."""
 
     async def ping(request: bytes, context: Any) -> bytes:
         return b""
 
     handler: grpc.RpcMethodHandler[bytes, bytes] = grpc.unary_unary_rpc_method_handler(ping)
-    service = grpc.method_handlers_generic_handler("bench.Accept", {"Ping": handler})
-    server.add_generic_rpc_handlers((service,))
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
+    servers: list[grpc.aio.Server] = []
+    port = 0
+    for _ in range(count):
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 1)])
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler("bench.Accept", {"Ping": handler}),)
+        )
+        server.add_registered_method_handlers("bench.Accept", {"Ping": handler})
+        port = server.add_insecure_port(f"127.0.0.1:{port}")
+        servers.append(server)
+    for server in servers:
+        await server.start()
+    return servers, port
+
+
+async def measure(
+    busy: int,
+    work_us: float,
+    seconds: float,
+    servers: int = 1,
+    connections: int = 1,
+    window: int = 16,
+) -> dict[str, Any]:
+    bare, port = await _bare_servers(servers)
     loop = asyncio.get_running_loop()
     stopping = False
     passes = [0]
@@ -87,6 +118,7 @@ async def measure(busy: int, work_us: float, seconds: float) -> dict[str, Any]:
     loop.call_soon(count_pass)
     began = time.monotonic()
     command = [sys.executable, __file__, "--client", str(port), "--seconds", str(seconds)]
+    command += ["--connections", str(connections), "--window", str(window)]
     client = await asyncio.create_subprocess_exec(*command, stdout=asyncio.subprocess.PIPE)
     try:
         out, _ = await asyncio.wait_for(client.communicate(), seconds + 60)
@@ -96,7 +128,8 @@ async def measure(busy: int, work_us: float, seconds: float) -> dict[str, Any]:
             await client.wait()
         stopping = True
         took = time.monotonic() - began
-        await server.stop(0)
+        for server in bare:
+            await server.stop(0)
     if client.returncode != 0:
         raise RuntimeError(f"the client process failed (exit {client.returncode})")
     counted = json.loads(out)
@@ -118,10 +151,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-us", type=float, default=20.0, help="each callback's work")
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--out", type=Path, help="write the figures here as JSON")
+    parser.add_argument("--servers", type=int, default=1, help="servers sharing the port")
+    parser.add_argument("--window", type=int, default=16, help="calls in flight")
+    parser.add_argument("--connections", type=int, default=1, help="the client's connections")
     parser.add_argument("--client", type=int, help=argparse.SUPPRESS)  # the calling process
     args = parser.parse_args(argv)
     if args.client is not None:
-        client_main(args.client, args.seconds, 16)
+        client_main(args.client, args.seconds, args.window, args.connections)
         return 0
     try:
         counts = [int(b) for b in args.busy.split(",") if b.strip()]
@@ -131,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--busy counts must be >= 0, --seconds positive")
     results = []
     for busy in counts:
-        r = asyncio.run(measure(busy, args.work_us, args.seconds))
+        r = asyncio.run(
+            measure(busy, args.work_us, args.seconds, args.servers, args.connections, args.window)
+        )
         results.append(r)
         print(
             f"{busy:5d} callbacks of {args.work_us:g} us ready a pass: loop pass "

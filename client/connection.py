@@ -212,17 +212,25 @@ class Connection:
             site_id=self.site_id, tasks=tasks, version=__version__,
             provenance=[provenance_to_proto(p) for p in provenance],
         )  # fmt: skip
-        r = self.stub.Register(request, timeout=timeout_s)
+        r = self.stub.Register(
+            request, timeout=timeout_s, metadata=wire.declared_timeout(timeout_s)
+        )
         self.chunk_bytes = min(self.chunk_bytes, r.chunk_bytes or self.chunk_bytes)
         return Session(r.heartbeat_interval_s, r.poll_timeout_s, self.chunk_bytes)
 
     def heartbeat(self, task_id: str, timeout_s: float = 10.0) -> bool:
         request = site_pb2.HeartbeatRequest(site_id=self.site_id, task_id=task_id)
-        return self.stub.Heartbeat(request, timeout=timeout_s).task_current
+        reply = self.stub.Heartbeat(
+            request, timeout=timeout_s, metadata=wire.declared_timeout(timeout_s)
+        )
+        return reply.task_current
 
     def poll(self, poll_timeout_s: float) -> Assignment | None:
         request = site_pb2.PollTaskRequest(site_id=self.site_id)
-        r = self.stub.PollTask(request, timeout=poll_timeout_s + 10.0)
+        timeout_s = poll_timeout_s + 10.0
+        r = self.stub.PollTask(
+            request, timeout=timeout_s, metadata=wire.declared_timeout(timeout_s)
+        )
         return _assignment(r.task, r.model) if r.HasField("task") else None
 
     def sent_model(self, task: Assignment) -> dict[str, torch.Tensor] | None:

@@ -120,9 +120,10 @@ class CoordinatorAPI:
     ) -> None:
         await self.call(self.engine.register, site_id, tasks, version, provenance)
 
-    def touch(self, site_id: str) -> None:
-        """A call of the site's arrived (liveness, before anything waits: ``Engine.touch``)."""
-        self.engine.touch(site_id)
+    def touch(self, site_id: str, queued_s: float | None = None) -> None:
+        """A call of the site's arrived, after ``queued_s`` in gRPC's queue if it said its
+        deadline (liveness, before anything waits: ``Engine.touch``)."""
+        self.engine.touch(site_id, queued_s)
 
     async def heartbeat(self, site_id: str, task_id: str) -> bool:
         return await self.quick(self.engine.heartbeat, site_id, task_id)

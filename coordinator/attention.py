@@ -8,6 +8,16 @@ be declared silent for the coordinator's own delay. ``Attention`` measures those
 stretches on the server's event loop (a tick every ``TICK_S`` that comes late means the
 loop was not running) and ``stalled(since, now)`` says how much of a stretch of time
 they cover; liveness counts only the rest (``Engine.is_online``).
+
+A loop that runs can still be late to hear: gRPC's asyncio server takes a new call of a
+method only every few passes of its loop, so under a burst the calls wait in gRPC's
+queue, unseen, while the loop is busy with those it took. Each call of a site's says
+the deadline it was given, and what is left of it when its handler starts tells how
+long it waited there (``fedra.protos.wire.queued_s``). ``lag`` is the median of those
+waits over the distinct sites heard in the last ``LAG_WINDOW_S``: the time by which the
+coordinator currently hears late, which liveness also allows. A median over distinct
+sites is moved by no minority of them (a site can only claim to have waited longer,
+never to be fresher), and the allowance is at most one liveness timeout.
 """
 
 from __future__ import annotations
@@ -16,8 +26,10 @@ import asyncio
 import bisect
 import logging
 import math
+import statistics
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 log = logging.getLogger("fedra.coordinator")
@@ -27,6 +39,10 @@ SLACK_S = 0.05  # lateness below this is ordinary scheduling, not a stall
 LOG_S = 1.0  # stalls this long are logged, at most one warning per LOG_EVERY_S
 LOG_EVERY_S = 10.0
 KEEP = 4096  # stalls kept (the older half goes when full: a liveness timeout needs few)
+LAG_WINDOW_S = 10.0  # the queue waits of the calls heard in this last stretch count
+LAG_MIN_SITES = 3  # fewer distinct sites than this in the window: no lag is taken
+LAG_KEEP = 512  # distinct sites' latest waits kept (the oldest go first)
+LAG_CACHE_S = 0.25  # the median is worked out at most this often
 
 
 class Attention:
@@ -48,6 +64,13 @@ class Attention:
         self.stalled_s = 0.0  # in all, since the watch began
         self._logged_at = -math.inf  # monotonic: the last warning
         self._unlogged = 0.0, 0  # stalls of LOG_S or more since: longest, how many
+        # Each site's latest call that said its deadline: when it reached its handler
+        # (clock), and how long it had waited in gRPC's queue.
+        self._waits: OrderedDict[str, tuple[float, float]] = OrderedDict()
+        self._lag = 0.0, -math.inf  # the lag worked out, and when (clock)
+        self.lag_cap_s = math.inf  # the most lag allowed: the engine's liveness timeout
+        self.lag_longest_s = 0.0  # the largest lag worked out since the watch began
+        self._lag_logged_at = -math.inf  # monotonic
 
     def tick(self, late_s: float) -> None:
         """The loop ran a tick ``late_s`` seconds after it was due."""
@@ -83,6 +106,45 @@ class Attention:
             "of CPU): that time does not count against the sites' liveness",
             longest, f" ({count} times since the last such warning)" if count > 1 else "",
         )  # fmt: skip
+
+    def queued(self, site_id: str, waited_s: float) -> None:
+        """A call of ``site_id``'s reached its handler after ``waited_s`` in gRPC's queue."""
+        now = self.clock()
+        with self._lock:
+            self._waits[site_id] = now, waited_s
+            self._waits.move_to_end(site_id)
+            if len(self._waits) > LAG_KEEP:
+                self._waits.popitem(last=False)
+
+    def lag(self) -> float:
+        """How late the coordinator hears its sites now: the median wait in gRPC's queue
+        of the calls of the distinct sites heard in the last ``LAG_WINDOW_S`` (0 with
+        fewer than ``LAG_MIN_SITES`` of them), at most ``lag_cap_s``."""
+        now = self.clock()
+        with self._lock:
+            lag, at = self._lag
+            if 0.0 <= now - at < LAG_CACHE_S:
+                return lag
+            while self._waits:  # the oldest first: those out of the window go
+                _, (heard, _) = next(iter(self._waits.items()))
+                if now - heard <= LAG_WINDOW_S:
+                    break
+                self._waits.popitem(last=False)
+            waits = sorted(w for _, w in self._waits.values())
+            lag = 0.0
+            if len(waits) >= LAG_MIN_SITES:
+                lag = statistics.median(waits)
+            lag = min(lag, self.lag_cap_s)
+            self._lag = lag, now
+            self.lag_longest_s = max(self.lag_longest_s, lag)
+        if lag >= LOG_S and time.monotonic() - self._lag_logged_at >= LOG_EVERY_S:
+            self._lag_logged_at = time.monotonic()
+            log.warning(
+                "the coordinator hears its sites %.1f s late (their calls wait that long in "
+                "gRPC's queue before it takes them): that time does not count against "
+                "their liveness", lag,
+            )  # fmt: skip
+        return lag
 
     def stop(self) -> None:
         with self._lock:

@@ -98,7 +98,7 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
         self, request: site_pb2.RegisterRequest, context: Any
     ) -> site_pb2.RegisterResponse:
         self.guard.site(context, request.site_id)
-        self.api.touch(request.site_id)
+        self.api.touch(request.site_id, wire.queued_s(context))
         if len(request.provenance) > len(request.tasks):
             raise InvalidArgument("provenance: at most one per task")
         try:
@@ -118,7 +118,7 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
         self, request: site_pb2.HeartbeatRequest, context: Any
     ) -> site_pb2.HeartbeatResponse:
         self.guard.site(context, request.site_id)
-        self.api.touch(request.site_id)
+        self.api.touch(request.site_id, wire.queued_s(context))
         current = await self.api.heartbeat(request.site_id, request.task_id)
         return site_pb2.HeartbeatResponse(task_current=current)
 
@@ -127,7 +127,7 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
         self, request: site_pb2.PollTaskRequest, context: Any
     ) -> site_pb2.PollTaskResponse:
         self.guard.site(context, request.site_id)
-        self.api.touch(request.site_id)
+        self.api.touch(request.site_id, wire.queued_s(context))
         # Leave a margin inside the caller's own deadline so the reply gets back in time.
         timeout = _long_poll_s(self.api.settings.poll_timeout_s, context)
         task = await self.api.poll(request.site_id, timeout)
@@ -143,7 +143,7 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
         self, request: site_pb2.DownloadModelRequest, context: Any
     ) -> AsyncIterator[bytes]:
         self.guard.site(context, request.site_id)
-        self.api.touch(request.site_id)
+        self.api.touch(request.site_id, wire.queued_s(context))
         chunks = self.api.download(
             request.site_id, request.task_id, request.delta, wire.model_chunk_frame,
             controls=request.controls,
@@ -191,7 +191,7 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
     ) -> int:
         """An update whose header is ``h`` and payload ``chunks``, from the caller."""
         self.guard.site(context, h.site_id)
-        self.api.touch(h.site_id)
+        self.api.touch(h.site_id, wire.queued_s(context))
         message = pki.upload_message(
             h.run_id, h.round, h.site_id, h.task_id, h.nonce, h.sha256,
             num_samples=h.num_samples, codec=h.codec, payload_bytes=h.payload_bytes,
@@ -218,7 +218,7 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
         self, request: site_pb2.ReportFailureRequest, context: Any
     ) -> site_pb2.ReportFailureResponse:
         self.guard.site(context, request.site_id)
-        self.api.touch(request.site_id)
+        self.api.touch(request.site_id, wire.queued_s(context))
         await self.api.report_failure(
             request.site_id, request.task_id, request.reason, request.declined
         )
@@ -229,7 +229,7 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
         self, request: site_pb2.SecAggKeysRequest, context: Any
     ) -> site_pb2.SecAggKeysResponse:
         self.guard.site(context, request.site_id)
-        self.api.touch(request.site_id)
+        self.api.touch(request.site_id, wire.queued_s(context))
         ready, peers = await self.api.secagg_keys(
             request.site_id,
             request.task_id,
@@ -250,7 +250,7 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
         self, request: site_pb2.SecAggSharesRequest, context: Any
     ) -> site_pb2.SecAggSharesResponse:
         self.guard.site(context, request.site_id)
-        self.api.touch(request.site_id)
+        self.api.touch(request.site_id, wire.queued_s(context))
         ready, inbox = await self.api.secagg_shares(
             request.site_id,
             request.task_id,
@@ -264,7 +264,7 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
         self, request: site_pb2.SecAggUnmaskRequest, context: Any
     ) -> site_pb2.SecAggUnmaskResponse:
         self.guard.site(context, request.site_id)
-        self.api.touch(request.site_id)
+        self.api.touch(request.site_id, wire.queued_s(context))
         ready, (survivors, dropped) = await self.api.secagg_unmask(
             request.site_id, request.task_id, _long_poll_s(request.wait_s, context)
         )
@@ -275,7 +275,7 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
         self, request: site_pb2.SecAggRevealRequest, context: Any
     ) -> site_pb2.SecAggRevealResponse:
         self.guard.site(context, request.site_id)
-        self.api.touch(request.site_id)
+        self.api.touch(request.site_id, wire.queued_s(context))
         await self.api.secagg_reveal(request.site_id, request.task_id, dict(request.shares))
         return site_pb2.SecAggRevealResponse()
 

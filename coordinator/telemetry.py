@@ -193,6 +193,12 @@ class _Now(Collector):
             "fedra_waiting_calls", "Calls waiting (long polls, stage calls, watches)",
             g.waiting_calls,
         )  # fmt: skip
+        yield GaugeMetricFamily(
+            "fedra_hearing_lag_seconds",
+            "How long sites' calls now wait in gRPC's queue before the coordinator takes "
+            "them (the median over distinct sites; liveness allows it)",
+            g.hearing_lag_s,
+        )
 
 
 class HttpEndpoint:

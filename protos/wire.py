@@ -41,6 +41,40 @@ DOWNLOAD_MODEL = f"/{SITE_SERVICE}/DownloadModel"
 UPLOAD_UPDATE = f"/{SITE_SERVICE}/UploadUpdate"
 EXPORT_MODEL = f"/{ADMIN_SERVICE}/ExportModel"
 # The largest payload UploadSmallUpdate takes: bigger updates go up in a stream of chunks.
+# A site's calls say the deadline they were given (metadata, in milliseconds): the
+# coordinator's gRPC server counts a call's deadline from its arrival, so what is left of
+# it when the handler starts tells how long the call waited in the server's queue first.
+TIMEOUT_KEY = "fedra-timeout-ms"
+_MAX_DECLARED_S = 3600.0  # a longer declared deadline is not believed
+
+
+def declared_timeout(timeout_s: float) -> tuple[tuple[str, str]]:
+    """The metadata a call given ``timeout_s`` carries to say so (``queued_s``)."""
+    return ((TIMEOUT_KEY, str(round(timeout_s * 1000))),)
+
+
+def queued_s(context: Any) -> float | None:
+    """How long a call waited between its arrival and its handler, from the deadline its
+    caller declared (``declared_timeout``) and what is left of it; None when it declared
+    none, or one not to be believed. A caller that lies can only say it waited longer
+    (its deadline is counted from arrival), and never more than it declared."""
+    declared = None
+    for key, value in context.invocation_metadata() or ():
+        if key == TIMEOUT_KEY:
+            declared = value
+            break
+    remaining: float | None = context.time_remaining()
+    if declared is None or remaining is None:
+        return None
+    try:
+        declared_s = int(declared) / 1000
+    except (TypeError, ValueError):
+        return None
+    if not 0.0 < declared_s <= _MAX_DECLARED_S:
+        return None
+    return min(declared_s, max(0.0, declared_s - remaining))
+
+
 SMALL_UPLOAD_MAX_BYTES = 64 * 1024
 # The largest message the coordinator sends, and the admin client accepts: an unpaged
 # GetRun answers with a whole run, about 220 bytes per participation, so 64 MiB holds

@@ -749,6 +749,133 @@ def test_a_site_is_not_failed_as_silent_for_the_coordinators_own_stall(tmp_path:
         c.close()
 
 
+class _Context:
+    """What ``wire.queued_s`` reads of a call: its metadata and what is left of its deadline."""
+
+    def __init__(self, metadata: tuple[tuple[str, str], ...], remaining: float | None) -> None:
+        self.metadata, self.remaining = metadata, remaining
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self.metadata
+
+    def time_remaining(self) -> float | None:
+        return self.remaining
+
+
+def test_a_calls_wait_in_the_queue_is_read_from_the_deadline_it_declared() -> None:
+    from fedra.protos import wire
+
+    said = wire.declared_timeout(10.0)
+    assert said == ((wire.TIMEOUT_KEY, "10000"),)
+    assert wire.queued_s(_Context(said, 7.5)) == pytest.approx(2.5)
+    assert wire.queued_s(_Context(said, 10.2)) == 0.0  # never less than nothing
+    assert wire.queued_s(_Context(said, -3.0)) == 10.0  # never more than it declared
+    assert wire.queued_s(_Context((), 7.5)) is None  # declared none
+    assert wire.queued_s(_Context(said, None)) is None  # no deadline at all
+    for bad in ("ten", "", "0", "-5", str(10**12)):  # unreadable, nothing, or unbelievable
+        assert wire.queued_s(_Context(((wire.TIMEOUT_KEY, bad),), 7.5)) is None
+
+
+def test_the_hearing_lag_is_a_median_over_distinct_sites_that_no_minority_moves() -> None:
+    from fedra.coordinator import attention
+
+    now = [1000.0]
+    att = attention.Attention(clock=lambda: now[0])
+    att.queued("a", 4.0)
+    att.queued("b", 4.0)
+    assert att.lag() == 0.0  # too few sites to say
+    now[0] += attention.LAG_CACHE_S
+    att.queued("c", 6.0)
+    assert att.lag() == 4.0
+    # A site's later calls replace its earlier ones: one site cannot stand for many.
+    for _ in range(50):
+        att.queued("liar", 3000.0)
+    now[0] += attention.LAG_CACHE_S
+    assert att.lag() == 5.0  # the median of 4, 4, 6 and the liar's one figure
+    for i in range(3):  # liars in a minority: the median stays among the honest figures
+        att.queued(f"liar-{i}", 3000.0)
+    for i in range(5):
+        att.queued(f"honest-{i}", 4.0)
+    now[0] += attention.LAG_CACHE_S
+    assert att.lag() == 4.0
+    att.lag_cap_s = 2.0  # never more than one liveness timeout
+    now[0] += attention.LAG_CACHE_S
+    assert att.lag() == 2.0
+    assert att.lag_longest_s == 5.0
+    now[0] += attention.LAG_WINDOW_S + 1  # nothing heard lately: no lag
+    assert att.lag() == 0.0
+    assert not att._waits  # and the old figures are let go
+
+
+def test_a_site_is_not_failed_as_silent_while_the_coordinator_hears_late(tmp_path: Path) -> None:
+    """Calls that waited in gRPC's queue before their handlers tell the coordinator it
+    hears late: a site quiet for a little longer than the liveness timeout is still
+    online while the lag covers it, and offline once the lag is gone."""
+    from fedra.coordinator import attention
+    from fedra.coordinator.engine import Engine
+    from fedra.storage import BlobStore
+
+    now = [5000.0]
+    timeout_s = 10.0
+    engine = Engine(
+        _store(tmp_path),
+        BlobStore(tmp_path / "m"),
+        BlobStore(tmp_path / "u"),
+        EngineSettings(site_timeout_s=timeout_s),
+        lambda: now[0],
+    )
+    try:
+        for site in ("quiet", "a", "b", "c"):
+            engine.register(site, [TASK], "1")
+        now[0] += timeout_s + 3.0  # "quiet" says nothing for longer than the timeout
+        assert not engine.site_online("quiet")
+        for site in ("a", "b", "c"):  # the others' calls come in after 5 s in the queue
+            engine.touch(site, queued_s=5.0)
+        now[0] += attention.LAG_CACHE_S
+        assert engine.attention.lag() == 5.0
+        assert engine.site_online("quiet")
+        assert engine.gauges().hearing_lag_s == 5.0
+        now[0] += 3.0  # quiet for timeout + lag and more: gone, lag or not
+        assert not engine.site_online("quiet")
+    finally:
+        engine.close()
+
+
+def test_calls_that_waited_in_grpcs_queue_say_so_through_a_real_server(tmp_path: Path) -> None:
+    """Heartbeats of three sites sent while the server's loop is held wait in gRPC's
+    queue; their handlers read how long from the deadlines the sites' connections declared,
+    and the coordinator's hearing lag says it."""
+    from fedra.client.connection import Connection
+
+    c = InProcessCoordinator(tmp_path / "state", EngineSettings(site_timeout_s=60.0))
+    connections = [Connection(c.address, f"site-{i}") for i in range(3)]
+    try:
+        for conn in connections:
+            conn.register([TASK])
+        held_s = 1.0
+        frozen = threading.Event()
+
+        def freeze() -> None:  # on the server's loop: no call reaches its handler meanwhile
+            frozen.set()
+            time.sleep(held_s)
+
+        c.server._loop.call_soon_threadsafe(freeze)
+        assert frozen.wait(10.0)
+        with ThreadPoolExecutor(3) as pool:
+            beats = [pool.submit(conn.heartbeat, "no-task") for conn in connections]
+            for beat in beats:
+                beat.result(timeout=30.0)
+        waits = [w for _, w in c.engine.attention._waits.values()]
+        assert len(waits) == 3
+        assert all(0.5 * held_s <= w <= 10.0 for w in waits), waits
+        lag = c.engine.attention.lag()
+        assert 0.5 * held_s <= lag <= 10.0
+    finally:
+        for conn in connections:
+            conn.close()
+        c.close()
+
+
 def test_the_site_list_is_served_from_memory_as_stored_and_survives_a_restart(
     tmp_path: Path,
 ) -> None:

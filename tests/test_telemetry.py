@@ -26,6 +26,7 @@ from tests.test_cluster import FAST, finished, start_synthetic_sites, synthetic_
 NOW = Gauges(
     sites_registered=5, sites_online=3, runs_by_state={"running": 1, "completed": 2},
     downloads_in_flight=2, uploads_in_flight=1, waiting_calls=4,
+    hearing_lag_s=1.5,
 )  # fmt: skip
 
 
@@ -84,6 +85,7 @@ def test_round_events_become_counters_and_histograms() -> None:
     assert got[("fedra_runs", (("state", "failed"),))] == 0
     assert got[("fedra_transfers_in_flight", (("direction", "up"),))] == 1
     assert got[("fedra_waiting_calls", ())] == 4
+    assert got[("fedra_hearing_lag_seconds", ())] == 1.5
     # No series carries a site label: those are unbounded.
     assert not [k for k in got if any(name == "site" for name, _ in k[1])]
 

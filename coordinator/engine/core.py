@@ -125,6 +125,7 @@ class Gauges:
     downloads_in_flight: int
     uploads_in_flight: int
     waiting_calls: int  # long polls, secure aggregation stages, run watches
+    hearing_lag_s: float = 0.0  # how long sites' calls now wait in gRPC's queue (attention)
 
 
 @dataclass(frozen=True)
@@ -180,6 +181,7 @@ class Engine:
         self.registrations = 0  # every Register, a new site or not: the registry changed
         self._site_order: tuple[int, list[str]] | None = None
         self.attention = Attention(clock)  # when this coordinator was not listening
+        self.attention.lag_cap_s = self.settings.site_timeout_s
         self._polling: Counter[str] = Counter()
         self._moving: Counter[str] = Counter()  # transfers under way, by site
         self._left: set[str] = set()  # sites that hung up on their poll, not heard from since
@@ -412,12 +414,15 @@ class Engine:
             self._seen_written_at = now
             self.commits.write_later(self._store.touch_sites_op(dict(self._last_seen)))
 
-    def touch(self, site_id: str) -> None:
+    def touch(self, site_id: str, queued_s: float | None = None) -> None:
         """A call of the site's arrived: news from it, taken without the lock (a dict
         write) the moment its handler starts, before any of its steps waits its turn on
-        a busy coordinator. Unknown sites are left to the call's own checks."""
+        a busy coordinator; ``queued_s``, how long it waited in gRPC's queue before that
+        (``attention.lag``). Unknown sites are left to the call's own checks."""
         if site_id in self._site_tasks:
             self._last_seen[site_id] = max(self._last_seen.get(site_id, 0.0), self.clock())
+            if queued_s is not None:
+                self.attention.queued(site_id, queued_s)
 
     def mark_seen_for_recovery(self, site_id: str, now: float, refresh: bool = False) -> None:
         """Give a site sampled before a restart one liveness timeout to come back; with
@@ -438,12 +443,15 @@ class Engine:
 
     def _heard_within(self, site_id: str, now: float) -> bool:
         """Heard from within the liveness timeout, counting only the time this
-        coordinator was listening (its own stalls are not the site's: ``attention``)."""
+        coordinator was listening (its own stalls and the time by which it currently
+        hears late are not the site's: ``attention``)."""
         last = self._last_seen.get(site_id)
         if last is None:
             return False
         quiet, timeout = now - last, self.settings.site_timeout_s
-        return quiet <= timeout or quiet - self.attention.stalled(last, now) <= timeout
+        if quiet <= timeout:
+            return True
+        return quiet - self.attention.stalled(last, now) - self.attention.lag() <= timeout
 
     def transfer(self, site_id: str, began: bool) -> None:
         """A download or upload of the site's began (or ended): while one is under way the
@@ -877,6 +885,7 @@ class Engine:
             downloads_in_flight=max(0, moving - uploading),
             uploads_in_flight=uploading,
             waiting_calls=self.waiting_calls(),
+            hearing_lag_s=self.attention.lag(),
         )
 
     def active_run_ids(self) -> list[str]:
