@@ -50,6 +50,7 @@ import json
 import logging
 import math
 import os
+import re
 import selectors
 import shlex
 import signal
@@ -908,8 +909,32 @@ def measure(n: int, regions: int, args: argparse.Namespace) -> dict[str, Any]:
         finally:
             if workers or "site_calls" not in m.result:
                 m.result["site_calls"] = merge_tallies(stop_workers(workers))
+            if cluster.coordinator is not None:
+                m.result["coordinator_late"] = lateness(cluster.coordinator.log_path)
     m.result["aims"] = judge(m.result)
     return m.result
+
+
+_LAG_LOGGED = re.compile(r"hears its sites ([0-9.]+) s late")
+_STALL_LOGGED = re.compile(r"event loop ran ([0-9.]+) s late")
+
+
+def lateness(log_path: Path) -> dict[str, Any]:
+    """What the coordinator logged of hearing late: the largest lag of its sites' calls in
+    gRPC's queue and the longest stall of its loop (each logged at most every 10 s, from
+    1 s on), and how often it logged each."""
+    try:
+        text = log_path.read_text(errors="replace")
+    except FileNotFoundError:
+        return {}
+    lags = [float(x) for x in _LAG_LOGGED.findall(text)]
+    stalls = [float(x) for x in _STALL_LOGGED.findall(text)]
+    return {
+        "lag_logged": len(lags),
+        "lag_max_s": max(lags, default=0.0),
+        "stall_logged": len(stalls),
+        "stall_max_s": max(stalls, default=0.0),
+    }
 
 
 def start_regions(
@@ -1061,6 +1086,12 @@ def print_result(r: dict[str, Any]) -> None:
           f"{', '.join(f'{x:.1f}' for x in sites.get('heartbeat_longest_s', []))} s, the "
           f"longest between two of a task's: "
           f"{', '.join(f'{x:.1f}' for x in sites.get('heartbeat_gap_s', []))} s")  # fmt: skip
+    late = r.get("coordinator_late") or {}
+    if late:
+        print(f"  the coordinator heard late: its sites' calls waited in gRPC's queue up to "
+              f"{late['lag_max_s']:.1f} s (median over sites, logged {late['lag_logged']} "
+              f"times); its loop stalled up to {late['stall_max_s']:.1f} s (logged "
+              f"{late['stall_logged']} times)")  # fmt: skip
     stages = ", ".join(f"{k} {v:g}" for k, v in r["timeline_s"].items())
     print(f"  timeline (s from start): {stages}")
     for text, count in sorted(sites["warnings"].items(), key=lambda kv: -kv[1])[:5]:

@@ -801,8 +801,23 @@ def first_beat_s(interval_s: float, rng: random.Random | None = None) -> float:
     return interval_s * (rng or _BEATS).uniform(low, high)
 
 
+BEAT_TIMEOUT_MIN_S = 2.0  # a heartbeat call waits at least this long for its answer
+
+
+def beat_timeout_s(interval_s: float) -> float:
+    """How long a heartbeat call waits for its answer: about an interval, so that a slow
+    answer never holds back the next beat (``_Heartbeat``)."""
+    return max(interval_s, BEAT_TIMEOUT_MIN_S)
+
+
 class _Heartbeat:
-    """Beats while a task runs; notices when the coordinator withdraws the task."""
+    """Beats while a task runs; notices when the coordinator withdraws the task.
+
+    The beats keep their cadence whatever a call takes: each is due an interval after the
+    one before was due, not after its answer came, and a call waits about an interval for
+    its answer (``beat_timeout_s``). A coordinator slow to answer, or a call that waited
+    in its queue, then delays no later beat: the coordinator hears the site at the
+    interval's pace as long as the calls reach it, which is what its liveness counts."""
 
     def __init__(self, conn: Connection, task_id: str, interval_s: float) -> None:
         self.conn, self.task_id, self.interval_s = conn, task_id, interval_s
@@ -811,18 +826,21 @@ class _Heartbeat:
         self.thread = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
 
     def _beat(self) -> None:
-        wait = first_beat_s(self.interval_s)
-        while not self.done.wait(wait):
-            wait = self.interval_s
-            if self.conn.moved_within(self.interval_s):
-                continue  # the coordinator hears the site through its transfer
-            try:
-                if not self.conn.heartbeat(self.task_id):
-                    self.withdrawn.set()
-            except grpc.RpcError:
-                pass  # the coordinator may be restarting; the upload path retries
-            except ValueError:  # the site is stopping: it closed its channel under us
-                return
+        due = time.monotonic() + first_beat_s(self.interval_s)
+        timeout_s = beat_timeout_s(self.interval_s)
+        while not self.done.wait(max(0.0, due - time.monotonic())):
+            if not self.conn.moved_within(self.interval_s):  # else heard through it
+                try:
+                    if not self.conn.heartbeat(self.task_id, timeout_s):
+                        self.withdrawn.set()
+                except grpc.RpcError:
+                    pass  # the coordinator may be restarting; the upload path retries
+                except ValueError:  # the site is stopping: it closed its channel under us
+                    return
+            # The next an interval after this one was due; once that has passed (a slow
+            # answer, the process stopped), now, and the cadence goes on from there: the
+            # beats missed are not sent in a burst.
+            due = max(due + self.interval_s, time.monotonic())
 
     def __enter__(self) -> _Heartbeat:
         self.thread.start()

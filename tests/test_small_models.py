@@ -235,7 +235,48 @@ def test_a_heartbeat_beats_first_when_drawn_then_an_interval_apart(
         assert len(times) >= 3
         assert 0.05 <= times[0] - started < 0.45  # the drawn point, well before the interval
         gaps = [later - earlier for earlier, later in itertools.pairwise(times)]
-        assert all(g >= 0.5 for g in gaps), gaps  # then an interval apart
+        assert all(g >= 0.45 for g in gaps), gaps  # then an interval apart
+    finally:
+        b.conn.close()
+
+
+def test_a_slow_heartbeat_answer_does_not_hold_back_the_beats_after_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each beat is due an interval after the one before was due: a call answered late
+    (a busy coordinator) is followed by the next beat when it was due, not an interval
+    after the answer; and each call waits about an interval for its answer."""
+    from fedra.client import agent as agent_mod
+
+    monkeypatch.setattr(agent_mod, "first_beat_s", lambda interval_s: 0.05)
+    interval_s = 0.3
+    b = _Beating()
+    times: list[float] = []
+    timeouts: list[float] = []
+
+    def heartbeat(task_id: str, timeout_s: float = 10.0) -> bool:
+        times.append(time.monotonic())
+        timeouts.append(timeout_s)
+        if len(times) == 2:
+            time.sleep(2.5 * interval_s)  # answered two and a half intervals late
+        return True
+
+    b.conn.heartbeat = heartbeat  # type: ignore[method-assign]
+    try:
+        with _Heartbeat(b.conn, "t", interval_s):
+            deadline = time.monotonic() + 10
+            while len(times) < 5 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert len(times) >= 5
+        # The beat after the slow one goes as soon as it returns (its due time passed)...
+        slow_returned = times[1] + 2.5 * interval_s
+        assert times[2] - slow_returned < 0.5 * interval_s
+        # ...and the cadence picks up from there: an interval apart, never a burst.
+        gaps = [later - earlier for earlier, later in itertools.pairwise(times[2:])]
+        assert all(g >= 0.9 * interval_s for g in gaps), gaps
+        assert set(timeouts) == {agent_mod.beat_timeout_s(interval_s)}
+        assert agent_mod.beat_timeout_s(interval_s) == agent_mod.BEAT_TIMEOUT_MIN_S
+        assert agent_mod.beat_timeout_s(5.0) == 5.0
     finally:
         b.conn.close()
 
