@@ -1,21 +1,27 @@
 """How fast a grpc.aio server takes new calls while its event loop has other work.
 
-A grpc.aio server asks gRPC's core for its next call one at a time: the request is
-answered through the event loop, so the server takes at most one new call per pass of
-its loop. While a pass also runs other ready callbacks (the handlers of thousands of
-calls in flight, their timers), each new call waits for a whole pass in the core's queue,
-and the calls a second it can take fall as the passes lengthen, however idle its CPU is
-otherwise. Calls waiting there are not seen by their handler, so a coordinator cannot
-tell a site's heartbeat queued there from a site that went silent.
+A grpc.aio server keeps one request for a new call open in gRPC's core per method (and
+one for methods it has not registered): each answer comes through the event loop, and
+the server asks for the next once its serving task has run again, a few passes of the
+loop later. While a pass also runs other ready callbacks (the handlers of thousands of
+calls in flight, their timers), each new call of a method waits several whole passes in
+the core's queue, and the calls a second it can take fall as the passes lengthen,
+however idle its CPU is otherwise. Calls waiting there are not seen by their handler:
+the coordinator reads how long they waited from the deadlines its sites' calls declare
+(``fedra.protos.wire.queued_s``) and does not count that against their liveness.
 
-This starts a bare ``grpc.aio`` server on one loop, keeps ``--busy`` callbacks of about
-``--work-us`` each ready on that loop (each reschedules itself: every pass runs all of
-them), and calls the server from a client process of its own (this script again, with
-``--client``), 16 calls in flight, as fast as it can for ``--seconds``.
-It prints the calls a second taken for each ``--busy`` (a comma-separated list), the
-loop's pass time measured, and their product (calls per pass).
+This starts ``--servers`` bare ``grpc.aio`` servers of one method on one loop, sharing
+one port (SO_REUSEPORT: the kernel gives each new connection to one of them), keeps
+``--busy`` callbacks of about ``--work-us`` each ready on that loop (each reschedules
+itself: every pass runs all of them), and calls the servers from a client process of its
+own (this script again, with ``--client``) over ``--connections`` connections,
+``--window`` calls in flight, as fast as it can for ``--seconds``. It prints the calls a
+second taken for each ``--busy`` (a comma-separated list), the loop's pass time measured,
+and their product (calls per pass).
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/accept_rate.py --busy 0,10,50,200
+    OMP_NUM_THREADS=1 .venv/bin/python bench/accept_rate.py --busy 50 --servers 4 \
+        --connections 32 --window 64
 """
 
 from __future__ import annotations
@@ -165,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--busy: not a list of counts: {args.busy!r}")
     if not counts or min(counts) < 0 or args.seconds <= 0:
         parser.error("--busy counts must be >= 0, --seconds positive")
+    if min(args.servers, args.connections, args.window) < 1:
+        parser.error("--servers, --connections and --window must be at least 1")
     results = []
     for busy in counts:
         r = asyncio.run(

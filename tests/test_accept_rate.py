@@ -34,3 +34,18 @@ def test_a_busy_loop_takes_fewer_calls_a_second(tmp_path: Path) -> None:
 def test_accept_rate_refuses_a_bad_busy_list() -> None:
     done = run_python(str(BENCH), "--busy", "many", timeout_s=60)
     assert done.returncode == 2 and "--busy" in done.stderr, done.stderr
+
+
+def test_several_servers_share_one_port_and_every_connection_is_answered(tmp_path: Path) -> None:
+    out = tmp_path / "accept.json"
+    args = [str(BENCH), "--busy", "0", "--seconds", "1", "--out", str(out)]
+    args += ["--servers", "3", "--connections", "6", "--window", "12"]
+    done = run_python(*args, timeout_s=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (result,) = json.loads(out.read_text())["results"]
+    assert result["calls_per_s"] > 0 and result["failed"] == 0, result
+
+
+def test_accept_rate_refuses_no_servers() -> None:
+    done = run_python(str(BENCH), "--servers", "0", timeout_s=60)
+    assert done.returncode == 2 and "--servers" in done.stderr, done.stderr
