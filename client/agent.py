@@ -801,24 +801,23 @@ def first_beat_s(interval_s: float, rng: random.Random | None = None) -> float:
     return interval_s * (rng or _BEATS).uniform(low, high)
 
 
-BEATS_IN_FLIGHT = 2  # heartbeats sent and not yet answered, at most (one more is skipped)
-BEAT_TIMEOUT_MIN_S = 2.0  # a heartbeat waits at least this long for its answer
+BEAT_TIMEOUT_MIN_S = 2.0  # a heartbeat call waits at least this long for its answer
 
 
 def beat_timeout_s(interval_s: float) -> float:
-    """How long a heartbeat waits for its answer: two intervals (``_Heartbeat``)."""
-    return max(BEATS_IN_FLIGHT * interval_s, BEAT_TIMEOUT_MIN_S)
+    """How long a heartbeat call waits for its answer: about an interval, so that a slow
+    answer never holds back the next beat (``_Heartbeat``)."""
+    return max(interval_s, BEAT_TIMEOUT_MIN_S)
 
 
 class _Heartbeat:
     """Beats while a task runs; notices when the coordinator withdraws the task.
 
-    The beats keep their cadence whatever the calls take: each is sent an interval after
-    the one before was due, without waiting for the one before to be answered (at most
-    ``BEATS_IN_FLIGHT`` unanswered), and each waits two intervals for its answer. A
-    coordinator slow to answer, or a beat that waits in its queue, then delays no later
-    beat, and a beat is not given up while the coordinator may still take it: the
-    coordinator hears the site at the interval's pace, which is what its liveness counts."""
+    The beats keep their cadence whatever a call takes: each is due an interval after the
+    one before was due, not after its answer came, and a call waits about an interval for
+    its answer (``beat_timeout_s``). A coordinator slow to answer, or a call that waited
+    in its queue, then delays no later beat: the coordinator hears the site at the
+    interval's pace as long as the calls reach it, which is what its liveness counts."""
 
     def __init__(self, conn: Connection, task_id: str, interval_s: float) -> None:
         self.conn, self.task_id, self.interval_s = conn, task_id, interval_s
@@ -829,39 +828,19 @@ class _Heartbeat:
     def _beat(self) -> None:
         due = time.monotonic() + first_beat_s(self.interval_s)
         timeout_s = beat_timeout_s(self.interval_s)
-        in_flight: list[grpc.Future[Any]] = []
-        try:
-            while not self.done.wait(max(0.0, due - time.monotonic())):
-                in_flight = [f for f in in_flight if not f.done()]
-                # Not while a transfer moves bytes (the coordinator hears the site through
-                # it), nor while the beats sent are all unanswered (one more would queue
-                # behind them).
-                if not self.conn.moved_within(self.interval_s) and (
-                    len(in_flight) < BEATS_IN_FLIGHT
-                ):
-                    try:
-                        beat = self.conn.heartbeat_future(self.task_id, timeout_s)
-                    except ValueError:  # the site is stopping: it closed its channel
-                        return
-                    beat.add_done_callback(self._answered)
-                    in_flight.append(beat)
-                # The next an interval after this one was due; once that has passed (the
-                # process stopped), now: the beats missed are not sent in a burst.
-                due = max(due + self.interval_s, time.monotonic())
-        finally:
-            for beat in in_flight:  # the task is over: what they would say is moot
-                beat.cancel()
-
-    def _answered(self, beat: grpc.Future[Any]) -> None:
-        if beat.cancelled():
-            return
-        try:
-            if not beat.result().task_current:
-                self.withdrawn.set()
-        except grpc.RpcError:
-            pass  # the coordinator may be restarting; the upload path retries
-        except ValueError:  # the channel closed under it: the site is stopping
-            pass
+        while not self.done.wait(max(0.0, due - time.monotonic())):
+            if not self.conn.moved_within(self.interval_s):  # else heard through it
+                try:
+                    if not self.conn.heartbeat(self.task_id, timeout_s):
+                        self.withdrawn.set()
+                except grpc.RpcError:
+                    pass  # the coordinator may be restarting; the upload path retries
+                except ValueError:  # the site is stopping: it closed its channel under us
+                    return
+            # The next an interval after this one was due; once that has passed (a slow
+            # answer, the process stopped), now, and the cadence goes on from there: the
+            # beats missed are not sent in a burst.
+            due = max(due + self.interval_s, time.monotonic())
 
     def __enter__(self) -> _Heartbeat:
         self.thread.start()

@@ -219,18 +219,11 @@ class Connection:
         return Session(r.heartbeat_interval_s, r.poll_timeout_s, self.chunk_bytes)
 
     def heartbeat(self, task_id: str, timeout_s: float = 10.0) -> bool:
-        """Whether the task is still current (waits for the answer)."""
-        return self.heartbeat_future(task_id, timeout_s).result().task_current
-
-    def heartbeat_future(
-        self, task_id: str, timeout_s: float = 10.0
-    ) -> grpc.Future[site_pb2.HeartbeatResponse]:
-        """A heartbeat sent, its answer to come: the caller need not wait for it."""
         request = site_pb2.HeartbeatRequest(site_id=self.site_id, task_id=task_id)
-        future: grpc.Future[site_pb2.HeartbeatResponse] = self.stub.Heartbeat.future(
+        reply = self.stub.Heartbeat(
             request, timeout=timeout_s, metadata=wire.declared_timeout(timeout_s)
         )
-        return future
+        return reply.task_current
 
     def poll(self, poll_timeout_s: float) -> Assignment | None:
         request = site_pb2.PollTaskRequest(site_id=self.site_id)
