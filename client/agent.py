@@ -805,19 +805,22 @@ BEAT_TIMEOUT_MIN_S = 2.0  # a heartbeat call waits at least this long for its an
 
 
 def beat_timeout_s(interval_s: float) -> float:
-    """How long a heartbeat call waits for its answer: about an interval, so that a slow
-    answer never holds back the next beat (``_Heartbeat``)."""
-    return max(interval_s, BEAT_TIMEOUT_MIN_S)
+    """How long a heartbeat call waits for its answer: two intervals. A beat that waits in
+    a busy coordinator's queue still counts when its handler starts, so it is not given
+    up after one interval (a coordinator whose queue held every call longer would hear no
+    beat at all); and a slow answer holds back the next beat by one interval at most
+    (``_Heartbeat``)."""
+    return max(2 * interval_s, BEAT_TIMEOUT_MIN_S)
 
 
 class _Heartbeat:
     """Beats while a task runs; notices when the coordinator withdraws the task.
 
     The beats keep their cadence whatever a call takes: each is due an interval after the
-    one before was due, not after its answer came, and a call waits about an interval for
-    its answer (``beat_timeout_s``). A coordinator slow to answer, or a call that waited
-    in its queue, then delays no later beat: the coordinator hears the site at the
-    interval's pace as long as the calls reach it, which is what its liveness counts."""
+    one before was due, not after its answer came (a beat whose time passed while the
+    one before was unanswered goes as soon as that is answered), and a call waits two
+    intervals for its answer (``beat_timeout_s``). One is in flight at a time: a
+    coordinator behind on its calls is not sent more of them."""
 
     def __init__(self, conn: Connection, task_id: str, interval_s: float) -> None:
         self.conn, self.task_id, self.interval_s = conn, task_id, interval_s
