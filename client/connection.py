@@ -219,11 +219,19 @@ class Connection:
         return Session(r.heartbeat_interval_s, r.poll_timeout_s, self.chunk_bytes)
 
     def heartbeat(self, task_id: str, timeout_s: float = 10.0) -> bool:
-        request = site_pb2.HeartbeatRequest(site_id=self.site_id, task_id=task_id)
-        reply = self.stub.Heartbeat(
+        """Whether the task still counts (answered at once)."""
+        return self.heartbeat_future(task_id, timeout_s).result().task_current
+
+    def heartbeat_future(
+        self, task_id: str, timeout_s: float = 10.0, hold_s: float = 0.0
+    ) -> grpc.Future[site_pb2.HeartbeatResponse]:
+        """A heartbeat sent, its answer to come: held by the coordinator up to ``hold_s``
+        while the task counts (one that does not hold answers at once)."""
+        request = site_pb2.HeartbeatRequest(site_id=self.site_id, task_id=task_id, hold_s=hold_s)
+        future: grpc.Future[site_pb2.HeartbeatResponse] = self.stub.Heartbeat.future(
             request, timeout=timeout_s, metadata=wire.declared_timeout(timeout_s)
         )
-        return reply.task_current
+        return future
 
     def poll(self, poll_timeout_s: float) -> Assignment | None:
         request = site_pb2.PollTaskRequest(site_id=self.site_id)

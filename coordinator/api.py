@@ -125,8 +125,40 @@ class CoordinatorAPI:
         deadline (liveness, before anything waits: ``Engine.touch``)."""
         self.engine.touch(site_id, queued_s)
 
-    async def heartbeat(self, site_id: str, task_id: str) -> bool:
-        return await self.quick(self.engine.heartbeat, site_id, task_id)
+    async def heartbeat(self, site_id: str, task_id: str, hold_s: float = 0.0) -> bool:
+        """Whether the site's task still counts; with ``hold_s`` > 0 and a task that does,
+        after holding the call up to ``hold_s`` (at most the poll timeout) or until it stops
+        counting. The site is online while the call is held, as in a long poll, and
+        offline at once if it hangs up (it stopped)."""
+        engine = self.engine
+        current = await self.quick(engine.heartbeat, site_id, task_id)
+        hold_s = min(hold_s, engine.settings.poll_timeout_s)
+        if not current or not task_id or hold_s <= 0:
+            return current
+        run_id = await self.quick(engine.task_run, site_id, task_id)
+        if run_id is None:
+            return False
+        deadline = time.monotonic() + hold_s
+
+        def ticket() -> Ticket:  # woken when a round opens for it, or the run's attempt moves
+            return engine.wakeups.ticket(site_key(site_id), stage_key(run_id))
+
+        waiting = ticket()
+        began, current = await self._look(waiting, engine.hold_begin, site_id, task_id)
+        try:
+            while current and not engine.stopping:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not await waiting.wait(remaining):
+                    break
+                waiting = ticket()
+                current = await self._look(waiting, engine.task_run, site_id, task_id) is not None
+            waiting.discard()
+        except BaseException:  # cancelled: the caller hung up (or the daemon is stopping)
+            waiting.discard()
+            self.later(engine.poll_end, site_id, began, True)
+            raise
+        await self.quick(engine.poll_end, site_id, began, False)
+        return current and not engine.stopping
 
     async def poll(self, site_id: str, timeout_s: float) -> TaskView | None:
         """The site's task, waiting up to ``timeout_s`` for one. A caller that hangs up

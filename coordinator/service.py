@@ -119,7 +119,11 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
     ) -> site_pb2.HeartbeatResponse:
         self.guard.site(context, request.site_id)
         self.api.touch(request.site_id, wire.queued_s(context))
-        current = await self.api.heartbeat(request.site_id, request.task_id)
+        if not request.hold_s >= 0.0:  # negative, or not a number
+            raise InvalidArgument(f"hold_s must be a number of seconds >= 0, not {request.hold_s}")
+        # Leave a margin inside the caller's own deadline so the answer gets back in time.
+        hold_s = _long_poll_s(request.hold_s, context) if request.hold_s > 0 else 0.0
+        current = await self.api.heartbeat(request.site_id, request.task_id, hold_s)
         return site_pb2.HeartbeatResponse(task_current=current)
 
     @mapped

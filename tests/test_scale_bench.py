@@ -117,3 +117,55 @@ def test_scale_bench_refuses_negative_site_turns() -> None:
 def test_scale_bench_refuses_a_bad_cpu_list(cpus: str) -> None:
     done = run_python(str(BENCH), "--site-cpus", cpus, timeout_s=60)
     assert done.returncode == 2 and "--site-cpus" in done.stderr, done.stderr
+
+
+class _Beat:
+    """A heartbeat's answer as a worker's tally sees it (a done future)."""
+
+    def __init__(self, error: Exception | None = None, cancelled: bool = False) -> None:
+        self.error, self.was_cancelled = error, cancelled
+
+    def cancelled(self) -> bool:
+        return self.was_cancelled
+
+    def exception(self) -> Exception | None:
+        return self.error
+
+    def add_done_callback(self, callback: Any) -> None:
+        callback(self)
+
+
+def test_the_tally_counts_heartbeats_when_their_answers_come() -> None:
+    """Heartbeats go without waiting for their answers: the workers' tally counts each by
+    its answer's code when it comes, leaves out those cancelled at the task's end, and
+    times the gap between two of a task's."""
+    import importlib.util
+    import sys
+
+    import grpc
+
+    spec = importlib.util.spec_from_file_location("scale_bench_under_test", BENCH)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench
+    spec.loader.exec_module(bench)
+
+    class Expired(grpc.RpcError):
+        def code(self) -> grpc.StatusCode:
+            return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    answers = iter([_Beat(), _Beat(Expired()), _Beat(cancelled=True)])
+
+    class Conn:
+        def heartbeat_future(self, task_id: str, timeout_s: float = 10.0) -> _Beat:
+            return next(answers)
+
+    tally = bench.SiteTally()
+    conn = Conn()
+    for name in bench.COUNTED_CALLS:  # hook wraps these too
+        setattr(conn, name, lambda *a, **k: None)
+    tally.hook(conn)
+    for _ in range(3):
+        conn.heartbeat_future("task-1", 10.0)
+    assert tally.calls == {"heartbeat OK": 1, "heartbeat DEADLINE_EXCEEDED": 1}
+    assert tally.heartbeat_gap_s >= 0.0

@@ -1165,3 +1165,61 @@ def test_a_site_streams_its_small_update_to_a_coordinator_without_the_one_call_u
         older.stop(None)
     assert streamed == sizes == [len(encode(update))] * 2
     assert tried_small == [True]  # asked once, then remembered
+
+
+def test_a_held_heartbeat_is_held_while_its_task_counts_and_answers_when_it_stops(
+    coordinator: InProcessCoordinator,
+) -> None:
+    """Held (hold_s): the call stays open while the task counts, at most the poll timeout
+    (2 s here), the site online meanwhile; cancelling the run answers it at once, False."""
+    run_id, tasks = start_round_one(coordinator)
+    site, task = sorted(tasks.items())[0]
+    held = site_pb2.HeartbeatRequest(site_id=site, task_id=task.task_id, hold_s=60.0)
+    started = time.monotonic()
+    assert coordinator.site.Heartbeat(held, timeout=30).task_current
+    assert 1.5 <= time.monotonic() - started < 10  # held up to the poll timeout, not 60 s
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(coordinator.site.Heartbeat, held, timeout=30)
+        deadline = time.monotonic() + 10
+        while coordinator.engine._polling[site] == 0:  # its hold has begun
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert coordinator.engine.site_online(site)
+        cancelled_at = time.monotonic()
+        coordinator.admin.CancelRun(admin_pb2.CancelRunRequest(run_id=run_id))
+        assert answer.result(timeout=30).task_current is False
+        assert time.monotonic() - cancelled_at < 1.5  # woken, not held to its end
+    assert coordinator.engine._polling[site] == 0
+    # A task that does not count is answered at once, held or not.
+    started = time.monotonic()
+    assert not coordinator.site.Heartbeat(held, timeout=30).task_current
+    assert time.monotonic() - started < 1.0
+
+
+def test_a_site_that_hangs_up_its_held_heartbeat_is_offline_at_once(
+    coordinator: InProcessCoordinator,
+) -> None:
+    _, tasks = start_round_one(coordinator)
+    site, task = sorted(tasks.items())[0]
+    held = site_pb2.HeartbeatRequest(site_id=site, task_id=task.task_id, hold_s=60.0)
+    call = coordinator.site.Heartbeat.future(held, timeout=30)
+    deadline = time.monotonic() + 10
+    while coordinator.engine._polling[site] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    call.cancel()  # the site stopped
+    while coordinator.engine.site_online(site):  # not after its 30 s liveness timeout
+        assert time.monotonic() < deadline, "still online after hanging up"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("hold_s", [-1.0, float("nan")])
+def test_a_heartbeat_with_a_bad_hold_is_refused(
+    coordinator: InProcessCoordinator, hold_s: float
+) -> None:
+    register(coordinator, "site-a")
+    beat = site_pb2.HeartbeatRequest(site_id="site-a", hold_s=hold_s)
+    with pytest.raises(grpc.RpcError) as info:
+        coordinator.site.Heartbeat(beat, timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "hold_s" in info.value.details()

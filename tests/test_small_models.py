@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 from sqlalchemy import text
@@ -160,18 +161,80 @@ def test_a_site_trains_on_the_model_that_came_with_its_task(
     assert [r.participations[0].bytes_down > 0 for r in rounds[1:]] == [False, True, True]
 
 
+class _Answer:
+    """A heartbeat's answer to come, as ``Connection.heartbeat_future`` gives it: after
+    ``after_s`` (None: not until cancelled)."""
+
+    def __init__(self, current: bool = True, after_s: float | None = 0.0) -> None:
+        self.current = current
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[_Answer], None]] = []
+        self._done = self.was_cancelled = False
+        if after_s is not None:
+            timer = threading.Timer(after_s, self._finish)
+            timer.daemon = True
+            timer.start()
+
+    def _finish(self, cancelled: bool = False) -> None:
+        with self._lock:
+            if self._done:
+                return
+            self._done, self.was_cancelled = True, cancelled
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback(self)
+
+    def done(self) -> bool:
+        return self._done
+
+    def cancel(self) -> bool:
+        self._finish(cancelled=True)
+        return True
+
+    def cancelled(self) -> bool:
+        return self.was_cancelled
+
+    def result(self) -> site_pb2.HeartbeatResponse:
+        if self.was_cancelled:
+            raise grpc.FutureCancelledError()
+        return site_pb2.HeartbeatResponse(task_current=self.current)
+
+    def add_done_callback(self, callback: Callable[[_Answer], None]) -> None:
+        with self._lock:
+            if not self._done:
+                self._callbacks.append(callback)
+                return
+        callback(self)
+
+
 class _Beating:
-    """A Connection's transfer state and heartbeats, without a coordinator."""
+    """A Connection's transfer state and heartbeats, without a coordinator: each beat's
+    time, timeout and hold are kept; ``answer`` says how each is answered (by number)."""
 
-    def __init__(self) -> None:
+    def __init__(self, answer: Callable[[int], _Answer] = lambda n: _Answer()) -> None:
         self.conn = Connection("127.0.0.1:9", "s1")
-        self.beats = 0
+        self.times: list[float] = []
+        self.timeouts: list[float] = []
+        self.holds: list[float] = []
+        self.answers: list[_Answer] = []
 
-        def heartbeat(task_id: str, timeout_s: float = 10.0) -> bool:
-            self.beats += 1
-            return True
+        def heartbeat_future(task_id: str, timeout_s: float = 10.0, hold_s: float = 0.0) -> _Answer:
+            self.times.append(time.monotonic())
+            self.timeouts.append(timeout_s)
+            self.holds.append(hold_s)
+            self.answers.append(answer(len(self.times)))
+            return self.answers[-1]
 
-        self.conn.heartbeat = heartbeat  # type: ignore[method-assign]
+        self.conn.heartbeat_future = heartbeat_future  # type: ignore[assignment]
+
+    @property
+    def beats(self) -> int:
+        return len(self.times)
+
+    def until(self, beats: int) -> None:
+        deadline = time.monotonic() + 10
+        while self.beats < beats and time.monotonic() < deadline:
+            time.sleep(0.01)
 
 
 def test_a_heartbeat_is_skipped_while_a_transfer_moves_bytes() -> None:
@@ -219,23 +282,16 @@ def test_a_heartbeat_beats_first_when_drawn_then_an_interval_apart(
 
     monkeypatch.setattr(agent_mod, "first_beat_s", lambda interval_s: 0.05)
     b = _Beating()
-    times: list[float] = []
-
-    def heartbeat(task_id: str, timeout_s: float = 10.0) -> bool:
-        times.append(time.monotonic())
-        return True
-
-    b.conn.heartbeat = heartbeat  # type: ignore[method-assign]
     try:
         started = time.monotonic()
         with _Heartbeat(b.conn, "t", 0.5):
-            deadline = started + 10
-            while len(times) < 3 and time.monotonic() < deadline:
-                time.sleep(0.01)
+            b.until(3)
+        times = b.times
         assert len(times) >= 3
         assert 0.05 <= times[0] - started < 0.45  # the drawn point, well before the interval
         gaps = [later - earlier for earlier, later in itertools.pairwise(times)]
         assert all(g >= 0.45 for g in gaps), gaps  # then an interval apart
+        assert set(b.holds) == {0.0}  # none asked to be held
     finally:
         b.conn.close()
 
@@ -243,47 +299,57 @@ def test_a_heartbeat_beats_first_when_drawn_then_an_interval_apart(
 def test_a_slow_heartbeat_answer_does_not_hold_back_the_beats_after_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Each beat is due an interval after the one before was due: a call answered late
-    (a busy coordinator) is followed by the next beat when it was due, not an interval
-    after the answer; and each call waits two intervals for its answer."""
+    """Each beat is due an interval after the one before was due: a beat answered late
+    (a busy coordinator) is followed by the next as soon as it is answered, not an
+    interval after; one is in flight at a time; each waits two intervals for its answer."""
     from fedra.client import agent as agent_mod
 
     monkeypatch.setattr(agent_mod, "first_beat_s", lambda interval_s: 0.05)
     interval_s = 0.3
-    b = _Beating()
-    times: list[float] = []
-    timeouts: list[float] = []
-
-    def heartbeat(task_id: str, timeout_s: float = 10.0) -> bool:
-        times.append(time.monotonic())
-        timeouts.append(timeout_s)
-        if len(times) == 2:
-            time.sleep(2.5 * interval_s)  # answered two and a half intervals late
-        return True
-
-    b.conn.heartbeat = heartbeat  # type: ignore[method-assign]
+    b = _Beating(lambda n: _Answer(after_s=2.5 * interval_s if n == 2 else 0.0))
     try:
         with _Heartbeat(b.conn, "t", interval_s):
-            deadline = time.monotonic() + 10
-            while len(times) < 5 and time.monotonic() < deadline:
-                time.sleep(0.01)
+            b.until(5)
+        times = b.times
         assert len(times) >= 5
-        # The beat after the slow one goes as soon as it returns (its due time passed)...
-        slow_returned = times[1] + 2.5 * interval_s
-        assert times[2] - slow_returned < 0.5 * interval_s
-        # ...and the cadence picks up from there: an interval apart, never a burst.
+        slow_answered = times[1] + 2.5 * interval_s  # none sent while it was open
+        assert slow_answered <= times[2] < slow_answered + 0.5 * interval_s
         gaps = [later - earlier for earlier, later in itertools.pairwise(times[2:])]
-        assert all(g >= 0.9 * interval_s for g in gaps), gaps
-        assert set(timeouts) == {agent_mod.beat_timeout_s(interval_s)}
+        assert all(g >= 0.9 * interval_s for g in gaps), gaps  # then the cadence, no burst
+        assert set(b.timeouts) == {agent_mod.beat_timeout_s(interval_s)}
         assert agent_mod.beat_timeout_s(interval_s) == agent_mod.BEAT_TIMEOUT_MIN_S
         assert agent_mod.beat_timeout_s(5.0) == 10.0  # two intervals
     finally:
         b.conn.close()
 
 
+def test_a_held_heartbeat_is_asked_for_and_cancelled_when_the_task_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With a hold, each beat asks the coordinator to keep it open that long (its timeout
+    covers the hold); the next goes as soon as a held one is answered, and one still held
+    when the task ends is cancelled at once: ending the task does not wait for it."""
+    from fedra.client import agent as agent_mod
+
+    monkeypatch.setattr(agent_mod, "first_beat_s", lambda interval_s: 0.02)
+    # The first is held past its interval, the second on until the task ends.
+    b = _Beating(lambda n: _Answer(after_s=1.3 if n == 1 else None))
+    try:
+        with _Heartbeat(b.conn, "t", 1.0, hold_s=30.0):
+            b.until(2)
+            started = time.monotonic()
+        assert time.monotonic() - started < 5.0  # the held beat did not hold the task's end
+        assert b.beats == 2
+        assert 1.3 <= b.times[1] - b.times[0] < 1.8  # right after the first was answered
+        assert set(b.holds) == {30.0}
+        assert set(b.timeouts) == {30.0 + agent_mod.beat_timeout_s(1.0)}
+        assert b.answers[1].cancelled()
+    finally:
+        b.conn.close()
+
+
 def test_a_heartbeat_still_tells_a_site_its_task_was_withdrawn() -> None:
-    b = _Beating()
-    b.conn.heartbeat = lambda task_id, timeout_s=10.0: False  # type: ignore[method-assign]
+    b = _Beating(lambda n: _Answer(current=False))
     try:
         with _Heartbeat(b.conn, "t", 0.02) as beat:
             assert beat.withdrawn.wait(10)

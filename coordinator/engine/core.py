@@ -182,7 +182,7 @@ class Engine:
         self._site_order: tuple[int, list[str]] | None = None
         self.attention = Attention(clock)  # when this coordinator was not listening
         self.attention.lag_cap_s = self.settings.site_timeout_s
-        self._polling: Counter[str] = Counter()
+        self._polling: Counter[str] = Counter()  # calls held open: long polls, heartbeats
         self._moving: Counter[str] = Counter()  # transfers under way, by site
         self._left: set[str] = set()  # sites that hung up on their poll, not heard from since
         # The sites the edge refuses (revoked certificates): set by the server (auth.Guard).
@@ -381,8 +381,9 @@ class Engine:
         with self._lock:
             if self._polling[site_id] > 0:
                 log.warning(
-                    "site %s registered again while another connection of it is polling: "
-                    "are two processes using the same site_id?",
+                    "site %s registered again while another connection of it has a call "
+                    "open (a long poll or a held heartbeat): are two processes using the "
+                    "same site_id?",
                     site_id,
                 )
         self.commits.write(self._store.upsert_site_op(site_id, tasks, version, now))
@@ -503,6 +504,22 @@ class Engine:
                 return True
             found = self.find_task(task_id)
             return found is not None and found[1].site_id == site_id and not found[1].final
+
+    def task_run(self, site_id: str, task_id: str) -> str | None:
+        """The run of the site's task ``task_id`` while it counts (None once it does not)."""
+        with self._lock:
+            found = self.find_task(task_id)
+            if found is None or found[1].site_id != site_id or found[1].final:
+                return None
+            return found[0].run_id
+
+    def hold_begin(self, site_id: str, task_id: str) -> tuple[float, bool]:
+        """A held heartbeat of ``site_id`` begins: it is online while it lasts, as in a long
+        poll (``poll_end`` ends it). Returns when it began, and whether the task counts."""
+        with self._lock:
+            self.seen(site_id)
+            self._polling[site_id] += 1
+            return self._last_seen[site_id], self.task_run(site_id, task_id) is not None
 
     def poll_begin(self, site_id: str) -> tuple[float, TaskView | None]:
         """A long poll of ``site_id`` begins: it is online while it lasts. Returns when it

@@ -107,18 +107,25 @@ class HeartbeatRequest(_message.Message):
 
     SITE_ID_FIELD_NUMBER: _builtins.int
     TASK_ID_FIELD_NUMBER: _builtins.int
+    HOLD_S_FIELD_NUMBER: _builtins.int
     site_id: _builtins.str
     task_id: _builtins.str
     """empty when idle"""
+    hold_s: _builtins.float
+    """> 0: hold the call open up to this long (at most the coordinator's poll timeout)
+    while the task still counts, answering at once when it stops counting. The site is
+    online while the call is open, so one held call stands for many heartbeats.
+    """
     def __init__(
         self,
         *,
         site_id: _builtins.str = ...,
         task_id: _builtins.str = ...,
+        hold_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["site_id", b"site_id", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hold_s", b"hold_s", "site_id", b"site_id", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -103,7 +103,8 @@ class SiteServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Heartbeat(self, request, context):
-        """Liveness while training; also tells the site whether its task still counts.
+        """Liveness while training; also tells the site whether its task still counts
+        (held open while it does, when asked: HeartbeatRequest.hold_s).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -35,7 +35,9 @@ class SiteServiceStub:
     Register: _grpc.UnaryUnaryMultiCallable[_site_pb2.RegisterRequest, _site_pb2.RegisterResponse]
     """Announce the site and the tasks it has installed and allows."""
     Heartbeat: _grpc.UnaryUnaryMultiCallable[_site_pb2.HeartbeatRequest, _site_pb2.HeartbeatResponse]
-    """Liveness while training; also tells the site whether its task still counts."""
+    """Liveness while training; also tells the site whether its task still counts
+    (held open while it does, when asked: HeartbeatRequest.hold_s).
+    """
     PollTask: _grpc.UnaryUnaryMultiCallable[_site_pb2.PollTaskRequest, _site_pb2.PollTaskResponse]
     """Long poll: returns a task as soon as one is assigned, or empty after poll_timeout_s."""
     DownloadModel: _grpc.UnaryStreamMultiCallable[_site_pb2.DownloadModelRequest, _common_pb2.ModelChunk]
@@ -64,7 +66,9 @@ class SiteServiceAsyncStub(SiteServiceStub):
     Register: _aio.UnaryUnaryMultiCallable[_site_pb2.RegisterRequest, _site_pb2.RegisterResponse]  # type: ignore[assignment]
     """Announce the site and the tasks it has installed and allows."""
     Heartbeat: _aio.UnaryUnaryMultiCallable[_site_pb2.HeartbeatRequest, _site_pb2.HeartbeatResponse]  # type: ignore[assignment]
-    """Liveness while training; also tells the site whether its task still counts."""
+    """Liveness while training; also tells the site whether its task still counts
+    (held open while it does, when asked: HeartbeatRequest.hold_s).
+    """
     PollTask: _aio.UnaryUnaryMultiCallable[_site_pb2.PollTaskRequest, _site_pb2.PollTaskResponse]  # type: ignore[assignment]
     """Long poll: returns a task as soon as one is assigned, or empty after poll_timeout_s."""
     DownloadModel: _aio.UnaryStreamMultiCallable[_site_pb2.DownloadModelRequest, _common_pb2.ModelChunk]  # type: ignore[assignment]
@@ -102,7 +106,9 @@ class SiteServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _site_pb2.HeartbeatRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_site_pb2.HeartbeatResponse, _abc.Awaitable[_site_pb2.HeartbeatResponse]]:
-        """Liveness while training; also tells the site whether its task still counts."""
+        """Liveness while training; also tells the site whether its task still counts
+        (held open while it does, when asked: HeartbeatRequest.hold_s).
+        """
 
     @_abc_1.abstractmethod
     def PollTask(
