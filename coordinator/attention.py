@@ -14,16 +14,18 @@ method only every few passes of its loop, so under a burst the calls wait in gRP
 queue, unseen, while the loop is busy with those it took. Each call of a site's says
 the deadline it was given, and what is left of it when its handler starts tells how
 long it waited there (``fedra.protos.wire.queued_s``). ``lag`` is the median of those
-waits over the distinct sites heard in the last ``LAG_WINDOW_S``: the time by which the
-coordinator currently hears late, which liveness also allows. A median over distinct
-sites is moved by no minority of them (a site can only claim to have waited longer,
-never to be fresher), and the allowance is at most one liveness timeout.
+waits over the latest ``LAG_RECENT`` distinct sites heard (within ``LAG_WINDOW_S``): the
+time by which the coordinator currently hears late, which liveness also allows. A
+median over distinct sites is moved by no minority of them (a site can only claim to
+have waited longer, never to be fresher), and the allowance is at most one liveness
+timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
 import bisect
+import itertools
 import logging
 import math
 import statistics
@@ -40,6 +42,7 @@ LOG_S = 1.0  # stalls this long are logged, at most one warning per LOG_EVERY_S
 LOG_EVERY_S = 10.0
 KEEP = 4096  # stalls kept (the older half goes when full: a liveness timeout needs few)
 LAG_WINDOW_S = 10.0  # the queue waits of the calls heard in this last stretch count
+LAG_RECENT = 31  # of them, the latest distinct sites' (gRPC's queue is first in, first out)
 LAG_MIN_SITES = 3  # fewer distinct sites than this in the window: no lag is taken
 LAG_KEEP = 512  # distinct sites' latest waits kept (the oldest go first)
 LAG_CACHE_S = 0.25  # the median is worked out at most this often
@@ -118,8 +121,9 @@ class Attention:
 
     def lag(self) -> float:
         """How late the coordinator hears its sites now: the median wait in gRPC's queue
-        of the calls of the distinct sites heard in the last ``LAG_WINDOW_S`` (0 with
-        fewer than ``LAG_MIN_SITES`` of them), at most ``lag_cap_s``."""
+        of the calls of the latest ``LAG_RECENT`` distinct sites heard within
+        ``LAG_WINDOW_S`` (0 with fewer than ``LAG_MIN_SITES`` of them), at most
+        ``lag_cap_s``."""
         now = self.clock()
         with self._lock:
             lag, at = self._lag
@@ -130,7 +134,11 @@ class Attention:
                 if now - heard <= LAG_WINDOW_S:
                     break
                 self._waits.popitem(last=False)
-            waits = sorted(w for _, w in self._waits.values())
+            # The latest: calls leave gRPC's queue in the order they came, so those just
+            # taken say how long a call waits now (a queue that grows under a burst makes
+            # the older ones say too little).
+            latest = list(itertools.islice(reversed(self._waits.values()), LAG_RECENT))
+            waits = sorted(w for _, w in latest)
             lag = 0.0
             if len(waits) >= LAG_MIN_SITES:
                 lag = statistics.median(waits)

@@ -802,6 +802,13 @@ def test_the_hearing_lag_is_a_median_over_distinct_sites_that_no_minority_moves(
     now[0] += attention.LAG_CACHE_S
     assert att.lag() == 2.0
     assert att.lag_longest_s == 5.0
+    # A queue that grows under a burst: the latest calls taken say how long one waits now.
+    now[0] += attention.LAG_CACHE_S
+    for i in range(200):
+        att.queued(f"early-{i}", 0.5)
+    for i in range(attention.LAG_RECENT):
+        att.queued(f"late-{i}", 1.5)
+    assert att.lag() == 1.5
     now[0] += attention.LAG_WINDOW_S + 1  # nothing heard lately: no lag
     assert att.lag() == 0.0
     assert not att._waits  # and the old figures are let go
