@@ -190,7 +190,8 @@ class _Now(Collector):
         transfers.add_metric(["up"], g.uploads_in_flight)
         yield transfers
         yield GaugeMetricFamily(
-            "fedra_waiting_calls", "Calls waiting (long polls, stage calls, watches)",
+            "fedra_waiting_calls",
+            "Calls waiting (long polls, held heartbeats, stage calls, watches)",
             g.waiting_calls,
         )  # fmt: skip
         yield GaugeMetricFamily(

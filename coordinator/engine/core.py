@@ -553,7 +553,8 @@ class Engine:
                 self._left.discard(site_id)
 
     def waiting_calls(self) -> int:
-        """Calls waiting now (long polls, secure aggregation stages, run watches)."""
+        """Calls waiting now (long polls, held heartbeats, secure aggregation stages, run
+        watches)."""
         return self.wakeups.waiting()
 
     def _task_for(self, site_id: str) -> TaskView | None:
