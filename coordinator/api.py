@@ -158,7 +158,9 @@ class CoordinatorAPI:
             self.later(engine.poll_end, site_id, began, True)
             raise
         await self.quick(engine.poll_end, site_id, began, False)
-        return current and not engine.stopping
+        # A coordinator stopping says nothing against the task: it may count still when
+        # the coordinator is back, and the site's upload waits for that.
+        return current
 
     async def poll(self, site_id: str, timeout_s: float) -> TaskView | None:
         """The site's task, waiting up to ``timeout_s`` for one. A caller that hangs up

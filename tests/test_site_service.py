@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
@@ -20,6 +21,7 @@ import torch
 from google.protobuf.message import Message
 
 from fedra.client.connection import Assignment, Connection
+from fedra.coordinator.engine import EngineSettings
 from fedra.examples import synthetic
 from fedra.protos.codec import decode, encode
 from fedra.protos.v1 import admin_pb2, admin_pb2_grpc, common_pb2, site_pb2, site_pb2_grpc
@@ -1223,3 +1225,30 @@ def test_a_heartbeat_with_a_bad_hold_is_refused(
         coordinator.site.Heartbeat(beat, timeout=10)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "hold_s" in info.value.details()
+
+
+def test_a_held_heartbeat_does_not_drop_the_task_when_the_coordinator_stops(
+    tmp_path: Path,
+) -> None:
+    """A coordinator stopping (to restart, say) ends the calls it holds; none of them
+    tells its site that the task stopped counting: it may count when the coordinator is
+    back, and the site keeps it for its upload to retry."""
+    settings = EngineSettings(
+        heartbeat_interval_s=1.0, poll_timeout_s=30.0, site_timeout_s=60.0, inline_model_bytes=0
+    )
+    c = InProcessCoordinator(tmp_path / "state", settings)
+    try:
+        _, tasks = start_round_one(c)
+        site, task = sorted(tasks.items())[0]
+        held = site_pb2.HeartbeatRequest(site_id=site, task_id=task.task_id, hold_s=30.0)
+        call = c.site.Heartbeat.future(held, timeout=60)
+        deadline = time.monotonic() + 10
+        while c.engine._polling[site] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        c.close()
+    try:
+        assert call.result(timeout=30).task_current  # answered before the stop: it counts
+    except grpc.RpcError as exc:  # or cut off by it: nothing said against the task
+        assert exc.code() in {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED}
