@@ -21,6 +21,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable, Generator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -144,20 +145,26 @@ class CoordinatorAPI:
             return engine.wakeups.ticket(site_key(site_id), stage_key(run_id))
 
         waiting = ticket()
-        began, current = await self._look(waiting, engine.hold_begin, site_id, task_id)
+        try:
+            began, current = await self._look(waiting, engine.hold_begin, site_id, task_id)
+        except asyncio.CancelledError:  # hold_begin ran to its end (``call``): undo it
+            self.soon(engine.poll_end, site_id, -math.inf, True)
+            raise
         try:
             while current and not engine.stopping:
                 remaining = deadline - time.monotonic()
-                if remaining <= 0 or not await waiting.wait(remaining):
+                if remaining <= 0 or not await waiting.wait(remaining) or engine.stopping:
                     break
                 waiting = ticket()
                 current = await self._look(waiting, engine.task_run, site_id, task_id) is not None
             waiting.discard()
         except BaseException:  # cancelled: the caller hung up (or the daemon is stopping)
             waiting.discard()
-            self.later(engine.poll_end, site_id, began, True)
+            self.soon(engine.poll_end, site_id, began, True)
             raise
-        await self.quick(engine.poll_end, site_id, began, False)
+        # Not waited for: a call that ends is not held by the engine's lock (nor cut off
+        # waiting for it by a stopping server).
+        self.soon(engine.poll_end, site_id, began, False)
         # A coordinator stopping says nothing against the task: it may count still when
         # the coordinator is back, and the site's upload waits for that.
         return current
@@ -168,7 +175,11 @@ class CoordinatorAPI:
         engine = self.engine
         deadline = time.monotonic() + max(0.0, min(timeout_s, engine.settings.poll_timeout_s))
         ticket = engine.wakeups.ticket(site_key(site_id))
-        began, view = await self._look(ticket, engine.poll_begin, site_id)
+        try:
+            began, view = await self._look(ticket, engine.poll_begin, site_id)
+        except asyncio.CancelledError:  # poll_begin ran to its end (``call``): undo it
+            self.soon(engine.poll_end, site_id, -math.inf, True)
+            raise
         try:
             while view is None and not engine.stopping:
                 remaining = deadline - time.monotonic()
