@@ -1252,3 +1252,42 @@ def test_a_held_heartbeat_does_not_drop_the_task_when_the_coordinator_stops(
         assert call.result(timeout=30).task_current  # answered before the stop: it counts
     except grpc.RpcError as exc:  # or cut off by it: nothing said against the task
         assert exc.code() in {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED}
+
+
+def test_a_hold_cancelled_while_it_begins_does_not_leave_its_site_counted_as_polling(
+    coordinator: InProcessCoordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A site hangs up while its held heartbeat's first step runs in the executor (the
+    engine's lock was busy): the step runs to its end, and the hold it began is ended, so
+    the site does not count as polling, online for ever, a round waiting on it."""
+    import asyncio
+    from contextlib import suppress
+
+    _, tasks = start_round_one(coordinator)
+    site, task = sorted(tasks.items())[0]
+    engine, api = coordinator.engine, coordinator.server.api
+    assert api is not None
+    began = threading.Event()
+    real_begin = engine.hold_begin
+
+    def slow_begin(site_id: str, task_id: str) -> tuple[float, bool]:
+        began.set()
+        time.sleep(0.5)  # the caller is cancelled meanwhile
+        return real_begin(site_id, task_id)
+
+    monkeypatch.setattr(engine, "hold_begin", slow_begin)
+    monkeypatch.setattr(engine, "if_free", lambda fn, *args: (False, None))  # the lock is busy
+
+    async def hang_up() -> None:
+        held = asyncio.ensure_future(api.heartbeat(site, task.task_id, 30.0))
+        while not began.is_set():
+            await asyncio.sleep(0.01)
+        held.cancel()
+        with suppress(asyncio.CancelledError):
+            await held
+
+    coordinator.server.run(hang_up())
+    deadline = time.monotonic() + 10
+    while engine._polling[site] != 0:
+        assert time.monotonic() < deadline, f"still counted as polling: {engine._polling[site]}"
+        time.sleep(0.02)
