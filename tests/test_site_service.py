@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -1198,17 +1199,24 @@ def test_a_held_heartbeat_is_held_while_its_task_counts_and_answers_when_it_stop
     assert time.monotonic() - started < 1.0
 
 
+def _held(c: InProcessCoordinator, hold_s: float, timeout_s: float) -> tuple[str, Any]:
+    """Round one's first site's heartbeat, held (``hold_s``), once the hold has begun."""
+    _, tasks = start_round_one(c)
+    site, task = sorted(tasks.items())[0]
+    held = site_pb2.HeartbeatRequest(site_id=site, task_id=task.task_id, hold_s=hold_s)
+    call = c.site.Heartbeat.future(held, timeout=timeout_s)
+    deadline = time.monotonic() + 10
+    while c.engine._polling[site] == 0:
+        assert time.monotonic() < deadline, "the hold never began"
+        time.sleep(0.01)
+    return site, call
+
+
 def test_a_site_that_hangs_up_its_held_heartbeat_is_offline_at_once(
     coordinator: InProcessCoordinator,
 ) -> None:
-    _, tasks = start_round_one(coordinator)
-    site, task = sorted(tasks.items())[0]
-    held = site_pb2.HeartbeatRequest(site_id=site, task_id=task.task_id, hold_s=60.0)
-    call = coordinator.site.Heartbeat.future(held, timeout=30)
+    site, call = _held(coordinator, hold_s=60.0, timeout_s=30.0)
     deadline = time.monotonic() + 10
-    while coordinator.engine._polling[site] == 0:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
     call.cancel()  # the site stopped
     while coordinator.engine.site_online(site):  # not after its 30 s liveness timeout
         assert time.monotonic() < deadline, "still online after hanging up"
@@ -1238,14 +1246,7 @@ def test_a_held_heartbeat_does_not_drop_the_task_when_the_coordinator_stops(
     )
     c = InProcessCoordinator(tmp_path / "state", settings)
     try:
-        _, tasks = start_round_one(c)
-        site, task = sorted(tasks.items())[0]
-        held = site_pb2.HeartbeatRequest(site_id=site, task_id=task.task_id, hold_s=30.0)
-        call = c.site.Heartbeat.future(held, timeout=60)
-        deadline = time.monotonic() + 10
-        while c.engine._polling[site] == 0:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        _, call = _held(c, hold_s=30.0, timeout_s=60.0)
     finally:
         c.close()
     try:
