@@ -132,13 +132,10 @@ class CoordinatorAPI:
         counting. The site is online while the call is held, as in a long poll, and
         offline at once if it hangs up (it stopped)."""
         engine = self.engine
-        current = await self.quick(engine.heartbeat, site_id, task_id)
+        current, run_id = await self.quick(engine.heartbeat, site_id, task_id)
         hold_s = min(hold_s, engine.settings.poll_timeout_s)
-        if not current or not task_id or hold_s <= 0:
+        if run_id is None or hold_s <= 0:
             return current
-        run_id = await self.quick(engine.task_run, site_id, task_id)
-        if run_id is None:
-            return False
         deadline = time.monotonic() + hold_s
 
         def ticket() -> Ticket:  # woken when a round opens for it, or the run's attempt moves

@@ -71,6 +71,14 @@ class LinkHook:
         self.model = model
         self.last_ready = 0.0  # when backward handed over its last bucket
         self.wire_bytes = 0.0  # what this rank sent (and received)
+        self._links: list[threading.Thread] = []
+
+    def settle(self) -> None:
+        """Wait for every delivery thread to end: none may still run gloo's or DDP's code
+        while the process group is torn down, or the interpreter exits."""
+        for thread in self._links:
+            thread.join()
+        self._links.clear()
 
     def reduce(
         self,
@@ -95,7 +103,10 @@ class LinkHook:
             except Exception as exc:  # a rank gone: DDP raises it in backward
                 out.set_exception(exc)  # type: ignore[arg-type]
 
-        threading.Thread(target=deliver, name="link", daemon=True).start()
+        thread = threading.Thread(target=deliver, name="link", daemon=True)
+        self._links = [t for t in self._links if t.is_alive()]
+        self._links.append(thread)
+        thread.start()
         return out
 
 
@@ -108,6 +119,7 @@ def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     try:
         _train(cfg, rank, world, Path(args.out))
+        dist.barrier()  # no rank tears the group down while another still uses it
     finally:
         dist.destroy_process_group()
 
@@ -146,6 +158,8 @@ def _train(cfg: dict[str, Any], rank: int, world: int, out: Path) -> None:
             state = {k: v.detach().clone() for k, v in model.state_dict().items()}
             snapshots.append((done, time.monotonic() - started, hook.wire_bytes, state))
     wall = time.monotonic() - started
+    hook.settle()
+    del ddp  # its reducer lets go of the process group before the group goes
     figures: dict[str, Any] = {
         "wall_s": wall,
         "steps_s": steps_s,

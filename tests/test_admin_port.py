@@ -240,12 +240,14 @@ def test_liveness_comes_from_the_database_when_the_snapshot_is_stale(tmp_path: P
         store.upsert_site("c", ["t"], "1", now - 600)
         snapshot = tmp_path / "live.json"
         live = {"pid": 1, "written_unix_s": now, "site_timeout_s": 20.0, "runs": {}, "pending": []}
-        live["sites"] = {"a": [False, now - 100], "b": [True, now]}  # the daemon's view
+        live["sites"] = {"a": 100_000, "b": 0}  # the daemon's view: ms since heard from
+        live["offline"] = ["a"]
         snapshot.write_text(json.dumps(live))
         with ThreadPoolExecutor(1) as readers:
             replica = Replica(store, snapshot, readers, daemon_pid=1)
             page, token = replica.list_sites("", 2)
             assert [(s.id, online) for s, online, _ in page] == [("a", False), ("b", True)]
+            assert [round(now - seen, 3) for _, _, seen in page] == [100.0, 0.0]
             assert token == "b"
             rest, token = replica.list_sites("b", 2)
             assert [(s.id, online) for s, online, _ in rest] == [("c", False)] and token == ""
@@ -397,7 +399,8 @@ def test_a_snapshot_another_daemon_wrote_is_not_used(tmp_path: Path) -> None:
         live = {"pid": 4242, "seq": 1, "written_unix_s": now, "site_timeout_s": 20.0,
                 "runs": {"r": {"waiting": "waiting for sites", "phase": ["driven", False],
                                "changes": 3}},
-                "pending": ["t1"], "sites": {"a": [True, now]}, "registrations": 1}  # fmt: skip
+                "pending": ["t1"], "sites": {"a": 0}, "offline": [],
+                "registrations": 1}  # fmt: skip
         snapshot.write_text(json.dumps(live))
         with ThreadPoolExecutor(1) as readers:
             mine = Replica(store, snapshot, readers, daemon_pid=4242)

@@ -928,3 +928,140 @@ def test_the_site_list_is_served_from_memory_as_stored_and_survives_a_restart(
     finally:
         second.stop()
         store.close()
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_round_asks_only_the_sites_due_and_misses_none_that_went_silent(
+    tmp_path: Path, seed: int
+) -> None:
+    """Sites poll, hang up, move bytes and fall silent at random while a round waits:
+    each look reports only sites offline then (``is_online``), every pending site
+    offline at one look is reported by the first look ``SILENCE_RECHECK_S`` later at the
+    latest, and the operators' snapshot says of each site what ``presence`` does."""
+    import random
+    from types import SimpleNamespace
+
+    from fedra.coordinator.engine import Engine
+    from fedra.coordinator.engine.core import SILENCE_RECHECK_S
+    from fedra.coordinator.engine.rounds import SilenceWatch
+    from fedra.coordinator.state import Assignment, TaskState
+    from fedra.storage import BlobStore
+
+    rng = random.Random(seed)
+    now = [1000.0]
+    timeout = 10.0
+    engine = Engine(
+        _store(tmp_path),
+        BlobStore(tmp_path / "m"),
+        BlobStore(tmp_path / "u"),
+        EngineSettings(site_timeout_s=timeout),
+        lambda: now[0],
+    )
+    sites = [f"site-{i:02d}" for i in range(30)]
+    try:
+        for site in sites:
+            engine.register(site, [TASK], "1")
+        run = SimpleNamespace(
+            open_round=1, attempt=1, assignments={s: Assignment(f"t-{s}", s) for s in sites}
+        )
+        watch = SilenceWatch(engine)
+        polls: dict[str, float] = {}  # the site's poll under way: when it began
+        moving: set[str] = set()
+        owed: dict[str, float] = {}  # offline at a look, not yet reported: since when
+        reported = 0
+        for _ in range(400):
+            now[0] += rng.choice((0.05, 0.3, 1.0, 2.5, 4.0))
+            for site in rng.sample(sites, 6):
+                a, act = run.assignments[site], rng.random()
+                if act < 0.3:
+                    engine.touch(site)
+                elif act < 0.45 and site not in polls:
+                    polls[site] = engine.poll_begin(site)[0]
+                elif act < 0.6 and site in polls:
+                    engine.poll_end(site, polls.pop(site), gone=rng.random() < 0.5)
+                elif act < 0.7 and site not in moving:
+                    moving.add(site)
+                    engine.transfer(site, True)
+                    if a.pending:
+                        a.move(TaskState.UPLOADING)
+                elif act < 0.8 and site in moving:
+                    moving.discard(site)
+                    engine.transfer(site, False)
+                    if a.state is TaskState.UPLOADING:
+                        a.move(rng.choice((TaskState.ASSIGNED, TaskState.ACCEPTED)))
+                elif act < 0.81:  # the attempt fails: a new one, with a task for each
+                    run.attempt += 1
+                    run.assignments = {s: Assignment(f"t-{s}-{now[0]}", s) for s in sites}
+                    owed.clear()
+            offline = {s for s, a in run.assignments.items()
+                       if a.pending and not engine.is_online(s, now[0])}  # fmt: skip
+            silent = watch.silent(run, now[0])
+            assert set(silent) <= offline, "a site reported silent while online"
+            assert len(silent) == len(set(silent))
+            for site in silent:
+                run.assignments[site].move(TaskState.FAILED)
+                reported += 1
+            owed = {s: owed.get(s, now[0]) for s in offline - set(silent)}
+            late = [s for s, since in owed.items() if now[0] - since >= SILENCE_RECHECK_S]
+            assert not late, f"silent sites not reported: {late}"
+            ages, off = engine.presence_ages(now[0])
+            presence = engine.presence()
+            assert set(off) == {s for s, (online, _) in presence.items() if not online}
+            assert ages == {s: int(round((now[0] - seen) * 1000)) for s, (_, seen) in
+                            presence.items()}  # fmt: skip
+        assert reported > 20  # the walk did find silent sites
+    finally:
+        engine.close()
+
+
+def test_a_waiting_round_does_not_ask_sites_heard_from_within_the_timeout(
+    tmp_path: Path,
+) -> None:
+    """At thousands of sites a look must not cost a question per site: once each was
+    asked, a site is asked again only when its liveness timeout could have run out."""
+    from types import SimpleNamespace
+
+    from fedra.coordinator.engine import Engine
+    from fedra.coordinator.engine.rounds import SilenceWatch
+    from fedra.coordinator.state import Assignment
+    from fedra.storage import BlobStore
+
+    now = [1000.0]
+    engine = Engine(
+        _store(tmp_path),
+        BlobStore(tmp_path / "m"),
+        BlobStore(tmp_path / "u"),
+        EngineSettings(site_timeout_s=10.0),
+        lambda: now[0],
+    )
+    sites = [f"site-{i:03d}" for i in range(200)]
+    try:
+        for site in sites:
+            engine.register(site, [TASK], "1")
+        asked: list[str] = []
+        ask = engine.silence_due
+        engine.silence_due = lambda site, t: asked.append(site) or ask(site, t)  # type: ignore[method-assign]
+        run = SimpleNamespace(
+            open_round=1, attempt=1, assignments={s: Assignment(f"t-{s}", s) for s in sites}
+        )
+        watch = SilenceWatch(engine)
+        assert watch.silent(run, now[0]) == [] and len(asked) == 200  # a new attempt: all
+        for _ in range(30):  # 9 s of looks: nobody's timeout can have run out
+            asked.clear()
+            now[0] += 0.3
+            for site in sites[:100]:
+                engine.touch(site)  # half of them keep talking
+            assert watch.silent(run, now[0]) == [] and asked == []
+        now[0] += 1.5  # their timeouts as of the first look ran out: each is asked once
+        assert sorted(watch.silent(run, now[0])) == sites[100:]  # the quiet half is gone
+        assert sorted(asked) == sites
+        for _ in range(25):  # the talking half is due again only a timeout after it spoke
+            asked.clear()
+            now[0] += 0.3
+            assert watch.silent(run, now[0]) == [] and asked == []
+        run.attempt = 2  # a new attempt asks each of its sites at once
+        asked.clear()
+        assert sorted(watch.silent(run, now[0])) == sites[100:]
+        assert len(asked) == 200
+    finally:
+        engine.close()

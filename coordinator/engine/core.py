@@ -65,6 +65,9 @@ _CARRY_GRACE_S = 30.0  # beyond join_timeout_s, how long a carried task's call w
 REASON_CHARS = 500  # of a failure reason a site reports, as stored
 MAX_SITE_TASKS, MAX_VERSION_CHARS = 64, 64  # what a site may register, as stored
 LIVENESS_WRITE_S = 10.0  # how often sites' last-heard times are written, at most
+# How soon a site heard from longer ago than the liveness timeout but online (a call under
+# way, or this coordinator hears late: ``attention``) is asked again whether it went silent.
+SILENCE_RECHECK_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -185,6 +188,7 @@ class Engine:
         self._polling: Counter[str] = Counter()  # calls held open: long polls, heartbeats
         self._moving: Counter[str] = Counter()  # transfers under way, by site
         self._left: set[str] = set()  # sites that hung up on their poll, not heard from since
+        self.hangups = 0  # how many times a site was added to ``_left``
         # The sites the edge refuses (revoked certificates): set by the server (auth.Guard).
         self.barred: Callable[[], Collection[str]] = frozenset
         # Calls waiting without a thread (long polls, stage calls, watches), by what they
@@ -454,6 +458,24 @@ class Engine:
             return True
         return quiet - self.attention.stalled(last, now) - self.attention.lag() <= timeout
 
+    def silence_due(self, site_id: str, now: float) -> float | None:
+        """When the site must next be asked whether it went silent, if nothing more is
+        heard from it: None if it is offline now. A round asks each of its sites then,
+        not at every look (``RoundDriver``); a hang-up, which makes a site offline at
+        once, is counted in ``hangups`` for it to look at ``hung_up_sites``. A site
+        heard from longer ago than the timeout but online (a call or a transfer under way,
+        or this coordinator hears late) is asked again every ``SILENCE_RECHECK_S``."""
+        if not self.is_online(site_id, now):
+            return None
+        if site_id in self._left:  # hung up, but a transfer under way: offline as it ends
+            return now + SILENCE_RECHECK_S
+        last = self._last_seen.get(site_id, now)
+        return max(last + self.settings.site_timeout_s, now + SILENCE_RECHECK_S)
+
+    def hung_up_sites(self) -> list[str]:
+        """The sites that hung up on their poll and were not heard from since (a copy)."""
+        return list(self._left)
+
     def transfer(self, site_id: str, began: bool) -> None:
         """A download or upload of the site's began (or ended): while one is under way the
         site is online, however long a busy coordinator takes to move its bytes. (One
@@ -496,14 +518,15 @@ class Engine:
             if run.spec.task in tasks and s not in busy and self.is_online(s, now)
         )
 
-    def heartbeat(self, site_id: str, task_id: str) -> bool:
-        """Record liveness; returns whether ``task_id`` (if any) still counts."""
+    def heartbeat(self, site_id: str, task_id: str) -> tuple[bool, str | None]:
+        """Record liveness; returns whether ``task_id`` (if any) still counts, and the run
+        it is of (None without one that counts)."""
         with self._lock:
             self.seen(site_id)
             if not task_id:
-                return True
-            found = self.find_task(task_id)
-            return found is not None and found[1].site_id == site_id and not found[1].final
+                return True, None
+            run_id = self.task_run(site_id, task_id)
+            return run_id is not None, run_id
 
     def task_run(self, site_id: str, task_id: str) -> str | None:
         """The run of the site's task ``task_id`` while it counts (None once it does not)."""
@@ -547,6 +570,7 @@ class Engine:
             last = self._last_seen.get(site_id, began)
             if gone and last <= began and not self._polling[site_id]:
                 self._left.add(site_id)
+                self.hangups += 1
                 self.notify()  # the round need not wait for its liveness timeout
             elif not gone:
                 self._last_seen[site_id] = self.clock()
@@ -872,6 +896,26 @@ class Engine:
             for site_id in site_ids
             if (s := self._sites.get(site_id)) is not None
         }
+
+    def presence_ages(self, now: float) -> tuple[dict[str, int], list[str]]:
+        """Every known site's milliseconds since it was last heard from at ``now`` (0 while
+        connected), and the sites offline: ``presence`` in one pass, in a form that costs
+        little to write (the operators' snapshot), without the lock."""
+        polling, moving, left = self._polling, self._moving, self._left
+        last_seen, timeout = self._last_seen, self.settings.site_timeout_s
+        ages: dict[str, int] = {}
+        offline: list[str] = []
+        for site_id, s in list(self._sites.items()):  # one atomic copy
+            if polling[site_id] > 0 or moving[site_id] > 0:
+                ages[site_id] = 0
+                continue
+            last = last_seen.get(site_id)
+            seen = s.last_seen_at if last is None else last
+            ages[site_id] = max(0, round((now - seen) * 1000.0))
+            doubt = last is None or now - last > timeout or site_id in left
+            if doubt and not self.is_online(site_id, now):  # the rule's own word
+                offline.append(site_id)
+        return ages, offline
 
     def _seen_at(self, s: SiteRecord, now: float) -> float:
         if self._polling[s.id] > 0 or self._moving[s.id] > 0:

@@ -20,6 +20,7 @@ who was sampled, which Poisson amplification does not allow for.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import random
 import time
@@ -62,8 +63,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("fedra.coordinator")
 _RECHECK_S = 1.0  # liveness is re-evaluated at least this often while waiting
 _LOOK_GAP_PER_SITE_S, _MAX_LOOK_GAP_S = 5e-6, 0.025  # between two looks of a waiting round
-# How often a waiting round asks each pending site whether it is still heard from: a
-# timeout of seconds needs no finer look, and at thousands of sites a look costs.
+# How often a waiting round looks for sites that went silent: a timeout of seconds needs
+# no finer look. A look asks only the sites due (``SilenceWatch``).
 _LIVENESS_LOOK_S = 0.25
 # The key in the optimiser-state checkpoint blob that holds the privacy accountant, and
 # the key its float64 Rényi-DP tensor had before dp-accounting (still read on resume).
@@ -84,11 +85,52 @@ def start_aggregate(engine: Engine, run: ActiveRun) -> None:
     run.aggregator.begin(Attempt(run.run_id, number, run.attempt, sites, specs, spill))
 
 
+class SilenceWatch:
+    """Which of an attempt's pending sites went silent, without asking each one at every
+    look: a heap of when each must next be asked (``Engine.silence_due``: its last-heard
+    time plus the liveness timeout, for most), and the sites that hung up since the last
+    look. At thousands of sites a look then costs what the few sites due cost (lock held)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._attempt: tuple[object, ...] = ()
+        self._due: list[tuple[float, str]] = []
+        self._hangups = -1
+
+    def silent(self, run: ActiveRun, now: float) -> list[str]:
+        """The pending sites of ``run``'s open attempt that count as offline now."""
+        engine, due = self.engine, self._due
+        attempt = (run.open_round, run.attempt, id(run.assignments))
+        if attempt != self._attempt:  # a new attempt: each of its sites is due at once
+            self._attempt = attempt
+            due[:] = [(now, site) for site in run.assignments]  # all equal: a heap
+        asked: dict[str, bool] = {}  # the site, and whether its entry left the heap
+        while due and due[0][0] <= now:
+            asked[heapq.heappop(due)[1]] = True
+        if engine.hangups != self._hangups:  # offline at once, whenever they are due
+            self._hangups = engine.hangups
+            for site in engine.hung_up_sites():
+                if site in run.assignments:
+                    asked.setdefault(site, False)
+        silent = []
+        for site, popped in asked.items():
+            a = run.assignments.get(site)
+            if a is None or a.final:
+                continue
+            when = engine.silence_due(site, now)
+            if when is None and a.pending:
+                silent.append(site)
+            elif popped:  # uploading: asked again until the upload ends, either way
+                heapq.heappush(due, (when or now + _LIVENESS_LOOK_S, site))
+        return silent
+
+
 class RoundDriver:
     def __init__(self, engine: Engine, run: ActiveRun) -> None:
         self.engine, self.run_state = engine, run
         self.tag = f"run {run.run_id}"
         self._liveness_looked = -float("inf")
+        self._silence = SilenceWatch(engine)
 
     def run(self) -> None:
         """Drive rounds until the run ends or the engine stops. A storage fault (a full
@@ -312,19 +354,19 @@ class RoundDriver:
     def _fail_silent_sites(self, now: float) -> None:
         """A sampled site that went silent will not answer: stop waiting for it."""
         engine, run = self.engine, self.run_state
-        for a in run.assignments.values():
-            if a.pending and not engine.is_online(a.site_id, now):
-                reason = (
-                    "site hung up on its poll (it stopped) and has not come back"
-                    if engine.hung_up(a.site_id)
-                    else f"site went silent for more than {engine.settings.site_timeout_s:g} s"
-                )
-                engine._store.fail_participation(a.task_id, reason, now)
-                a.move(TaskState.FAILED)
-                log.warning(
-                    "%s round %s: %s: %s", self.tag, run.open_round, a.site_id, reason,
-                    extra={"site": a.site_id},
-                )  # fmt: skip
+        for site in self._silence.silent(run, now):
+            a = run.assignments[site]
+            reason = (
+                "site hung up on its poll (it stopped) and has not come back"
+                if engine.hung_up(site)
+                else f"site went silent for more than {engine.settings.site_timeout_s:g} s"
+            )
+            engine._store.fail_participation(a.task_id, reason, now)
+            a.move(TaskState.FAILED)
+            log.warning(
+                "%s round %s: %s: %s", self.tag, run.open_round, site, reason,
+                extra={"site": site},
+            )  # fmt: skip
 
     # -- closing -----------------------------------------------------------------
 
