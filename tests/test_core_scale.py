@@ -1007,7 +1007,7 @@ def test_a_round_asks_only_the_sites_due_and_misses_none_that_went_silent(
             ages, off = engine.presence_ages(now[0])
             presence = engine.presence()
             assert set(off) == {s for s, (online, _) in presence.items() if not online}
-            assert ages == {s: int(round((now[0] - seen) * 1000)) for s, (_, seen) in
+            assert ages == {s: round((now[0] - seen) * 1000) for s, (_, seen) in
                             presence.items()}  # fmt: skip
         assert reported > 20  # the walk did find silent sites
     finally:

@@ -440,10 +440,11 @@ class Engine:
 
     def hung_up(self, site_id: str) -> bool:
         """Whether the site hung up on its poll (it stopped) and has not been heard since."""
-        return site_id in self._left and not self._polling[site_id]
+        return site_id in self._left and not self._polling.get(site_id)
 
     def is_online(self, site_id: str, now: float) -> bool:
-        busy = self._polling[site_id] > 0 or self._moving[site_id] > 0
+        # .get: a Counter's [] of an absent key runs Python code (__missing__)
+        busy = self._polling.get(site_id, 0) > 0 or self._moving.get(site_id, 0) > 0
         return busy or (self._heard_within(site_id, now) and site_id not in self._left)
 
     def _heard_within(self, site_id: str, now: float) -> bool:
@@ -492,7 +493,7 @@ class Engine:
         """Whether the site polled, or was heard from, within its liveness timeout (its
         transfers under way left out: the edge asks this of a stalled one)."""
         recent = self._heard_within(site_id, self.clock())
-        return self._polling[site_id] > 0 or (recent and site_id not in self._left)
+        return self._polling.get(site_id, 0) > 0 or (recent and site_id not in self._left)
 
     def site_online(self, site_id: str) -> bool:
         """Whether the site counts as online now (is_online, under the lock)."""
@@ -906,7 +907,7 @@ class Engine:
         ages: dict[str, int] = {}
         offline: list[str] = []
         for site_id, s in list(self._sites.items()):  # one atomic copy
-            if polling[site_id] > 0 or moving[site_id] > 0:
+            if polling.get(site_id, 0) > 0 or moving.get(site_id, 0) > 0:
                 ages[site_id] = 0
                 continue
             last = last_seen.get(site_id)
@@ -918,7 +919,7 @@ class Engine:
         return ages, offline
 
     def _seen_at(self, s: SiteRecord, now: float) -> float:
-        if self._polling[s.id] > 0 or self._moving[s.id] > 0:
+        if self._polling.get(s.id, 0) > 0 or self._moving.get(s.id, 0) > 0:
             return now  # connected, waiting in a long poll or moving bytes: seen now
         return self._last_seen.get(s.id, s.last_seen_at)
 

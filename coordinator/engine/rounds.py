@@ -292,10 +292,11 @@ class RoundDriver:
                     self._fail_silent_sites(now)
                 if not run.broken:
                     self._advance_stages(now)
-                states = [a.state for a in run.assignments.values()]
-                done = all(s in ("accepted", "failed") for s in states)
+                tasks = run.assignments.values()
+                done = all(a.final for a in tasks)  # stops at the first pending: few looked at
                 if spec_async := run.spec.asynchronous:  # FedBuff: the buffer is full
-                    done = done or states.count(TaskState.ACCEPTED) >= spec_async.buffer
+                    accepted = sum(a.state is TaskState.ACCEPTED for a in tasks)
+                    done = done or accepted >= spec_async.buffer
                 if not done and not run.broken and has_turn(run):
                     return "fold"
                 if done or now >= run.deadline_at or run.broken:
