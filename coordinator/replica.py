@@ -140,8 +140,8 @@ class LiveSnapshot:
     ``reads/live.json`` every ``SNAPSHOT_S`` (or as often as ``SNAPSHOT_SHARE`` of a CPU
     allows), on a thread of its own, without the engine's lock (the reads it serves are
     as current as the file). Each site is written as the milliseconds since it was heard
-    from, the offline ones listed apart: at thousands of sites that costs a third of
-    writing each one's presence as a pair."""
+    from, the offline ones listed apart: at thousands of sites that costs less than half
+    of writing each one's presence as a pair."""
 
     def __init__(self, engine: Engine, guard: Guard, state_dir: Path) -> None:
         self.engine, self.guard = engine, guard
