@@ -8,6 +8,7 @@ any point either loses nothing or loses an update the site will be asked for aga
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -251,7 +252,15 @@ def _size_limit(engine: Engine, expected: dict[str, TensorSpec] | None) -> int:
     they need (``header_limit``); the operator's bound for an initial model."""
     if expected is None:
         return engine.settings.max_init_model_bytes
-    return 8 + header_limit(expected) + sum(s.nbytes for s in expected.values())
+    return _payload_limit(tuple(expected.items()))
+
+
+@functools.lru_cache(maxsize=64)
+def _payload_limit(expected: tuple[tuple[str, TensorSpec], ...]) -> int:
+    """``_size_limit`` of a run's tensors, worked out once (each upload of a round asks,
+    and the header's length takes a JSON encoding to know)."""
+    specs = dict(expected)
+    return 8 + header_limit(specs) + sum(s.nbytes for s in specs.values())
 
 
 class Receiver:
