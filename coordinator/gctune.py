@@ -25,7 +25,20 @@ def quieter_gc() -> None:
     gc.freeze()
     _, older, oldest = gc.get_threshold()
     gc.set_threshold(_GC_YOUNG, older, oldest)
-    gc.callbacks.append(_GcTimer().callback)
+    time_collections()
+
+
+def time_collections() -> None:
+    """Time every collection from now on (once a process): ``collections`` has the
+    totals, and one long enough to stall the process is logged."""
+    if not any(isinstance(getattr(cb, "__self__", None), _GcTimer) for cb in gc.callbacks):
+        gc.callbacks.append(_GcTimer().callback)
+
+
+def collections() -> dict[int, tuple[int, float]]:
+    """By generation, the collections timed so far and their seconds in all (the
+    daemon's metrics ``fedra_gc_collections_total``, ``fedra_gc_seconds_total``)."""
+    return {g: (n, s) for g, (n, s) in enumerate(_TOTALS)}
 
 
 class _GcTimer:
@@ -40,6 +53,10 @@ class _GcTimer:
             self.started = time.perf_counter()
             return
         took = time.perf_counter() - self.started
+        generation = info.get("generation", -1)
+        if 0 <= generation < len(_TOTALS):  # the collector holds the interpreter's lock
+            count, seconds = _TOTALS[generation]
+            _TOTALS[generation] = count + 1, seconds + took
         if took >= _GC_LOG_S:
             log.warning(
                 "a garbage collection (generation %d) took %.2f s and freed %d objects",
@@ -48,3 +65,5 @@ class _GcTimer:
 
 
 _GC_LOG_S = 0.5
+# Collections timed and their seconds, by generation (0, 1, 2).
+_TOTALS: list[tuple[int, float]] = [(0, 0.0), (0, 0.0), (0, 0.0)]

@@ -324,3 +324,25 @@ def test_an_insecure_daemon_refuses_to_serve_off_loopback(tmp_path: Path) -> Non
         pytest.raises(ClusterError, match=r"--http '0\.0\.0\.0:0'.*give --tls-dir"),
     ):
         cluster.start_coordinator(flags=[*FAST, "--http", "0.0.0.0:0"], timeout_s=30)
+
+
+def test_garbage_collections_are_counted_and_timed_by_generation() -> None:
+    """The collector holds the interpreter's lock while it runs: its collections and
+    their seconds are in the metrics, by generation, counted once however often the
+    timing is asked for."""
+    import gc
+
+    from fedra.coordinator import gctune
+
+    gctune.time_collections()
+    gctune.time_collections()  # once a process
+    t = Telemetry(lambda: NOW)
+    before = samples(t.exposition().decode())
+    gc.collect()  # a full collection: generation 2
+    got = samples(t.exposition().decode())
+    key = ("fedra_gc_collections_total", (("generation", "2"),))
+    assert got[key] == before[key] + 1
+    seconds = ("fedra_gc_seconds_total", (("generation", "2"),))
+    assert got[seconds] > before[seconds]
+    assert {g for (name, labels) in got if name == "fedra_gc_seconds_total"
+            for _, g in labels} == {"0", "1", "2"}  # fmt: skip
