@@ -14,6 +14,8 @@ synthetic task (9 parameters) and uploads, in a run of ``--rounds`` rounds of Fe
   submitted to when it is seen finished, round 0 included, over N x rounds);
 - coordinator RSS and threads idle, with all sites connected, and at peak; RSS growth from
   idle to connected per connected site;
+- the coordinator's seconds in garbage collections during the run (from its metrics,
+  ``--http`` on a loopback port of its own), and their share of its CPU;
 - latency p50/p99 of ListSites and GetRun, called ``--admin-hz`` times a second each by a
   thread of this process on its own channel while the rounds run;
 - errors by gRPC status code: what each agent's ``Connection`` calls raised (counted by
@@ -60,6 +62,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
@@ -809,6 +812,7 @@ class Measurement:
         reads_before = proc_sample(reads_pid) if reads_pid else None
         region_pids = [c.coordinator.pid for c in self.region_clusters if c.coordinator]
         try:
+            gc_before = gc_seconds(cluster.state_dir)
             before = proc_sample(cluster.coordinator.pid)
             regions_before = sum(proc_sample(pid).cpu_s for pid in region_pids)
             sites_before = sum(proc_sample(w.popen.pid).cpu_s for w in workers)
@@ -822,6 +826,9 @@ class Measurement:
                 cluster, run_id, self.args.admin_hz, self.deadline
             )
             self.reached("run_ended")
+            gc_after = gc_seconds(cluster.state_dir)
+            if gc_before is not None and gc_after is not None:
+                self.result["coordinator_gc_s"] = gc_after - gc_before
             # The emulated sites' own CPU in the run: what the machine had left for the
             # coordinator is what they did not take.
             sites_cpu_s = sum(proc_sample(w.popen.pid).cpu_s for w in workers) - sites_before
@@ -911,9 +918,9 @@ def measure(n: int, regions: int, args: argparse.Namespace) -> dict[str, Any]:
         cluster = stack.enter_context(LocalCluster(root / "coordinator", secure=False))
         workers: list[Worker] = []
         try:
-            cluster.start_coordinator(
-                db_url=db_url, timeout_s=120.0, flags=shlex.split(args.coordinator_flags)
-            )
+            # Metrics on a port of its own (its collector's seconds: ``gc_seconds``).
+            flags = ["--http", "127.0.0.1:0", *shlex.split(args.coordinator_flags)]
+            cluster.start_coordinator(db_url=db_url, timeout_s=120.0, flags=flags)
             m.reached("coordinator_ready")
             m.region_clusters = start_regions(stack, cluster, regions, root, args, m.deadline)
             if regions:
@@ -931,6 +938,22 @@ def measure(n: int, regions: int, args: argparse.Namespace) -> dict[str, Any]:
                 m.result["coordinator_late"] = lateness(cluster.coordinator.log_path)
     m.result["aims"] = judge(m.result)
     return m.result
+
+
+_GC_SECONDS = re.compile(r'^fedra_gc_seconds_total\{generation="[0-9]"\} ([0-9.e+-]+)$', re.M)
+
+
+def gc_seconds(state_dir: Path) -> float | None:
+    """The coordinator's seconds in garbage collections so far, all generations, from its
+    metrics (``--http``, named in ``coordinator.json``); None if it serves none."""
+    try:
+        address = json.loads((state_dir / "coordinator.json").read_text())["http_address"]
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=30) as reply:
+            text = reply.read().decode()
+    except (OSError, KeyError, ValueError):
+        return None
+    found = _GC_SECONDS.findall(text)
+    return sum(float(x) for x in found) if found else None
 
 
 _LAG_LOGGED = re.compile(r"hears its sites ([0-9.]+) s late")
@@ -1104,6 +1127,10 @@ def print_result(r: dict[str, Any]) -> None:
           f"{', '.join(f'{x:.1f}' for x in sites.get('heartbeat_longest_s', []))} s, the "
           f"longest between two of a task's: "
           f"{', '.join(f'{x:.1f}' for x in sites.get('heartbeat_gap_s', []))} s")  # fmt: skip
+    gc_s, cpu_s = r.get("coordinator_gc_s"), run.get("coordinator_cpu_s")
+    if gc_s is not None:
+        share = f" ({100 * gc_s / cpu_s:.0f}% of its CPU in the run)" if cpu_s else ""
+        print(f"  the coordinator's garbage collections: {gc_s:.2f} s in the run{share}")
     late = r.get("coordinator_late") or {}
     if late:
         print(f"  the coordinator heard late: its sites' calls waited in gRPC's queue up to "

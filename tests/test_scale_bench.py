@@ -48,6 +48,8 @@ def test_scale_bench_reports_every_figure(tmp_path: Path) -> None:
     assert all(x["updates"] == SITES for x in training), training
     assert 0 < run["round_s_median"] <= run["round_s_max"], run
     assert run["cpu_ms_per_site_round"] > 0, run
+    assert 0 <= r["coordinator_gc_s"] <= run["coordinator_cpu_s"], r
+    assert "the coordinator's garbage collections:" in printed, printed
     assert r["sites_cpu_s"] > 0 and r["sites_cpu_ms_per_site_attempt"] > 0, r
     assert "the emulated sites (the workers):" in printed, printed
     for sample in (r["idle"], r["connected"], run["peak"]):
