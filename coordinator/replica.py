@@ -89,6 +89,7 @@ REFUSALS_FILE = "refusals.json"
 ENGINE_SOCKET = "engine.sock"
 SNAPSHOT_S = 0.5  # how often the daemon writes its snapshot: what the reads lag behind
 SNAPSHOT_SHARE = 0.02  # of a CPU, the most writing the snapshot takes (it is written less often)
+SNAPSHOT_MAX_S = 5.0  # ... but at least this often (and four times a liveness timeout)
 FORWARDED_ADMIN = "fedra-forwarded-admin"  # metadata: the admin a forwarded call is from
 READER_THREADS = 4
 READY_TIMEOUT_S = 60.0
@@ -196,11 +197,13 @@ class LiveSnapshot:
 
     def _run(self) -> None:
         # Every SNAPSHOT_S, or less often where writing it takes more than SNAPSHOT_SHARE
-        # of a CPU (it grows with the sites: tens of ms at thousands of them).
+        # of a CPU (it grows with the sites: milliseconds at thousands of them), but
+        # never so seldom that the read process takes it as stale (``Replica.fresh``).
+        longest = min(SNAPSHOT_MAX_S, self.engine.settings.site_timeout_s / 4)
         interval = SNAPSHOT_S
         while not self._stop.wait(interval):
             try:
-                interval = max(SNAPSHOT_S, self.write() / SNAPSHOT_SHARE)
+                interval = min(longest, max(SNAPSHOT_S, self.write() / SNAPSHOT_SHARE))
             except Exception:  # a full disk, a torn read of a dict: the next one may do
                 log.exception("could not write the operators' snapshot")
 

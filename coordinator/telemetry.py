@@ -212,7 +212,7 @@ class _Now(Collector):
             "fedra_gc_collections", "Garbage collections, by generation", labels=["generation"]
         )
         seconds = CounterMetricFamily(
-            "fedra_gc_seconds", "Seconds in garbage collections, by generation",
+            "fedra_gc_seconds", "CPU seconds in garbage collections, by generation",
             labels=["generation"],
         )  # fmt: skip
         for generation, (count, took) in gctune.collections().items():

@@ -196,24 +196,24 @@ def run(config: Any, timeout_s: float) -> dict[str, Any]:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         procs = [_start_rank(spec, folder, r, env) for r in range(config.sites)]
         deadline = time.monotonic() + timeout_s
-        failed = ""
+        failures: list[str] = []  # every rank's: one rank's error ends the others' too
         try:
             for r, p in enumerate(procs):
                 try:
                     output, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
-                    failed = failed or f"not finished within {timeout_s:g} s"
+                    failures.append(f"rank {r} not finished within {timeout_s:g} s")
                     continue
                 if p.returncode != 0:
-                    tail = output.decode(errors="replace")[-1500:]
-                    failed = failed or f"rank {r} exited with {p.returncode}: {tail}"
+                    tail = output.decode(errors="replace")[-800:]
+                    failures.append(f"rank {r} exited with {p.returncode}: {tail}")
         finally:
             for p in procs:
                 if p.poll() is None:
                     p.kill()
                     p.wait(10)
-        if failed:
-            return {"state": "failed", "reason": failed, "ranks": [], "curve": []}
+        if failures:
+            return {"state": "failed", "reason": "; ".join(failures), "ranks": [], "curve": []}
         ranks = [
             json.loads((folder / RESULT.format(rank=r)).read_text()) for r in range(config.sites)
         ]

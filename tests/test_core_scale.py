@@ -1063,5 +1063,64 @@ def test_a_waiting_round_does_not_ask_sites_heard_from_within_the_timeout(
         asked.clear()
         assert sorted(watch.silent(run, now[0])) == sites[100:]
         assert len(asked) == 200
+        asked.clear()
+        watch.silent(run, now[0] + 0.1)
+        assert asked == []
+        now[0] -= 5.0  # the wall clock stepped back: its deadlines say nothing, ask all
+        watch.silent(run, now[0])
+        assert len(asked) == 200
+    finally:
+        engine.close()
+
+
+def test_a_site_that_hung_up_during_a_transfer_is_reported_once_the_transfer_ends(
+    tmp_path: Path,
+) -> None:
+    """A site hangs up its poll while one of its transfers still runs: online until the
+    transfer ends, offline from then, and reported at the next look a quarter of a second
+    on, not a liveness timeout later. The same for a site whose upload was cut off when
+    its hang-up was looked at, once its task goes back to pending."""
+    from types import SimpleNamespace
+
+    from fedra.coordinator.engine import Engine
+    from fedra.coordinator.engine.core import SILENCE_RECHECK_S
+    from fedra.coordinator.engine.rounds import SilenceWatch
+    from fedra.coordinator.state import Assignment, TaskState
+    from fedra.storage import BlobStore
+
+    now = [1000.0]
+    engine = Engine(
+        _store(tmp_path),
+        BlobStore(tmp_path / "m"),
+        BlobStore(tmp_path / "u"),
+        EngineSettings(site_timeout_s=20.0),
+        lambda: now[0],
+    )
+    try:
+        for site in ("down", "up"):
+            engine.register(site, [TASK], "1")
+        run = SimpleNamespace(
+            open_round=1,
+            attempt=1,
+            assignments={s: Assignment(f"t-{s}", s) for s in ("down", "up")},
+        )
+        watch = SilenceWatch(engine)
+        assert watch.silent(run, now[0]) == []  # each asked once: due a timeout on
+        for site in ("down", "up"):
+            engine.transfer(site, True)  # a download, an upload
+        run.assignments["up"].move(TaskState.UPLOADING)
+        now[0] += 1.0
+        engine.transfer("up", False)  # the upload's stream is cut; its task not yet given back
+        for site in ("down", "up"):  # each hangs up a poll of another connection
+            began = engine.poll_begin(site)[0]
+            engine.poll_end(site, began, gone=True)
+        # The hang-ups are looked at: "down" is online (its download runs), "up" offline
+        # but uploading (not pending): neither is reported yet.
+        assert watch.silent(run, now[0]) == []
+        engine.transfer("down", False)  # the download ends: offline, it hung up
+        run.assignments["up"].move(TaskState.ASSIGNED)  # the upload's task given back
+        assert not engine.is_online("down", now[0]) and not engine.is_online("up", now[0])
+        now[0] += SILENCE_RECHECK_S
+        assert sorted(watch.silent(run, now[0])) == ["down", "up"]  # not 20 s later
     finally:
         engine.close()

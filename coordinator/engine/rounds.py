@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import math
 import random
 import time
 import uuid
@@ -89,39 +90,59 @@ class SilenceWatch:
     """Which of an attempt's pending sites went silent, without asking each one at every
     look: a heap of when each must next be asked (``Engine.silence_due``: its last-heard
     time plus the liveness timeout, for most), and the sites that hung up since the last
-    look. At thousands of sites a look then costs what the few sites due cost (lock held)."""
+    look. At thousands of sites a look then costs what the few sites due cost (lock held).
+
+    Each site has one live entry (``_when``); an entry pushed again earlier leaves its
+    older one in the heap, skipped when it comes up. A clock that went back makes every
+    site due at once, as a new attempt does."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._attempt: tuple[object, ...] = ()
+        self._attempt: tuple[int | None, int] = (None, 0)
+        self._tasks: object = None  # the attempt's assignments (the dict itself)
         self._due: list[tuple[float, str]] = []
+        self._when: dict[str, float] = {}  # each site's live entry
         self._hangups = -1
+        self._looked = -math.inf
 
     def silent(self, run: ActiveRun, now: float) -> list[str]:
         """The pending sites of ``run``'s open attempt that count as offline now."""
-        engine, due = self.engine, self._due
-        attempt = (run.open_round, run.attempt, id(run.assignments))
-        if attempt != self._attempt:  # a new attempt: each of its sites is due at once
-            self._attempt = attempt
+        engine, due, when_of = self.engine, self._due, self._when
+        attempt = (run.open_round, run.attempt)
+        if attempt != self._attempt or run.assignments is not self._tasks or now < self._looked:
+            self._attempt, self._tasks = attempt, run.assignments
             due[:] = [(now, site) for site in run.assignments]  # all equal: a heap
-        asked: dict[str, bool] = {}  # the site, and whether its entry left the heap
+            when_of.clear()
+            when_of.update(dict.fromkeys(run.assignments, now))
+        self._looked = now
+        asked: dict[str, bool] = {}  # the site, and whether its live entry left the heap
         while due and due[0][0] <= now:
-            asked[heapq.heappop(due)[1]] = True
+            at, site = heapq.heappop(due)
+            if when_of.get(site) == at:
+                del when_of[site]
+                asked[site] = True
         if engine.hangups != self._hangups:  # offline at once, whenever they are due
             self._hangups = engine.hangups
             for site in engine.hung_up_sites():
                 if site in run.assignments:
                     asked.setdefault(site, False)
         silent = []
-        for site, popped in asked.items():
+        for site in asked:
             a = run.assignments.get(site)
             if a is None or a.final:
+                when_of.pop(site, None)
                 continue
             when = engine.silence_due(site, now)
             if when is None and a.pending:
                 silent.append(site)
-            elif popped:  # uploading: asked again until the upload ends, either way
-                heapq.heappush(due, (when or now + _LIVENESS_LOOK_S, site))
+                when_of.pop(site, None)
+                continue
+            # Online (a transfer under way, say), or offline while uploading: asked again
+            # then, or sooner than its entry says (a hung-up site's transfer may end).
+            at = now + _LIVENESS_LOOK_S if when is None else when
+            if at < when_of.get(site, math.inf):
+                when_of[site] = at
+                heapq.heappush(due, (at, site))
         return silent
 
 
