@@ -334,12 +334,16 @@ def test_garbage_collections_are_counted_and_timed_by_generation() -> None:
 
     from fedra.coordinator import gctune
 
+    timers = list(gc.callbacks)
     gctune.time_collections()
     gctune.time_collections()  # once a process
-    t = Telemetry(lambda: NOW)
-    before = samples(t.exposition().decode())
-    gc.collect()  # a full collection: generation 2
-    got = samples(t.exposition().decode())
+    try:
+        t = Telemetry(lambda: NOW)
+        before = samples(t.exposition().decode())
+        gc.collect()  # a full collection: generation 2
+        got = samples(t.exposition().decode())
+    finally:
+        gc.callbacks[:] = timers  # this test process's collections are not logged
     key = ("fedra_gc_collections_total", (("generation", "2"),))
     assert got[key] == before[key] + 1
     seconds = ("fedra_gc_seconds_total", (("generation", "2"),))
