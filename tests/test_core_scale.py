@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import pytest
@@ -22,6 +23,9 @@ from fedra.runspec import RunSpec
 from fedra.storage import Store
 from fedra.storage.store import DuplicateError
 from tests.conftest import InProcessCoordinator
+
+if TYPE_CHECKING:
+    from fedra.coordinator.engine import Engine
 
 TASK = "fedra.examples.synthetic:task"
 
@@ -211,6 +215,16 @@ def test_closing_wakes_everyone_now_and_later() -> None:
 
 def _store(tmp_path: Path) -> Store:
     return Store(f"sqlite:///{tmp_path / 'fedra.db'}")
+
+
+def _timed_engine(tmp_path: Path, now: list[float], site_timeout_s: float) -> Engine:
+    """An engine (not started) on ``tmp_path`` whose clock reads ``now[0]``."""
+    from fedra.coordinator.engine import Engine
+    from fedra.storage import BlobStore
+
+    settings = EngineSettings(site_timeout_s=site_timeout_s)
+    m, u = BlobStore(tmp_path / "m"), BlobStore(tmp_path / "u")
+    return Engine(_store(tmp_path), m, u, settings, lambda: now[0])
 
 
 def test_concurrent_writes_share_commits_and_each_is_durable_when_it_returns(
@@ -819,18 +833,10 @@ def test_a_site_is_not_failed_as_silent_while_the_coordinator_hears_late(tmp_pat
     hears late: a site quiet for a little longer than the liveness timeout is still
     online while the lag covers it, and offline once the lag is gone."""
     from fedra.coordinator import attention
-    from fedra.coordinator.engine import Engine
-    from fedra.storage import BlobStore
 
     now = [5000.0]
     timeout_s = 10.0
-    engine = Engine(
-        _store(tmp_path),
-        BlobStore(tmp_path / "m"),
-        BlobStore(tmp_path / "u"),
-        EngineSettings(site_timeout_s=timeout_s),
-        lambda: now[0],
-    )
+    engine = _timed_engine(tmp_path, now, timeout_s)
     try:
         for site in ("quiet", "a", "b", "c"):
             engine.register(site, [TASK], "1")
@@ -941,22 +947,14 @@ def test_a_round_asks_only_the_sites_due_and_misses_none_that_went_silent(
     import random
     from types import SimpleNamespace
 
-    from fedra.coordinator.engine import Engine
     from fedra.coordinator.engine.core import SILENCE_RECHECK_S
     from fedra.coordinator.engine.rounds import SilenceWatch
     from fedra.coordinator.state import Assignment, TaskState
-    from fedra.storage import BlobStore
 
     rng = random.Random(seed)
     now = [1000.0]
     timeout = 10.0
-    engine = Engine(
-        _store(tmp_path),
-        BlobStore(tmp_path / "m"),
-        BlobStore(tmp_path / "u"),
-        EngineSettings(site_timeout_s=timeout),
-        lambda: now[0],
-    )
+    engine = _timed_engine(tmp_path, now, timeout)
     sites = [f"site-{i:02d}" for i in range(30)]
     try:
         for site in sites:
@@ -1021,19 +1019,11 @@ def test_a_waiting_round_does_not_ask_sites_heard_from_within_the_timeout(
     asked, a site is asked again only when its liveness timeout could have run out."""
     from types import SimpleNamespace
 
-    from fedra.coordinator.engine import Engine
     from fedra.coordinator.engine.rounds import SilenceWatch
     from fedra.coordinator.state import Assignment
-    from fedra.storage import BlobStore
 
     now = [1000.0]
-    engine = Engine(
-        _store(tmp_path),
-        BlobStore(tmp_path / "m"),
-        BlobStore(tmp_path / "u"),
-        EngineSettings(site_timeout_s=10.0),
-        lambda: now[0],
-    )
+    engine = _timed_engine(tmp_path, now, 10.0)
     sites = [f"site-{i:03d}" for i in range(200)]
     try:
         for site in sites:
@@ -1082,20 +1072,12 @@ def test_a_site_that_hung_up_during_a_transfer_is_reported_once_the_transfer_end
     its hang-up was looked at, once its task goes back to pending."""
     from types import SimpleNamespace
 
-    from fedra.coordinator.engine import Engine
     from fedra.coordinator.engine.core import SILENCE_RECHECK_S
     from fedra.coordinator.engine.rounds import SilenceWatch
     from fedra.coordinator.state import Assignment, TaskState
-    from fedra.storage import BlobStore
 
     now = [1000.0]
-    engine = Engine(
-        _store(tmp_path),
-        BlobStore(tmp_path / "m"),
-        BlobStore(tmp_path / "u"),
-        EngineSettings(site_timeout_s=20.0),
-        lambda: now[0],
-    )
+    engine = _timed_engine(tmp_path, now, 20.0)
     try:
         for site in ("down", "up"):
             engine.register(site, [TASK], "1")
