@@ -115,17 +115,17 @@ class SilenceWatch:
             when_of.clear()
             when_of.update(dict.fromkeys(run.assignments, now))
         self._looked = now
-        asked: dict[str, bool] = {}  # the site, and whether its live entry left the heap
+        asked: dict[str, None] = {}  # the sites to ask, in order, each once
         while due and due[0][0] <= now:
             at, site = heapq.heappop(due)
             if when_of.get(site) == at:
                 del when_of[site]
-                asked[site] = True
+                asked[site] = None
         if engine.hangups != self._hangups:  # offline at once, whenever they are due
             self._hangups = engine.hangups
             for site in engine.hung_up_sites():
                 if site in run.assignments:
-                    asked.setdefault(site, False)
+                    asked.setdefault(site)
         silent = []
         for site in asked:
             a = run.assignments.get(site)
