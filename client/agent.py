@@ -104,7 +104,6 @@ class SiteAgent:
         self._models: dict[tuple[str, str], torch.nn.Module] = {}
         # [train] overlap: the run's next round, training while this one's update goes.
         self._ahead: Ahead | None = None
-        self._told_no_overlap = False
         tls = None
         if config.tls_dir is not None:
             try:
@@ -428,15 +427,6 @@ class SiteAgent:
         """[train] overlap: start training the run's next round now, from a copy of
         ``trained`` (the site's model after ``task``); none after the run's last."""
         if task.rounds and task.round >= task.rounds:
-            return
-        if not isinstance(self.executor, LocalExecutor):
-            if not self._told_no_overlap:
-                log.warning(
-                    "%s: train.overlap: a site whose local world has several "
-                    "processes trains each round after its task arrives",
-                    self.tag,
-                )
-                self._told_no_overlap = True
             return
         nxt = task.round + 1
         model = impl.create_model(task.seed, task.train.params)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from fedra.client.config import ParallelConfig
-from fedra.client.inner import InnerHooks, InnerOptimizerError, KeepState, Rebase
+from fedra.client.inner import Cancelled, InnerHooks, InnerOptimizerError, KeepState, Rebase
 from fedra.client.optstate import CarriedState, from_bytes, to_bytes
 from fedra.client.parallel.extract import HostStager
 from fedra.client.parallel.plan import PlanOptions, World, broadcast_module, get_plan
@@ -144,13 +144,17 @@ def train_in_world(
     scaffold_lr: float = 0.0,
     corrections: Mapping[str, torch.Tensor] | None = None,
     keep: KeepState | None = None,
+    rebase: Rebase | None = None,
+    overlap: bool = False,
 ) -> WorldResult:
     """Every rank: take rank 0's weights, apply the plan, train, gather the full state.
 
     ``scaffold_lr`` > 0: a SCAFFOLD round at that learning rate, whose ``corrections``
     rank 0 gives (the other ranks receive theirs: ``trainer.train``). ``keep``: the run
     keeps its inner optimiser's state; rank 0's ``keep.carried`` goes to every rank, and rank 0's
-    ``keep.result`` is the whole state after training (``trainer.train``)."""
+    ``keep.result`` is the whole state after training (``trainer.train``). ``overlap``:
+    a round trained ahead (rank 0 gives its ``rebase``), moved or stopped at a step on
+    every rank at once; ``Cancelled`` on every rank if it is stopped."""
     started = time.perf_counter()
     model = model.to(world.device)
     broadcast_module(model)  # rank 0 holds the global model
@@ -162,7 +166,9 @@ def train_in_world(
     crash_point(f"rank{world.rank}_train", round_number)
     runner = get_plan(plan)(model, world, options)
     scattered = time.perf_counter()
-    stats = train(runner, impl, data, settings, world, corrections, scaffold_lr, keep, plain)
+    stats = train(
+        runner, impl, data, settings, world, corrections, scaffold_lr, keep, plain, rebase, overlap
+    )
     trained = time.perf_counter()
     state = runner.full_state_dict()
     return WorldResult(state, stats, scattered - started, time.perf_counter() - trained)
@@ -188,11 +194,6 @@ class WorldExecutor:
     ) -> tuple[dict[str, torch.Tensor], int, dict[str, float]]:
         if not isinstance(impl, ParallelTask):
             raise TypeError(f"task {entry_point!r} does not support parallel plans")
-        if rebase is not None:  # the ranks would each move their shard, at the same step
-            raise InnerOptimizerError(
-                f"train.overlap: not supported on a site whose local world has "
-                f"{self.world.size} processes (plan {self.config.plan!r}) yet"
-            )
         message: dict[str, Any] = {"cmd": "train", "entry_point": entry_point}
         message["round"] = round_number
         message["settings"] = {**asdict(settings), "params": dict(settings.params)}
@@ -202,16 +203,18 @@ class WorldExecutor:
             message["scaffold_lr"] = lr
         if keep is not None:  # rank 0's kept state goes to every rank before the plan
             message["keep_round"] = keep.round_number
+        if rebase is not None:  # a round trained ahead: moved, or stopped, at a step
+            message["overlap"] = True
         options = plan_options(self.config)
         try:
             self.control.send(message)
             result = train_in_world(
                 impl, model, data, settings, round_number, self.config.plan, options,
-                self.world, lr, corrections, keep,
+                self.world, lr, corrections, keep, rebase,
             )  # fmt: skip
-        except InnerOptimizerError:
-            # Every rank refuses the same optimiser at its first step, outside any
-            # collective: the task fails, the world goes on (``follow``).
+        except (InnerOptimizerError, Cancelled):
+            # Every rank refuses the same optimiser at its first step, or stops a round
+            # trained ahead at the same step, outside any collective: the world goes on.
             raise
         except Exception as exc:  # the other ranks may be stuck in a collective: restart all
             raise WorldBroken(f"{type(exc).__name__}: {exc}") from exc
@@ -244,10 +247,13 @@ def follow(
         shard = data[message["entry_point"]]
         lr = float(message.get("scaffold_lr", 0.0))
         keep = KeepState(None, int(message["keep_round"])) if "keep_round" in message else None
+        overlap = bool(message.get("overlap", False))
         try:
             train_in_world(
                 impl, model, shard, settings, message["round"], config.plan, options, world,
-                lr, None, keep,
+                lr, None, keep, None, overlap,
             )  # fmt: skip
         except InnerOptimizerError as exc:  # rank 0 refused the same and reports it
             log.warning("rank %d: the task's training was refused: %s", world.rank, exc)
+        except Cancelled:  # a round trained ahead that rank 0 no longer wants
+            log.info("rank %d: the round trained ahead was dropped", world.rank)

@@ -68,12 +68,15 @@ class Rebase:
 
     ``move(base, target)`` is called from another thread; the model gains
     ``target - base`` in every floating tensor of its state (parameters and buffers).
-    After training, ``settle`` applies a move that came too late for any step."""
+    After training, ``settle`` applies a move that came too late for any step. A site of
+    several processes moves through ``trainer.WorldMove``, which asks ``poll`` at each
+    step and leaves the part it does not move across the ranks in ``late``."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self._model = model
         self._lock = threading.Lock()
         self._shift: dict[str, torch.Tensor] | None = None
+        self.late: dict[str, torch.Tensor] = {}  # moved, but added to the state only at the end
         self.moved_at_step: int | None = None  # the steps taken before it moved
         self.steps_seen = 0  # the steps the training has taken
         self.cancelled = threading.Event()
@@ -89,36 +92,46 @@ class Rebase:
         with self._lock:
             self._shift = shift
 
-    def apply(self, steps: int) -> None:
-        """At a step (``steps`` taken so far): move now if asked; stop if cancelled."""
+    def poll(self, steps: int) -> dict[str, torch.Tensor] | None:
+        """At a step (``steps`` taken so far): Cancelled if the training is no longer
+        wanted, else the move asked for since the last step (taken: it is this step's),
+        or None."""
         if self.cancelled.is_set():
             raise Cancelled("the round's training is no longer wanted")
         self.steps_seen = steps + 1
         with self._lock:
             shift, self._shift = self._shift, None
+        if shift is not None:
+            self.moved_at_step = steps
+        return shift
+
+    def apply(self, steps: int) -> None:
+        """At a step of a training in this process: move the model now if asked."""
+        shift = self.poll(steps)
         if shift is None:
             return
         with torch.no_grad():
             for name, tensor in self._model.state_dict().items():
                 if name in shift:
                     tensor.add_(shift[name].to(device=tensor.device, dtype=tensor.dtype))
-        self.moved_at_step = steps
 
     def pending(self) -> bool:
         with self._lock:
             return self._shift is not None
 
     def settle(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A trained ``state`` with a move no step took applied (the training ended
-        first; every step was then taken before the move)."""
+        """A trained ``state`` with what no step moved added: a move that came after the
+        training ended (every step was then taken before it), and ``late``."""
         with self._lock:
             shift, self._shift = self._shift, None
         out = dict(state)
         if shift is not None:
             self.moved_at_step = self.steps_seen
-            for name, add in shift.items():
+        for part in (shift or {}, self.late):
+            for name, add in part.items():
                 t = out[name]
                 out[name] = (t.to(torch.float32) + add).to(t.dtype)
+        self.late = {}
         return out
 
 

@@ -17,16 +17,19 @@ from torch import nn
 from torch.testing import assert_close
 
 from fedra.client.agent import SiteAgent, _fit_seed
-from fedra.client.config import SiteConfig
+from fedra.client.config import ParallelConfig, SiteConfig
 from fedra.client.connection import Assignment
-from fedra.client.executor import LocalExecutor
-from fedra.client.inner import KeepState, Rebase
+from fedra.client.executor import LocalExecutor, WorldExecutor
+from fedra.client.inner import Cancelled, KeepState, Rebase
 from fedra.client.overlap import Ahead
+from fedra.client.parallel.plan import World
 from fedra.client.task import FitResult, FitSettings
 from fedra.config import ConfigError
+from fedra.examples import charlm
 from fedra.local import LocalCluster
 from fedra.protos.serde import train_from_proto, train_to_proto
 from fedra.runspec import CodecSpec, RunSpec, TrainSpec, runspec_from_toml
+from tests.test_parallel_sites import CHARLM
 
 STEPS, LR = 6, 0.1
 
@@ -210,6 +213,74 @@ def test_a_failing_training_ahead_fails_the_round_it_was_for() -> None:
         ahead.finish(_Linear().create_model(5, {}).state_dict())
 
 
+CHARLM_PARAMS = {"d_model": "16", "n_layers": "2", "n_heads": "2", "d_ff": "32", "seq_len": "16"}
+
+
+class _MoveBefore(Rebase):
+    """A round trained ahead whose global model arrives just before step ``at``."""
+
+    def __init__(self, model: nn.Module, at: int, target: Mapping[str, torch.Tensor]) -> None:
+        super().__init__(model)
+        self.at, self.target = at, target
+        self.base = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    def poll(self, steps: int) -> dict[str, torch.Tensor] | None:
+        if steps == self.at:
+            self.move(self.base, self.target)
+        return super().poll(steps)
+
+
+@pytest.mark.parametrize("at", [0, 2])
+def test_a_local_world_moves_at_the_step_a_single_process_moves_at(
+    world_of_one: World, at: int
+) -> None:
+    """A site's local world (a world of one, through the same path as every plan: rank 0
+    tells every rank at each step whether to move, and each adds its part) moves a round
+    trained ahead onto the global model at the very step the task's own ``fit`` in one
+    process does, to the same weights."""
+    settings = FitSettings(3, 0, 4, 1e-2, seed=0, params=CHARLM_PARAMS)
+    data = charlm.task.load_data({"max_bytes": 20_000})
+    target = charlm.task.create_model(9, CHARLM_PARAMS).state_dict()
+    world = WorldExecutor(ParallelConfig(nproc=1, plan="none"), world_of_one, _Ranks())  # type: ignore[arg-type]
+    states = []
+    for executor in (world, LocalExecutor(torch.device("cpu"))):
+        model = charlm.task.create_model(0, CHARLM_PARAMS)
+        rebase = _MoveBefore(model, at, target)
+        state, _, _ = executor.train(
+            charlm.task, "fedra.examples.charlm:task", 2, model, data, settings, rebase=rebase
+        )
+        assert rebase.moved_at_step == at and not rebase.pending()
+        states.append(rebase.settle(state))
+    moved, alone = states
+    for key, tensor in alone.items():
+        assert_close(moved[key], tensor, rtol=0, atol=1e-6, msg=key)
+    unmoved = charlm.task.create_model(0, CHARLM_PARAMS).state_dict()
+    assert any((moved[k] - unmoved[k]).abs().max() > 0.1 for k in unmoved)  # it did move
+
+
+def test_a_local_world_stops_a_round_no_longer_wanted_and_trains_on(world_of_one: World) -> None:
+    """Cancelled at a step, not the world broken: the world trains the next task."""
+    settings = FitSettings(3, 0, 4, 1e-2, seed=0, params=CHARLM_PARAMS)
+    data = charlm.task.load_data({"max_bytes": 20_000})
+    world = WorldExecutor(ParallelConfig(nproc=1, plan="none"), world_of_one, _Ranks())  # type: ignore[arg-type]
+    model = charlm.task.create_model(0, CHARLM_PARAMS)
+    rebase = Rebase(model)
+    rebase.cancelled.set()
+    with pytest.raises(Cancelled):
+        world.train(charlm.task, "fedra.examples.charlm:task", 2, model, data, settings,
+                    rebase=rebase)  # fmt: skip
+    assert rebase.steps_seen == 0
+    _, _, metrics = world.train(charlm.task, "fedra.examples.charlm:task", 2, model, data, settings)
+    assert metrics["steps"] == 3
+
+
+class _Ranks:
+    """The other ranks' channel of a world of one: nobody to tell."""
+
+    def send(self, message: object) -> None:
+        pass
+
+
 def test_run_toml_key_wire_and_refusals() -> None:
     doc = {"task": "a:b", "rounds": 2, "train": {"local_steps": 4, "overlap": True}}
     spec = runspec_from_toml(doc)
@@ -264,28 +335,32 @@ def test_the_agent_trains_ahead_from_its_trained_model_and_sends_the_moved_one(
         agent.conn.close()
 
 
-DIGITS = "fedra.examples.digits:task"
+TINY_GPT = {"d_model": "32", "seq_len": "32", "n_layers": "2", "n_heads": "4"}
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_a_run_with_overlap_trains_every_round_after_the_first_ahead(
     cluster: LocalCluster,
 ) -> None:
-    """Two real sites: from round 2 on each round was trained ahead and moved (the metric
-    says at which step), its compute counted, and the run still learns."""
+    """Two real sites, one of them a local world of two processes (fsdp: each rank moves
+    its shard): from round 2 on each round was trained ahead and moved (the metric says
+    at which step), its compute counted, the kept optimiser state carried on, and the run
+    still learns."""
     cluster.start_coordinator(flags=["--heartbeat-s", "0.5", "--admin-port", "none"])
     ids = ["site-0", "site-1"]
     for i, site_id in enumerate(ids):
-        cluster.start_site(site_id, [DIGITS], {"partition": i, "num_partitions": 2})
-    cluster.wait_for_sites(ids)
-    train = TrainSpec(local_steps=20, batch_size=16, learning_rate=0.05, overlap=True,
-                      keep_optimizer_state=True, params={"momentum": "0.9"})  # fmt: skip
-    spec = RunSpec(task=DIGITS, rounds=5, sites_per_round=2, seed=4, train=train,
-                   round_deadline_s=60.0, join_timeout_s=60.0).validate()  # fmt: skip
+        data = {"part": i, "num_parts": 2, "max_bytes": 100_000}
+        parallel = {"nproc": 2, "plan": "fsdp"} if i == 0 else None
+        cluster.start_site(site_id, [CHARLM], data, parallel=parallel)
+    cluster.wait_for_sites(ids, timeout_s=120)
+    train = TrainSpec(local_steps=12, batch_size=8, learning_rate=3e-3, overlap=True,
+                      keep_optimizer_state=True, params=TINY_GPT)  # fmt: skip
+    spec = RunSpec(task=CHARLM, rounds=4, sites_per_round=2, seed=4, train=train,
+                   round_deadline_s=120.0, join_timeout_s=90.0).validate()  # fmt: skip
     with cluster.admin() as admin:
         run_id = admin.submit(spec)
-        status = next(s for s in admin.watch(run_id, timeout_s=180)
+        status = next(s for s in admin.watch(run_id, timeout_s=240)
                       if s.state in ("completed", "failed", "cancelled"))  # fmt: skip
     assert status.state == "completed", status.reason
     losses = []
@@ -298,9 +373,11 @@ def test_a_run_with_overlap_trains_every_round_after_the_first_ahead(
             if r.number == 1:
                 assert moved is None  # nothing to train ahead of the first round
             else:
-                assert moved is not None and 0 <= moved <= 20, (r.number, p.metrics)
+                assert moved is not None and 0 <= moved <= 12, (r.number, p.metrics)
                 assert p.metrics["overlap_ahead_s"] >= 0
             assert p.metrics["compute_s"] > 0
             assert p.metrics["inner_state_rounds"] == r.number - 1  # the state goes on
         losses.append(sum(p.metrics["eval_loss"] for p in counted))
+    log = (cluster.state_dir / "logs" / "site-0.log").read_text()
+    assert "local world of 2 ranks" in log and "plan fsdp" in log
     assert losses[-1] < losses[0]

@@ -16,7 +16,7 @@ from fedra.client.parallel.tp import apply_fsdp_tp, apply_tp
 from fedra.client.parallel.trainer import train
 from fedra.client.task import FitSettings
 from fedra.examples.charlm import task
-from tests.torchrun import assert_matches_one_process, run_check
+from tests.torchrun import assert_matches_one_process, moved_at, run_check
 
 CPU = torch.device("cpu")
 # Two blocks: block 0 dense, block 1 MoE (moe_every defaults to 2), so one model has both.
@@ -124,17 +124,17 @@ def test_world_of_one_trains_like_one_process(world_of_one: World, plan: str, mo
 
 IDS = [
     "dp2",
-    "dp2-moe",
+    "dp2-moe-overlap",
     "fsdp2",
     "fsdp2-moe",
     "tp2",
-    "tp2-moe",
+    "tp2-moe-overlap",
     "fsdp2xtp2",
     "fsdp2xtp2-moe",
     "fsdp2-fedprox",
     "fsdp2-scaffold",
     "tp2-moe-scaffold",
-    "fsdp2xtp2-keep",
+    "fsdp2xtp2-keep-overlap",
 ]
 
 
@@ -143,11 +143,14 @@ IDS = [
     ("nproc", "plan", "extra"),
     [
         (2, "dp", ()),
-        (2, "dp", ("--experts", "4")),
+        # [train] overlap: a round trained ahead moves onto its global model before step
+        # K's optimiser step, every rank by its part of a seeded shift (a rank that left
+        # its part out ends ~0.2 off); the world moves at step 0 here and 1 below.
+        (2, "dp", ("--experts", "4", "--move-at", "2")),
         (2, "fsdp", ()),
         (2, "fsdp", ("--experts", "4")),
         (2, "tp", ()),
-        (2, "tp", ("--experts", "4")),
+        (2, "tp", ("--experts", "4", "--move-at", "0")),
         (4, "fsdp+tp", ("--tp-size", "2")),
         (4, "fsdp+tp", ("--tp-size", "2", "--experts", "4")),
         (2, "fsdp", ("--proximal-mu", "0.5")),
@@ -157,8 +160,9 @@ IDS = [
         (2, "tp", ("--experts", "4", *("--scaffold", "--lr", "0.05"))),
         # keep_optimizer_state: a second round from the AdamW state the first left,
         # gathered whole on rank 0 and each rank's part loaded again; DTensors sharded
-        # over both mesh dimensions.
-        (4, "fsdp+tp", ("--tp-size", "2", "--keep")),
+        # over both mesh dimensions; each round also trained ahead and moved at step 1,
+        # after a round trained ahead that rank 0 stopped at its first step.
+        (4, "fsdp+tp", ("--tp-size", "2", "--keep", "--move-at", "1", "--cancel-first")),
     ],
     ids=IDS,
 )
@@ -170,4 +174,5 @@ def test_parallel_world_matches_one_process(
     assert report["proximal_steps"] == (3.0 if "--proximal-mu" in extra else 0.0)
     assert report["scaffold_steps"] == (3.0 if "--scaffold" in extra else 0.0)
     assert report["inner_state_rounds"] == (1.0 if "--keep" in extra else 0.0)
+    assert report["moved_at_step"] == moved_at(extra)
     assert report["state_max_abs_diff"] < PARAM_TOL

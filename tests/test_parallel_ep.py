@@ -20,7 +20,7 @@ from fedra.client.parallel.ep import (
 )
 from fedra.client.parallel.plan import PlanOptions, World
 from fedra.examples.gpt import GPT, GPTConfig, build, local_experts
-from tests.torchrun import assert_matches_one_process, run_check
+from tests.torchrun import assert_matches_one_process, moved_at, run_check
 
 CPU = torch.device("cpu")
 # Measured on CPU/gloo, 3 AdamW steps: max |param diff| 1.2e-7 (2 ranks) and 1.1e-6
@@ -199,12 +199,13 @@ def test_two_ranks_exchange_tokens_and_match_one_process(tmp_path: Path) -> None
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     ("nproc", "extra"),
-    [(2, ()), (4, ()), (2, ("--scaffold", "--lr", "0.05")), (2, ("--keep",))],
-    ids=["ep2", "ep4", "ep2-scaffold", "ep2-keep"],  # each rank: its experts' rows
+    [(2, ()), (4, ()), (2, ("--scaffold", "--lr", "0.05")), (2, ("--keep", "--move-at", "2"))],
+    ids=["ep2", "ep4", "ep2-scaffold", "ep2-keep-overlap"],  # each rank: its experts' rows
 )
 def test_check_matches_one_process(nproc: int, extra: tuple[str, ...], tmp_path: Path) -> None:
     report = run_check(tmp_path / "ep.json", nproc, "ep", "--experts", "4", *extra)
     assert_matches_one_process(report, nproc, PARAM_TOL, LOSS_TOL)
     assert report["scaffold_steps"] == (3.0 if "--scaffold" in extra else 0.0)
     assert report["inner_state_rounds"] == (1.0 if "--keep" in extra else 0.0)
+    assert report["moved_at_step"] == moved_at(extra)
     assert report["state_max_abs_diff"] < PARAM_TOL

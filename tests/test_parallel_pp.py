@@ -12,7 +12,7 @@ from fedra.client.parallel.plan import PlanOptions, SingleRunner, World
 from fedra.client.parallel.pp import apply_pp, apply_pp_dp, split_stage, stage_layers
 from fedra.client.task import FitSettings
 from fedra.examples.charlm import task
-from tests.torchrun import assert_matches_one_process, run_check
+from tests.torchrun import assert_matches_one_process, moved_at, run_check
 
 PARAMS = {"n_layers": "5", "d_model": "32", "n_heads": "4", "d_ff": "64", "seq_len": "16"}
 TWO = World(0, 2, "gloo", torch.device("cpu"))  # a world that is never initialised
@@ -100,8 +100,10 @@ def test_one_stage_microbatched_step_matches_one_process(
         (4, "pp+dp", "1f1b", ("--pp-size", "2")),
         (2, "pp", "gpipe", ("--experts", "4")),
         (2, "pp", "1f1b", ("--scaffold", "--lr", "0.05")),  # each stage: its own layers' part
-        # Each stage's optimiser state to rank 0 (replica 0's), and each rank's back.
-        (4, "pp+dp", "1f1b", ("--pp-size", "2", "--keep")),
+        # Each stage's optimiser state to rank 0 (replica 0's), and each rank's back; each
+        # round trained ahead too, every stage moving its own layers at step 1, after one
+        # stopped at its first step on every rank.
+        (4, "pp+dp", "1f1b", ("--pp-size", "2", "--keep", "--move-at", "1", "--cancel-first")),
     ],
     ids=[
         "pp2-gpipe",
@@ -109,7 +111,7 @@ def test_one_stage_microbatched_step_matches_one_process(
         "pp2xdp2-1f1b",
         "pp2-gpipe-moe",
         "pp2-1f1b-scaffold",
-        "pp2xdp2-1f1b-keep",
+        "pp2xdp2-1f1b-keep-overlap",
     ],
 )
 def test_pipeline_world_matches_one_process(
@@ -120,4 +122,5 @@ def test_pipeline_world_matches_one_process(
     assert_matches_one_process(report, nproc, PARAM_TOL, LOSS_TOL)
     assert report["scaffold_steps"] == (3.0 if "--scaffold" in extra else 0.0)
     assert report["inner_state_rounds"] == (1.0 if "--keep" in extra else 0.0)
+    assert report["moved_at_step"] == moved_at(extra)
     assert report["state_max_abs_diff"] < PARAM_TOL

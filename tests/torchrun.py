@@ -58,3 +58,8 @@ def assert_matches_one_process(
         rtol=0,
         atol=loss_tol,
     )
+
+
+def moved_at(extra: tuple[str, ...]) -> int:
+    """The step a check's ``--move-at`` moves at (-1: no move asked)."""
+    return int(extra[extra.index("--move-at") + 1]) if "--move-at" in extra else -1

@@ -13,14 +13,15 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from fedra.client.executor import train_in_world
-from fedra.client.inner import KeepState
+from fedra.client.executor import WorldResult, train_in_world
+from fedra.client.inner import Cancelled, KeepState, Rebase
 from fedra.client.optstate import CarriedState
 from fedra.client.parallel.plan import PlanOptions, SingleRunner, World
 from fedra.client.parallel.trainer import train
@@ -53,6 +54,19 @@ def _args() -> argparse.Namespace:
         action="store_true",
         help="keep_optimizer_state: two rounds, the second starting from the optimiser state "
         "the first left (gathered whole, then each rank's part); its state compared too",
+    )
+    p.add_argument(
+        "--move-at",
+        type=int,
+        default=-1,
+        help="train.overlap: move every rank's model by a seeded shift before step K's "
+        "optimiser step (as a round trained ahead moves onto its global model), on both sides",
+    )
+    p.add_argument(
+        "--cancel-first",
+        action="store_true",
+        help="train.overlap: first a round trained ahead that rank 0 stops at step 1; every "
+        "rank must stop there, and the world train on",
     )
     p.add_argument("--no-reference", action="store_true", help="skip the one-process run")
     p.add_argument(
@@ -95,24 +109,31 @@ def main() -> None:
     if args.warmup:  # imports, first connections, allocator: what only the first round pays
         warm = FitSettings(1, 0, args.batch_size, args.lr, seed=0, params=params)
         train_in_world(task, task.create_model(0, params), data, warm, 0, args.plan, options, world)
+    if args.cancel_first:
+        _cancelled_round(settings, data, params, args.plan, options, world)
     model = task.create_model(0, params)
     scaffold_lr = args.lr if args.scaffold else 0.0
     corrections = _corrections(model) if args.scaffold and world.rank == 0 else None
     keep = KeepState(None, 1) if args.keep else None
+    move, overlap = _move_at(model, args.move_at, world), args.move_at >= 0
     # The same code path a site's local world runs every round.
     result = train_in_world(
-        task, model, data, settings, 0, args.plan, options, world, scaffold_lr, corrections, keep
-    )
+        task, model, data, settings, 0, args.plan, options, world, scaffold_lr, corrections, keep,
+        move, overlap,
+    )  # fmt: skip
+    result = _settled(result, move)
     if keep is not None:  # a second round from the first's model and optimiser state
         model = task.create_model(0, params)
         if world.rank == 0:
             assert result.state is not None
             model.load_state_dict(result.state)
         keep = KeepState(keep.result, 2)
+        move = _move_at(model, args.move_at, world)
         result = train_in_world(
             task, model, data, settings, 0, args.plan, options, world, scaffold_lr, corrections,
-            keep,
+            keep, move, overlap,
         )  # fmt: skip
+        result = _settled(result, move)
     full, stats = result.state, result.stats
     if world.rank == 0:
         assert full is not None
@@ -121,10 +142,13 @@ def main() -> None:
         report.update(proximal_steps=stats.inner.get("proximal_steps", 0.0))
         report.update(scaffold_steps=stats.inner.get("scaffold_steps", 0.0))
         report.update(inner_state_rounds=stats.inner.get("inner_state_rounds", 0.0))
+        report.update(moved_at_step=-1 if move is None else move.moved_at_step)
         report.update(scatter_s=result.scatter_s, train_s=stats.seconds, gather_s=result.gather_s)
         if not args.no_reference:
             kept = keep.result if keep is not None else None
-            report.update(_compare(full, settings, data, params, world, scaffold_lr, kept))
+            report.update(
+                _compare(full, settings, data, params, world, scaffold_lr, kept, args.move_at)
+            )
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     dist.barrier()
     dist.destroy_process_group()
@@ -135,6 +159,59 @@ def main() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+class _MoveAt(Rebase):
+    """A round trained ahead whose global model arrives just before step ``at``: the
+    shift is seeded and large, so a rank that left its part out, or moved at another
+    step, ends far beyond the check's tolerance."""
+
+    def __init__(self, model: torch.nn.Module, at: int) -> None:
+        super().__init__(model)
+        self.at = at
+        g = torch.Generator().manual_seed(4321)
+        state = model.state_dict()
+        self.zero = {k: torch.zeros_like(v) for k, v in state.items()}
+        self.shift = {k: 0.05 * torch.randn(v.shape, generator=g) for k, v in state.items()}
+
+    def poll(self, steps: int) -> dict[str, torch.Tensor] | None:
+        if steps == self.at:
+            self.move(self.zero, self.shift)
+        return super().poll(steps)
+
+
+def _move_at(model: torch.nn.Module, at: int, world: World) -> _MoveAt | None:
+    """Rank 0's round trained ahead that moves at step ``at`` (None: no overlap)."""
+    return _MoveAt(model, at) if at >= 0 and world.rank == 0 else None
+
+
+def _settled(result: WorldResult, move: Rebase | None) -> WorldResult:
+    """Rank 0's state with what the move left to the end (``Rebase.settle``)."""
+    if move is None or result.state is None:
+        return result
+    return replace(result, state=move.settle(result.state))
+
+
+def _cancelled_round(
+    settings: FitSettings,
+    data: Any,
+    params: dict[str, str],
+    plan: str,
+    options: PlanOptions,
+    world: World,
+) -> None:
+    """A round trained ahead that rank 0 stops at its first step: every rank must
+    raise Cancelled there (one that went on would wait in a collective for ever)."""
+    model = task.create_model(0, params)
+    stop = Rebase(model) if world.rank == 0 else None
+    if stop is not None:
+        stop.cancelled.set()
+    try:
+        train_in_world(task, model, data, settings, 0, plan, options, world, 0.0, None, None,
+                       stop, True)  # fmt: skip
+    except Cancelled:
+        return
+    raise AssertionError(f"rank {world.rank}: a round trained ahead was not stopped")
 
 
 def _corrections(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -156,6 +233,7 @@ def _compare(
     world: World,
     scaffold_lr: float = 0.0,
     kept: CarriedState | None = None,
+    move_at: int = -1,
 ) -> dict[str, Any]:
     reference = task.create_model(0, params).to(world.device)
     ref_runner = SingleRunner(reference)
@@ -163,15 +241,21 @@ def _compare(
     corrections = _corrections(reference) if scaffold_lr > 0 else None
     plain = [(name, p.shape, p.requires_grad) for name, p in reference.named_parameters()]
     keep = KeepState(None, 1) if kept is not None else None
-    ref_stats = train(ref_runner, task, data, settings, one, corrections, scaffold_lr, keep, plain)
+    move = _move_at(reference, move_at, one)
+    ref_stats = train(
+        ref_runner, task, data, settings, one, corrections, scaffold_lr, keep, plain, move
+    )
     if keep is not None:
         keep = KeepState(keep.result, 2)
         ref_runner = SingleRunner(reference)
+        move = _move_at(reference, move_at, one)
         ref_stats = train(
-            ref_runner, task, data, settings, one, corrections, scaffold_lr, keep, plain
+            ref_runner, task, data, settings, one, corrections, scaffold_lr, keep, plain, move
         )
     ref_state = ref_runner.full_state_dict()
     assert ref_state is not None
+    if move is not None:
+        ref_state = move.settle(ref_state)
     missing = sorted(set(ref_state) ^ set(full))
     diffs = {
         name: float((full[name].float() - ref.float()).abs().max())

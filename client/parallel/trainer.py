@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fedra.client.inner import InnerHooks, InnerOptimizerError, KeepState
+from fedra.client.inner import Cancelled, InnerHooks, InnerOptimizerError, KeepState, Rebase
 from fedra.client.optstate import CarriedState
 from fedra.client.parallel.plan import Runner, World
 from fedra.client.task import FitSettings, ParallelTask
@@ -48,6 +48,8 @@ def train(
     scaffold_lr: float = 0.0,
     keep: KeepState | None = None,
     plain: Sequence[tuple[str, torch.Size, bool]] = (),
+    rebase: Rebase | None = None,
+    overlap: bool = False,
 ) -> TrainStats:
     """Run the round's local steps with ``runner``; every rank of the world calls this.
 
@@ -63,7 +65,11 @@ def train(
     a state laid out as one process's over ``plain``, each rank taking its parameters'
     part; after training rank 0 gets the whole state, laid out the same way, in
     ``keep.result``. The task's optimiser must hold the runner's parameters, in order, in
-    one param group (as a task's ``fit`` in one process would over the model)."""
+    one param group (as a task's ``fit`` in one process would over the model).
+
+    ``overlap`` (``[train] overlap``: every rank says so; rank 0 gives its ``rebase``):
+    a round trained ahead, moved onto the global model at a step on every rank at once,
+    or stopped (``Cancelled``) at a step on every rank at once (``WorldMove``)."""
     plain = list(plain) or [(n, p.shape, p.requires_grad) for n, p in runner.named_parameters()]
     params = runner.parameters()
     by_id = _corrections(runner, corrections, plain, world) if scaffold_lr > 0 else None
@@ -78,6 +84,7 @@ def train(
         )
         if world.rank != 0:
             keep.carried = None  # its part is loaded: the whole state is rank 0's to keep
+    mover = WorldMove(runner, plain, world, rebase) if overlap or rebase is not None else None
     steps = task.num_steps(data, settings)
     losses: list[float] = []
     tokens = 0
@@ -88,6 +95,8 @@ def train(
         x, y = x.to(world.device), y.to(world.device)
         optimizer.zero_grad(set_to_none=True)
         loss = runner.train_step(x, y, task.loss)
+        if mover is not None:  # where a one-process site moves: after the gradient, before the step
+            mover.at_step(step)
         optimizer.step()
         losses.append(_global_mean(loss, world))
     if world.device.type == "cuda":
@@ -99,6 +108,68 @@ def train(
         carried = keep.carried
         inner["inner_state_rounds"] = float(carried.rounds if carried and keep.used else 0)
     return TrainStats(losses, time.perf_counter() - started, tokens, inner)
+
+
+class WorldMove:
+    """``[train] overlap`` across a local world. Before each step of the optimiser rank 0
+    asks its ``Rebase`` and tells every rank, in one broadcast, whether to go on, to stop
+    (every rank raises ``Cancelled`` at the same step, so none waits in a collective), or
+    to move: rank 0 then broadcasts the shift ``x_{r+1} - y_r`` a parameter at a time (no
+    rank holds more of it whole than one parameter's) and each rank adds its part to the
+    parameters it holds (``Runner.local_part``: a shard, a stage's layers, an expert's
+    rows). What is not a parameter (a floating buffer) rank 0 adds to the gathered state
+    after training (``Rebase.late``, ``Rebase.settle``)."""
+
+    GO, MOVE, STOP = 0, 1, 2
+
+    def __init__(
+        self,
+        runner: Runner,
+        plain: Sequence[tuple[str, torch.Size, bool]],
+        world: World,
+        rebase: Rebase | None,
+    ) -> None:
+        if world.rank == 0 and rebase is None:
+            raise ValueError("a round trained ahead needs rank 0's Rebase: none was given")
+        self.runner, self.plain, self.world, self.rebase = runner, plain, world, rebase
+
+    def at_step(self, step: int) -> None:
+        """Collective, on every rank at the same step (``step`` taken so far)."""
+        shift: dict[str, torch.Tensor] | None = None
+        code = self.GO
+        if self.rebase is not None:  # rank 0
+            try:
+                shift = self.rebase.poll(step)
+            except Cancelled:
+                code = self.STOP
+            else:
+                code = self.GO if shift is None else self.MOVE
+        said = torch.tensor([code], dtype=torch.int64, device=self.world.device)
+        if self.world.size > 1:
+            dist.broadcast(said, 0)
+        code = int(said.item())
+        if code == self.STOP:
+            raise Cancelled("the round's training is no longer wanted")
+        if code == self.MOVE:
+            self._move(shift)
+
+    def _move(self, shift: dict[str, torch.Tensor] | None) -> None:
+        mine = dict(self.runner.named_parameters())
+        for name, shape, _ in self.plain:  # every rank, in the same order
+            if shift is not None:  # rank 0; a parameter that is not floating moves by 0
+                part = shift.pop(name, None)
+                full = torch.zeros(shape) if part is None else part
+                full = full.to(device=self.world.device, dtype=torch.float32)
+            else:
+                full = torch.empty(shape, dtype=torch.float32, device=self.world.device)
+            if self.world.size > 1:
+                dist.broadcast(full, 0)
+            p = mine.get(name)
+            if p is not None and p.is_floating_point():
+                with torch.no_grad():
+                    p.add_(self.runner.local_part(name, p, full))
+        if self.rebase is not None and shift:  # buffers: added to the state at the end
+            self.rebase.late = shift
 
 
 def _corrections(
