@@ -42,10 +42,14 @@ def _free_port() -> int:
 
 
 def _two_nodes(
-    cluster: LocalCluster, site_id: str, nnodes: str, plan: dict[str, Any] | None = None
+    cluster: LocalCluster,
+    site_id: str,
+    nnodes: str,
+    plan: dict[str, Any] | None = None,
+    nproc: int = 1,
 ) -> dict[str, Any]:
     parallel = {
-        "nproc": 1,
+        "nproc": nproc,
         **(plan or {"plan": "dp"}),
         "nnodes": nnodes,
         "rdzv_endpoint": f"127.0.0.1:{_free_port()}",
@@ -71,35 +75,45 @@ def _tiny_spec(
 PLANS = {"dp": {"plan": "dp"}, "pp": {"plan": "pp", "pp_schedule": "1f1b", "microbatches": 2}}
 SHARDED = {"tp": {"plan": "tp"}, "fsdp": {"plan": "fsdp"}, "ep": {"plan": "ep"}}
 TINY_MOE = TINY | {"n_experts": "2", "top_k": "2"}
+# The 2-D plans on two nodes of two processes: fsdp+tp's tensor-parallel pairs within a
+# node and its FSDP groups across the nodes; pp+dp's stages and replicas across them.
+TWO_D = {
+    "fsdp-tp": {"plan": "fsdp+tp", "tp_size": 2},
+    "pp-dp": {"plan": "pp+dp", "pp_size": 2, "pp_schedule": "1f1b", "microbatches": 2},
+}
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
-    ("plans", "params"), [(PLANS, TINY), (SHARDED, TINY_MOE)], ids=["dp-pp", "tp-fsdp-ep"]
+    ("plans", "params", "nproc"),
+    [(PLANS, TINY, 1), (SHARDED, TINY_MOE, 1), (TWO_D, TINY, 2)],
+    ids=["dp-pp", "tp-fsdp-ep", "fsdp+tp-pp+dp"],
 )
 def test_sites_on_two_nodes_train_the_bits_of_one_node(
-    cluster: LocalCluster, plans: dict[str, dict[str, Any]], params: dict[str, str]
+    cluster: LocalCluster, plans: dict[str, dict[str, Any]], params: dict[str, str], nproc: int
 ) -> None:
     """The same sites (a site's id seeds its shuffling), spec and data: a run with each
-    site on two nodes of one process each, then a run with each on one node of two."""
+    site on two nodes of ``nproc`` processes each, then a run with each on one node of
+    twice as many."""
     cluster.start_coordinator(flags=FAST)
     for site_id, plan in plans.items():
-        _two_nodes(cluster, site_id, "2", plan)
+        _two_nodes(cluster, site_id, "2", plan, nproc)
     cluster.wait_for_sites(list(plans), timeout_s=240)
     two_nodes = _accepted_updates(cluster, len(plans), params)
     for name in [*plans, *(f"{s}.node1" for s in plans)]:
         cluster.sites.pop(name).stop()
     for site_id, plan in plans.items():
-        cluster.start_site(site_id, [CHARLM], DATA, parallel={"nproc": 2, **plan})
+        cluster.start_site(site_id, [CHARLM], DATA, parallel={"nproc": 2 * nproc, **plan})
     one_node = _accepted_updates(cluster, len(plans), params)
     expected = {(s, n) for s in plans for n in (1, 2)}
     assert set(two_nodes) == set(one_node) == expected, (two_nodes, one_node)
     assert two_nodes == one_node  # the same updates, bit for bit, each round
+    ranks = 2 * nproc
     for site_id, plan in plans.items():
         node0 = (cluster.state_dir / "logs" / f"{site_id}.log").read_text()
-        assert f"local world of 2 ranks on 2 nodes, plan {plan['plan']}" in node0  # rank 0
-        assert f"local world of 2 ranks on 1 node, plan {plan['plan']}" in node0
+        assert f"local world of {ranks} ranks on 2 nodes, plan {plan['plan']}" in node0
+        assert f"local world of {ranks} ranks on 1 node, plan {plan['plan']}" in node0
         node1 = (cluster.state_dir / "logs" / f"{site_id}.node1.log").read_text()
         assert "local world of" not in node1  # node 1 never talks to the coordinator
 
