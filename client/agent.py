@@ -364,11 +364,18 @@ class SiteAgent:
     ) -> tuple[dict[str, torch.Tensor], int, dict[str, float]]:
         arrived = time.monotonic()
         ahead = self._take_ahead(task)  # [train] overlap: this round, already training
-        data = self._data[task.entry_point]
-        model = self._model(impl, task)
-        model.load_state_dict(global_state)
-        # Evaluate the global model on local held-out data before training on it.
-        metrics = {f"eval_{k}": float(v) for k, v in impl.evaluate(model, data).items()}
+        try:
+            data = self._data[task.entry_point]
+            model = self._model(impl, task)
+            model.load_state_dict(global_state)
+            # Evaluate the global model on local held-out data before training on it.
+            metrics = {f"eval_{k}": float(v) for k, v in impl.evaluate(model, data).items()}
+        except BaseException:
+            # Never leave a training ahead running unowned: the next task's training would
+            # run beside it (on a local world, two streams of collectives from rank 0).
+            if ahead is not None:
+                ahead.cancel()
+            raise
         settings = self._fit_settings(task, task.round)
         scaffold = None  # never with overlap (TrainSpec refuses the two together)
         if ahead is not None:
@@ -414,7 +421,9 @@ class SiteAgent:
             return ahead
         log.info("%s: the training ahead for round %d of run %s is not this task's; "
                  "dropped", self.tag, ahead.round_number, ahead.run_id)  # fmt: skip
-        ahead.cancel()
+        error = ahead.cancel()
+        if isinstance(error, WorldBroken):  # the local world must restart before training
+            raise error
         return None
 
     def _start_ahead(

@@ -7,6 +7,7 @@ full, unsharded state and metrics; it never needs to know which plan ran.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -166,9 +167,12 @@ def train_in_world(
     crash_point(f"rank{world.rank}_train", round_number)
     runner = get_plan(plan)(model, world, options)
     scattered = time.perf_counter()
+    # [train] overlap: what of a move is not a parameter's, added to the state at the end.
+    buffers = {name for name, b in model.named_buffers() if b.is_floating_point()}
     stats = train(
-        runner, impl, data, settings, world, corrections, scaffold_lr, keep, plain, rebase, overlap
-    )
+        runner, impl, data, settings, world, corrections, scaffold_lr, keep, plain, rebase,
+        overlap, buffers,
+    )  # fmt: skip
     trained = time.perf_counter()
     state = runner.full_state_dict()
     return WorldResult(state, stats, scattered - started, time.perf_counter() - trained)
@@ -179,6 +183,9 @@ class WorldExecutor:
 
     def __init__(self, config: ParallelConfig, world: World, control: ControlChannel) -> None:
         self.config, self.world, self.control = config, world, control
+        # One training at a time from rank 0, whichever thread asks ([train] overlap trains
+        # on a thread of its own): two would interleave their collectives.
+        self._training = threading.Lock()
 
     def train(
         self,
@@ -206,9 +213,31 @@ class WorldExecutor:
         if rebase is not None:  # a round trained ahead: moved, or stopped, at a step
             message["overlap"] = True
         options = plan_options(self.config)
+        with self._training:
+            result = self._train(impl, model, data, settings, round_number, options, message,
+                                 lr, corrections, keep, rebase)  # fmt: skip
+        assert result.state is not None  # rank 0 receives the full state
+        if scaffold is not None:
+            scaffold.steps = int(result.stats.inner.get("scaffold_steps", 0))
+        return result.state, impl.num_samples(data), result.metrics()
+
+    def _train(
+        self,
+        impl: ParallelTask,
+        model: torch.nn.Module,
+        data: Any,
+        settings: FitSettings,
+        round_number: int,
+        options: PlanOptions,
+        message: dict[str, Any],
+        lr: float,
+        corrections: Mapping[str, torch.Tensor] | None,
+        keep: KeepState | None,
+        rebase: Rebase | None,
+    ) -> WorldResult:
         try:
             self.control.send(message)
-            result = train_in_world(
+            return train_in_world(
                 impl, model, data, settings, round_number, self.config.plan, options,
                 self.world, lr, corrections, keep, rebase,
             )  # fmt: skip
@@ -218,10 +247,6 @@ class WorldExecutor:
             raise
         except Exception as exc:  # the other ranks may be stuck in a collective: restart all
             raise WorldBroken(f"{type(exc).__name__}: {exc}") from exc
-        assert result.state is not None  # rank 0 receives the full state
-        if scaffold is not None:
-            scaffold.steps = int(result.stats.inner.get("scaffold_steps", 0))
-        return result.state, impl.num_samples(data), result.metrics()
 
     def close(self) -> None:
         self.control.send({"cmd": "stop"})

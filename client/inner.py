@@ -67,10 +67,11 @@ class Rebase:
     (before the step: its gradient was taken at the old point, one step stale).
 
     ``move(base, target)`` is called from another thread; the model gains
-    ``target - base`` in every floating tensor of its state (parameters and buffers).
-    After training, ``settle`` applies a move that came too late for any step. A site of
-    several processes moves through ``trainer.WorldMove``, which asks ``poll`` at each
-    step and leaves the part it does not move across the ranks in ``late``."""
+    ``target - base`` in every floating tensor of its state (parameters and buffers; a
+    tensor under two names, tied weights, once). After training, ``settle`` applies a
+    move that came too late for any step. A site of several processes moves through
+    ``trainer.WorldMove``, which asks ``poll`` at each step, moves the parameters across
+    the ranks, and leaves the buffers' part in ``late``, added by ``settle``."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self._model = model
@@ -110,9 +111,11 @@ class Rebase:
         shift = self.poll(steps)
         if shift is None:
             return
+        seen: set[int] = set()  # tied weights: one tensor under two names moves once
         with torch.no_grad():
             for name, tensor in self._model.state_dict().items():
-                if name in shift:
+                if name in shift and tensor.data_ptr() not in seen:
+                    seen.add(tensor.data_ptr())
                     tensor.add_(shift[name].to(device=tensor.device, dtype=tensor.dtype))
 
     def pending(self) -> bool:

@@ -90,17 +90,24 @@ class Ahead:
             and task.train == self.train
         )
 
-    def cancel(self) -> None:
-        """Stop it at its next step, and wait for it."""
+    def cancel(self) -> BaseException | None:
+        """Stop it at its next step, and wait for it: the error it ended with, if any
+        (a local world that broke meanwhile must still be restarted)."""
         self.rebase.cancelled.set()
         if self._thread is not None:
             self._thread.join()
+        return self._error
 
     def finish(self, global_state: Mapping[str, torch.Tensor]) -> Trained:
         """Move it onto the round's global model and wait for it to end: (trained state,
         samples, metrics), as the executor gives them. ``overlap_moved_at_step``: the
-        inner step before which it moved (its total when it had ended already)."""
-        self.rebase.move(self.base, global_state)
+        inner step before which it moved (its total when it had ended already). A global
+        model that does not fit it stops it first (the error is raised)."""
+        try:
+            self.rebase.move(self.base, global_state)
+        except BaseException:
+            self.cancel()
+            raise
         assert self._thread is not None
         self._thread.join()
         if self._error is not None:

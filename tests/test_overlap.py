@@ -13,17 +13,20 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.multiprocessing.spawn import spawn
 from torch.testing import assert_close
 
 from fedra.client.agent import SiteAgent, _fit_seed
 from fedra.client.config import ParallelConfig, SiteConfig
 from fedra.client.connection import Assignment
-from fedra.client.executor import LocalExecutor, WorldExecutor
+from fedra.client.executor import LocalExecutor, WorldBroken, WorldExecutor, follow
 from fedra.client.inner import Cancelled, KeepState, Rebase
 from fedra.client.overlap import Ahead
 from fedra.client.parallel.plan import World
 from fedra.client.task import FitResult, FitSettings
+from fedra.client.world import ControlChannel
 from fedra.config import ConfigError
 from fedra.examples import charlm
 from fedra.local import LocalCluster
@@ -230,7 +233,7 @@ class _MoveBefore(Rebase):
         return super().poll(steps)
 
 
-@pytest.mark.parametrize("at", [0, 2])
+@pytest.mark.parametrize("at", [0, 1])  # of 3: a later step's gradient sees the move
 def test_a_local_world_moves_at_the_step_a_single_process_moves_at(
     world_of_one: World, at: int
 ) -> None:
@@ -274,11 +277,99 @@ def test_a_local_world_stops_a_round_no_longer_wanted_and_trains_on(world_of_one
     assert metrics["steps"] == 3
 
 
+def _stop_then_train(rank: int, store: str) -> None:
+    """Rank 0 asks for a round trained ahead that it stops at its first step, then for a
+    round as usual, then stops the world; rank 1 follows, as a site's other ranks do."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        world, control = World.current(), ControlChannel()
+        config = ParallelConfig(nproc=2, plan="fsdp")
+        settings = FitSettings(3, 0, 4, 1e-2, seed=0, params=CHARLM_PARAMS)
+        data = charlm.task.load_data({"max_bytes": 20_000})
+        if rank != 0:
+            follow({CHARLM: charlm.task}, {CHARLM: data}, config, world, control)
+            return  # rank 0 said stop: the dropped round did not break the world
+        executor = WorldExecutor(config, world, control)
+        model = charlm.task.create_model(0, CHARLM_PARAMS)
+        stop = Rebase(model)
+        stop.cancelled.set()
+        with pytest.raises(Cancelled):
+            executor.train(charlm.task, CHARLM, 2, model, data, settings, rebase=stop)
+        model = charlm.task.create_model(0, CHARLM_PARAMS)  # the plan sharded the last one
+        _, _, metrics = executor.train(charlm.task, CHARLM, 2, model, data, settings)
+        assert metrics["steps"] == 3
+        executor.close()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multiprocess
+def test_a_site_of_two_processes_drops_a_round_trained_ahead_and_trains_on(
+    tmp_path: Path,
+) -> None:
+    """Both ranks stop at the same step (rank 1 in ``follow``), and the world trains the
+    next task: a rank that went on would wait in a collective for ever."""
+    spawn(_stop_then_train, args=(str(tmp_path / "store"),), nprocs=2)  # type: ignore[no-untyped-call]
+
+
 class _Ranks:
     """The other ranks' channel of a world of one: nobody to tell."""
 
     def send(self, message: object) -> None:
         pass
+
+
+class _FailingEvaluate(_Linear):
+    def evaluate(self, model: nn.Module, data: Any) -> dict[str, float]:
+        raise RuntimeError("the task's evaluate failed")
+
+
+def test_a_task_that_fails_before_the_move_leaves_no_training_ahead_running(
+    tmp_path: Path,
+) -> None:
+    """The next round's task fails before its training ahead is moved (its evaluate
+    raises): the training ahead is stopped, not left running beside the next task's."""
+    config = SiteConfig(site_id="s1", coordinator="127.0.0.1:1", allowed_tasks=(ENTRY,),
+                        insecure=True, state_dir=tmp_path)  # fmt: skip
+    agent = SiteAgent(config, executor=LocalExecutor(), tasks={ENTRY: LINEAR},
+                      data={ENTRY: None})  # fmt: skip
+    held: list[Ahead] = []
+    # The training ahead waits at its second step until it is told to stop (30 s at most).
+    waiting = _Linear(at_step=lambda i: held[0].rebase.cancelled.wait(30) if i == 1 else None)
+    try:
+        held.append(_start(_assignment(1, entry_point=ENTRY), waiting))
+        agent._ahead = held[0]
+        x2 = _Linear().create_model(7, {}).state_dict()
+        with pytest.raises(RuntimeError, match="evaluate failed"):
+            agent._train(_FailingEvaluate(), _assignment(2, entry_point=ENTRY), x2)
+        assert held[0]._thread is not None and not held[0]._thread.is_alive()
+        assert held[0].rebase.done.is_set() and agent._ahead is None
+    finally:
+        held[0].cancel()
+        agent.conn.close()
+
+
+def test_a_broken_local_world_found_by_a_dropped_training_ahead_is_raised(
+    tmp_path: Path,
+) -> None:
+    """A training ahead that the next task does not want, and that ended with the local
+    world broken: dropping it raises WorldBroken, so the world restarts before training."""
+    config = SiteConfig(site_id="s1", coordinator="127.0.0.1:1", allowed_tasks=(ENTRY,),
+                        insecure=True, state_dir=tmp_path)  # fmt: skip
+    agent = SiteAgent(config, executor=LocalExecutor(), tasks={ENTRY: LINEAR},
+                      data={ENTRY: None})  # fmt: skip
+
+    def broken(i: int) -> None:
+        raise WorldBroken("RuntimeError: a rank of the local world died")
+
+    try:
+        agent._ahead = _start(_assignment(1, entry_point=ENTRY), _Linear(at_step=broken))
+        with pytest.raises(WorldBroken, match="a rank of the local world died"):
+            agent._take_ahead(_assignment(5, entry_point=ENTRY))  # not the one it trained for
+        assert agent._ahead is None
+    finally:
+        agent.conn.close()
 
 
 def test_run_toml_key_wire_and_refusals() -> None:
@@ -363,7 +454,7 @@ def test_a_run_with_overlap_trains_every_round_after_the_first_ahead(
         status = next(s for s in admin.watch(run_id, timeout_s=240)
                       if s.state in ("completed", "failed", "cancelled"))  # fmt: skip
     assert status.state == "completed", status.reason
-    losses = []
+    losses, world_moves = [], []
     for r in (r for r in status.rounds if r.number > 0):
         counted = [p for p in r.participations
                    if p.status == "accepted" and p.attempt == r.attempt]  # fmt: skip
@@ -375,9 +466,14 @@ def test_a_run_with_overlap_trains_every_round_after_the_first_ahead(
             else:
                 assert moved is not None and 0 <= moved <= 12, (r.number, p.metrics)
                 assert p.metrics["overlap_ahead_s"] >= 0
+                if p.site_id == "site-0":
+                    world_moves.append(moved)
             assert p.metrics["compute_s"] > 0
             assert p.metrics["inner_state_rounds"] == r.number - 1  # the state goes on
         losses.append(sum(p.metrics["eval_loss"] for p in counted))
+    # The slower site (its world of two shares the cores) gets its next task while its
+    # training ahead is under way: its ranks moved mid-training, not only after it.
+    assert min(world_moves) < 12, world_moves
     log = (cluster.state_dir / "logs" / "site-0.log").read_text()
     assert "local world of 2 ranks" in log and "plan fsdp" in log
     assert losses[-1] < losses[0]

@@ -199,7 +199,7 @@ def test_two_ranks_exchange_tokens_and_match_one_process(tmp_path: Path) -> None
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     ("nproc", "extra"),
-    [(2, ()), (4, ()), (2, ("--scaffold", "--lr", "0.05")), (2, ("--keep", "--move-at", "2"))],
+    [(2, ()), (4, ()), (2, ("--scaffold", "--lr", "0.05")), (2, ("--keep", "--move-at", "1"))],
     ids=["ep2", "ep4", "ep2-scaffold", "ep2-keep-overlap"],  # each rank: its experts' rows
 )
 def test_check_matches_one_process(nproc: int, extra: tuple[str, ...], tmp_path: Path) -> None:

@@ -65,8 +65,8 @@ def _args() -> argparse.Namespace:
     p.add_argument(
         "--cancel-first",
         action="store_true",
-        help="train.overlap: first a round trained ahead that rank 0 stops at step 1; every "
-        "rank must stop there, and the world train on",
+        help="train.overlap: first a round trained ahead that rank 0 stops at its first step; "
+        "every rank must stop there, and the world train on",
     )
     p.add_argument("--no-reference", action="store_true", help="skip the one-process run")
     p.add_argument(
@@ -246,6 +246,10 @@ def _compare(
         ref_runner, task, data, settings, one, corrections, scaffold_lr, keep, plain, move
     )
     if keep is not None:
+        if move is not None:  # the first round's state as main's second round starts from it
+            first = ref_runner.full_state_dict()
+            assert first is not None
+            reference.load_state_dict(move.settle(first))
         keep = KeepState(keep.result, 2)
         ref_runner = SingleRunner(reference)
         move = _move_at(reference, move_at, one)

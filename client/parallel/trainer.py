@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +50,7 @@ def train(
     plain: Sequence[tuple[str, torch.Size, bool]] = (),
     rebase: Rebase | None = None,
     overlap: bool = False,
+    buffers: Collection[str] = (),
 ) -> TrainStats:
     """Run the round's local steps with ``runner``; every rank of the world calls this.
 
@@ -69,7 +70,8 @@ def train(
 
     ``overlap`` (``[train] overlap``: every rank says so; rank 0 gives its ``rebase``):
     a round trained ahead, moved onto the global model at a step on every rank at once,
-    or stopped (``Cancelled``) at a step on every rank at once (``WorldMove``)."""
+    or stopped (``Cancelled``) at a step on every rank at once (``WorldMove``); the
+    move's part for ``buffers`` (the plain model's floating buffers) is left to the end."""
     plain = list(plain) or [(n, p.shape, p.requires_grad) for n, p in runner.named_parameters()]
     params = runner.parameters()
     by_id = _corrections(runner, corrections, plain, world) if scaffold_lr > 0 else None
@@ -84,7 +86,8 @@ def train(
         )
         if world.rank != 0:
             keep.carried = None  # its part is loaded: the whole state is rank 0's to keep
-    mover = WorldMove(runner, plain, world, rebase) if overlap or rebase is not None else None
+    moving = overlap or rebase is not None
+    mover = WorldMove(runner, plain, world, rebase, buffers) if moving else None
     steps = task.num_steps(data, settings)
     losses: list[float] = []
     tokens = 0
@@ -117,8 +120,8 @@ class WorldMove:
     to move: rank 0 then broadcasts the shift ``x_{r+1} - y_r`` a parameter at a time (no
     rank holds more of it whole than one parameter's) and each rank adds its part to the
     parameters it holds (``Runner.local_part``: a shard, a stage's layers, an expert's
-    rows). What is not a parameter (a floating buffer) rank 0 adds to the gathered state
-    after training (``Rebase.late``, ``Rebase.settle``)."""
+    rows). A floating buffer's part rank 0 adds to the gathered state after training
+    (``Rebase.late``, ``Rebase.settle``); a second name of a tied parameter moves with it."""
 
     GO, MOVE, STOP = 0, 1, 2
 
@@ -128,10 +131,12 @@ class WorldMove:
         plain: Sequence[tuple[str, torch.Size, bool]],
         world: World,
         rebase: Rebase | None,
+        buffers: Collection[str] = (),
     ) -> None:
         if world.rank == 0 and rebase is None:
             raise ValueError("a round trained ahead needs rank 0's Rebase: none was given")
         self.runner, self.plain, self.world, self.rebase = runner, plain, world, rebase
+        self.buffers = set(buffers)
 
     def at_step(self, step: int) -> None:
         """Collective, on every rank at the same step (``step`` taken so far)."""
@@ -169,7 +174,7 @@ class WorldMove:
                 with torch.no_grad():
                     p.add_(self.runner.local_part(name, p, full))
         if self.rebase is not None and shift:  # buffers: added to the state at the end
-            self.rebase.late = shift
+            self.rebase.late = {k: v for k, v in shift.items() if k in self.buffers}
 
 
 def _corrections(
