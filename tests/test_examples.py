@@ -279,6 +279,19 @@ def test_train_centralised_reaches_the_baseline_accuracy() -> None:
     assert digits.evaluate_on(model, x_test, y_test)["accuracy"] > 0.9
 
 
+def test_the_baseline_pools_what_the_sites_train_on_and_not_what_they_hold_out() -> None:
+    """The demo's centralised baseline trains on the sites' training rows pooled: every
+    one of them, and none of the rows a site keeps to evaluate on."""
+    x, y = digits.sites_training_data(3, 0.5, 0)
+    sites = [digits.task.load_data({"partition": i, "num_partitions": 3, "alpha": 0.5,
+                                    "seed": 0}) for i in range(3)]  # fmt: skip
+    assert len(y) == sum(len(d.y_train) for d in sites) < len(digits.pooled_split()[0][1])
+    rows = {tuple(r.tolist()) for r in x}
+    for d in sites:
+        assert all(tuple(r.tolist()) in rows for r in d.x_train)
+        assert not any(tuple(r.tolist()) in rows for r in d.x_eval)
+
+
 # --- synthetic ----------------------------------------------------------------------------
 
 

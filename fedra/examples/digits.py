@@ -241,11 +241,28 @@ def evaluate_on(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str,
     return {"loss": loss, "accuracy": accuracy}
 
 
+def sites_training_data(num_partitions: int, alpha: float, seed: int) -> XY:
+    """The rows ``num_partitions`` sites of this split train on, pooled: the pooled
+    training set without the share each site keeps for its own evaluation."""
+    parts = [
+        task.load_data({"partition": i, "num_partitions": num_partitions, "alpha": alpha,
+                        "seed": seed})
+        for i in range(num_partitions)
+    ]  # fmt: skip
+    return torch.cat([d.x_train for d in parts]), torch.cat([d.y_train for d in parts])
+
+
 def train_centralised(
-    seed: int, steps: int, batch_size: int, lr: float, params: Mapping[str, str]
+    seed: int,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    params: Mapping[str, str],
+    data: XY | None = None,
 ) -> nn.Module:
-    """Train the task's model on the whole pooled training set: the demo's baseline."""
-    (x_train, y_train), _ = pooled_split()
+    """Train the task's model on ``data`` (the demo's baseline: the sites' training data
+    pooled, ``sites_training_data``), by default the whole pooled training set."""
+    x_train, y_train = data if data is not None else pooled_split()[0]
     model = task.create_model(seed, params)
     settings = FitSettings(
         local_steps=steps,
