@@ -165,10 +165,10 @@ def train_in_world(
     if keep is not None:
         keep.carried = share_carried(keep.carried, world)
     crash_point(f"rank{world.rank}_train", round_number)
-    runner = get_plan(plan)(model, world, options)
-    scattered = time.perf_counter()
     # [train] overlap: what of a move is not a parameter's, added to the state at the end.
     buffers = {name for name, b in model.named_buffers() if b.is_floating_point()}
+    runner = get_plan(plan)(model, world, options)
+    scattered = time.perf_counter()
     stats = train(
         runner, impl, data, settings, world, corrections, scaffold_lr, keep, plain, rebase,
         overlap, buffers,
