@@ -24,7 +24,8 @@ from fedra.client.connection import Assignment
 from fedra.client.executor import LocalExecutor, WorldBroken, WorldExecutor, follow
 from fedra.client.inner import Cancelled, KeepState, Rebase
 from fedra.client.overlap import Ahead
-from fedra.client.parallel.plan import World
+from fedra.client.parallel.plan import SingleRunner, World
+from fedra.client.parallel.trainer import WorldMove
 from fedra.client.task import FitResult, FitSettings
 from fedra.client.world import ControlChannel
 from fedra.config import ConfigError
@@ -275,6 +276,42 @@ def test_a_local_world_stops_a_round_no_longer_wanted_and_trains_on(world_of_one
     assert rebase.steps_seen == 0
     _, _, metrics = world.train(charlm.task, "fedra.examples.charlm:task", 2, model, data, settings)
     assert metrics["steps"] == 3
+
+
+def test_a_world_moves_its_parameters_at_the_step_and_its_buffers_with_the_state(
+    world_of_one: World,
+) -> None:
+    """``WorldMove`` adds the shift to the parameters the rank holds at the step; a
+    floating buffer's part (a running statistic) is added to the gathered state."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    plain = [(n, p.shape, p.requires_grad) for n, p in model.named_parameters()]
+    buffers = {n for n, b in model.named_buffers() if b.is_floating_point()}
+    base = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    rebase = Rebase(model)
+    rebase.move(base, {k: v + 1 if v.is_floating_point() else v for k, v in base.items()})
+    WorldMove(SingleRunner(model), plain, world_of_one, rebase, buffers).at_step(0)
+    assert rebase.moved_at_step == 0 and not rebase.pending()
+    for name, param in model.named_parameters():
+        assert_close(param.detach(), base[name] + 1)
+    assert set(rebase.late) == buffers == {"1.running_mean", "1.running_var"}
+    assert_close(model.state_dict()["1.running_mean"], base["1.running_mean"])  # not yet
+    state = rebase.settle(model.state_dict())
+    for name in buffers:
+        assert_close(state[name], base[name] + 1)
+    assert state["1.num_batches_tracked"] == base["1.num_batches_tracked"]  # not floating
+
+
+def test_a_tied_weight_moves_once() -> None:
+    """One tensor under two names in the state (tied weights) gains the shift once."""
+    first, second = nn.Linear(3, 3, bias=False), nn.Linear(3, 3, bias=False)
+    second.weight = first.weight
+    model = nn.Sequential(first, second)
+    base = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    assert sorted(base) == ["0.weight", "1.weight"]
+    rebase = Rebase(model)
+    rebase.move(base, {k: v + 1 for k, v in base.items()})
+    rebase.apply(0)
+    assert_close(first.weight.detach(), base["0.weight"] + 1)
 
 
 def _stop_then_train(rank: int, store: str) -> None:
