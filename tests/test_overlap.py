@@ -342,6 +342,7 @@ def _stop_then_train(rank: int, store: str) -> None:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.timeout(120)
 def test_a_site_of_two_processes_drops_a_round_trained_ahead_and_trains_on(
     tmp_path: Path,
 ) -> None:
