@@ -66,23 +66,24 @@ class Centralised:
     def __init__(self, rounds: int) -> None:
         self.train = demo_spec(rounds, 3).train
         (_, _), (self.x_test, self.y_test) = digits.pooled_split(0)
-        self._cache: dict[tuple[int, float, int] | int, float] = {}
+        self._by_split: dict[tuple[int, float, int], float] = {}  # (steps, alpha, seed)
+        self._all_rows: dict[int, float] = {}  # by steps
 
     def accuracy(self, samples: float, alpha: float, seed: int) -> float:
         """On the sites' training data of the split (alpha, seed)."""
         steps = self._steps(samples)
         key = (steps, alpha, seed)
-        if key not in self._cache:
+        if key not in self._by_split:
             data = digits.sites_training_data(3, alpha, seed)
-            self._cache[key] = self._score(steps, data)
-        return self._cache[key]
+            self._by_split[key] = self._score(steps, data)
+        return self._by_split[key]
 
     def accuracy_all_rows(self, samples: float) -> float:
         """On the whole pooled training set (the same for every split)."""
         steps = self._steps(samples)
-        if steps not in self._cache:
-            self._cache[steps] = self._score(steps, None)
-        return self._cache[steps]
+        if steps not in self._all_rows:
+            self._all_rows[steps] = self._score(steps, None)
+        return self._all_rows[steps]
 
     def _steps(self, samples: float) -> int:
         return max(1, math.ceil(samples / self.train.batch_size))

@@ -361,7 +361,7 @@ def test_a_local_world_keeps_the_state_a_single_process_keeps(world_of_one: Worl
     params = {"d_model": "16", "n_layers": "2", "n_heads": "2", "d_ff": "32", "seq_len": "16"}
     settings = FitSettings(3, 0, 4, 1e-2, seed=0, params=params)
     data = charlm.task.load_data({"max_bytes": 20_000})
-    executor = WorldExecutor(ParallelConfig(nproc=1, plan="none"), world_of_one, _Ranks())  # type: ignore[arg-type]
+    executor = WorldExecutor(ParallelConfig(nproc=1, plan="none"), world_of_one, NoOtherRanks())  # type: ignore[arg-type]
     local = LocalExecutor(torch.device("cpu"))
     out: dict[str, tuple[dict[str, torch.Tensor], CarriedState]] = {}
     for name, run in (("world", executor), ("single", local)):
@@ -388,7 +388,7 @@ def test_a_local_world_keeps_the_state_a_single_process_keeps(world_of_one: Worl
             assert_close(world_kept.state[index][key], value, rtol=0, atol=1e-6)
 
 
-class _Ranks:
+class NoOtherRanks:
     """The other ranks' channel of a world of one: nobody to tell."""
 
     def send(self, message: object) -> None:

@@ -33,6 +33,7 @@ from fedra.examples import charlm
 from fedra.local import LocalCluster
 from fedra.protos.serde import train_from_proto, train_to_proto
 from fedra.runspec import CodecSpec, RunSpec, TrainSpec, runspec_from_toml
+from tests.test_optimizer_state import NoOtherRanks
 from tests.test_parallel_sites import CHARLM
 
 STEPS, LR = 6, 0.1
@@ -245,7 +246,7 @@ def test_a_local_world_moves_at_the_step_a_single_process_moves_at(
     settings = FitSettings(3, 0, 4, 1e-2, seed=0, params=CHARLM_PARAMS)
     data = charlm.task.load_data({"max_bytes": 20_000})
     target = charlm.task.create_model(9, CHARLM_PARAMS).state_dict()
-    world = WorldExecutor(ParallelConfig(nproc=1, plan="none"), world_of_one, _Ranks())  # type: ignore[arg-type]
+    world = WorldExecutor(ParallelConfig(nproc=1, plan="none"), world_of_one, NoOtherRanks())  # type: ignore[arg-type]
     states = []
     for executor in (world, LocalExecutor(torch.device("cpu"))):
         model = charlm.task.create_model(0, CHARLM_PARAMS)
@@ -266,7 +267,7 @@ def test_a_local_world_stops_a_round_no_longer_wanted_and_trains_on(world_of_one
     """Cancelled at a step, not the world broken: the world trains the next task."""
     settings = FitSettings(3, 0, 4, 1e-2, seed=0, params=CHARLM_PARAMS)
     data = charlm.task.load_data({"max_bytes": 20_000})
-    world = WorldExecutor(ParallelConfig(nproc=1, plan="none"), world_of_one, _Ranks())  # type: ignore[arg-type]
+    world = WorldExecutor(ParallelConfig(nproc=1, plan="none"), world_of_one, NoOtherRanks())  # type: ignore[arg-type]
     model = charlm.task.create_model(0, CHARLM_PARAMS)
     rebase = Rebase(model)
     rebase.cancelled.set()
@@ -349,13 +350,6 @@ def test_a_site_of_two_processes_drops_a_round_trained_ahead_and_trains_on(
     """Both ranks stop at the same step (rank 1 in ``follow``), and the world trains the
     next task: a rank that went on would wait in a collective for ever."""
     spawn(_stop_then_train, args=(str(tmp_path / "store"),), nprocs=2)  # type: ignore[no-untyped-call]
-
-
-class _Ranks:
-    """The other ranks' channel of a world of one: nobody to tell."""
-
-    def send(self, message: object) -> None:
-        pass
 
 
 class _FailingEvaluate(_Linear):
