@@ -23,7 +23,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Generator
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
 from typing import Any, TypeVar, cast
@@ -324,10 +324,14 @@ class CoordinatorAPI:
         chunks: AsyncIterator[Buffer],
         started: Callable[[], None] = lambda: None,
         check: Callable[[], None] = lambda: None,
+        closed: Callable[[], Awaitable[None]] | None = None,
     ) -> int:
         """Receive an update: checked, spooled, durably accepted and folded before this
         returns the bytes it counted. ``check`` (its signature, say) runs first, in the
-        same step as the header's checks; ``started`` once the round holds the update."""
+        same step as the header's checks; ``started`` once the round holds the update;
+        ``closed``, where given, once the payload is whole, checked and durable in the
+        spool, before it is accepted: it raises if the caller did not end ``chunks``
+        itself (wire.RequestStream.closed), and the update then counts for nothing."""
         engine, held = self.engine, _Held()
         # A small update is received in memory (storage.spool): no file, no thread. (Not
         # an async run's: refusing a stale one writes to the database.)
@@ -350,11 +354,17 @@ class CoordinatorAPI:
         started()  # pending in the downloads ledger until it ends (_receive)
         await self.quick(engine.transfer, header.site_id, True)  # online while it lasts
         try:
-            return await self._receive(held, chunks, header.payload_bytes)
+            return await self._receive(held, chunks, header.payload_bytes, closed)
         finally:
             self.soon(engine.transfer, header.site_id, False)
 
-    async def _receive(self, held: _Held, chunks: AsyncIterator[Buffer], size: int) -> int:
+    async def _receive(
+        self,
+        held: _Held,
+        chunks: AsyncIterator[Buffer],
+        size: int,
+        closed: Callable[[], Awaitable[None]] | None,
+    ) -> int:
         engine, ledger = self.engine, self.engine.downloads
         assert held.ticket is not None
         ticket, task_id, received = held.ticket, held.ticket.header.task_id, 0
@@ -372,6 +382,15 @@ class CoordinatorAPI:
                         await self.call(held.feed, last)
                 last = data
                 del data  # not held while the next message is received
+            if closed is not None:
+                # Whole, checked and synced but not yet in the spool while the stream's end
+                # is confirmed (its wait overlaps this work): refused, nothing stays.
+                if here:
+                    held.seal(last)
+                else:
+                    await self.call(held.seal, last)
+                last = None
+                await closed()
             digest = held.finish(last) if here else await self.call(held.finish, last)
             del last
         except BaseException as exc:  # cut off or refused: it crossed the wire for nothing
@@ -572,6 +591,12 @@ class _Held:
     def feed(self, data: Buffer) -> None:
         assert self.receiver is not None
         self.receiver.feed(data)
+
+    def seal(self, last: Buffer | None) -> None:
+        assert self.receiver is not None
+        if last is not None:
+            self.receiver.feed(last)
+        self.receiver.seal()
 
     def finish(self, last: Buffer | None) -> str:
         assert self.receiver is not None

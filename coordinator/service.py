@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -163,10 +163,15 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
         # Who is calling, before a byte is read: a revoked caller is refused at once.
         self.guard.any_site(context)
         # Data messages arrive as views of their payload (wire.parse_update_chunk).
+        # The stream's end is checked beside the payload's last checks and sync, before
+        # the update counts (wire.RequestStream).
+        closed = None
+        if isinstance(request_iterator, wire.RequestStream):
+            closed = request_iterator.defer_end_check()
         first = await anext(aiter(request_iterator), None)
         if not isinstance(first, site_pb2.UpdateChunk) or first.WhichOneof("part") != "header":
             raise InvalidArgument("an upload must start with exactly one header message")
-        size = await self._upload(first.header, _payload(request_iterator), context)
+        size = await self._upload(first.header, _payload(request_iterator), context, closed)
         return site_pb2.UploadUpdateResponse(bytes_received=size)
 
     @mapped
@@ -191,9 +196,14 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
         return site_pb2.UploadSmallUpdateResponse(bytes_received=size)
 
     async def _upload(
-        self, h: site_pb2.UpdateHeader, chunks: AsyncIterator[Buffer], context: Any
+        self,
+        h: site_pb2.UpdateHeader,
+        chunks: AsyncIterator[Buffer],
+        context: Any,
+        closed: Callable[[], Awaitable[None]] | None = None,
     ) -> int:
-        """An update whose header is ``h`` and payload ``chunks``, from the caller."""
+        """An update whose header is ``h`` and payload ``chunks``, from the caller;
+        ``closed`` checks the end of its request stream (``CoordinatorAPI.upload``)."""
         self.guard.site(context, h.site_id)
         self.api.touch(h.site_id, wire.queued_s(context))
         message = pki.upload_message(
@@ -212,6 +222,7 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
                 chunks,
                 started,
                 check=lambda: self.guard.upload(context, message, h.signature),
+                closed=closed,
             )
         except asyncio.CancelledError:  # an ordinary event: one line, the task given back
             _status(grpc.RpcError(), context.peer())

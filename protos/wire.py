@@ -19,7 +19,8 @@ import asyncio
 import inspect
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import grpc
@@ -81,7 +82,9 @@ SMALL_UPLOAD_MAX_BYTES = 64 * 1024
 # some 300,000 (paged GetRun and WatchRun messages stay near 1 MiB however long the run).
 MAX_STATUS_BYTES = 64 * 2**20
 # How long the end of a request stream waits for news that the call ended instead (about
-# a millisecond after it, when it does): each upload's reply comes this much later.
+# a millisecond after it, when it does). An upload takes the wait beside its last checks
+# and its spool's sync (RequestStream.defer_end_check), so its reply comes that much later
+# only where those take less.
 STREAM_END_CHECK_S = 0.005
 
 
@@ -250,22 +253,59 @@ async def _refuse_async(context: Any, what: str, reason: str) -> None:
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
-async def _check_stream_closed_async(context: Any) -> None:
-    """``_check_stream_closed`` for an event-driven server (grpc.aio)."""
-    await asyncio.sleep(STREAM_END_CHECK_S)
-    if context.cancelled() or context.done():
-        raise grpc.RpcError("the call ended before its request stream was closed")
+class RequestStream:
+    """A request stream as an event-driven (grpc.aio) handler reads it: a message that
+    does not parse raises ``MalformedMessage``, and its end is checked as
+    ``_check_stream_closed`` does, by waiting up to ``STREAM_END_CHECK_S`` for news that
+    the call ended instead.
 
+    A handler with work to do before it acts on the whole stream (an upload's last chunk,
+    its checks, its spool's sync) takes that wait later, overlapped with the work:
+    ``defer_end_check`` before reading, then ``closed`` before anything the caller is
+    told about (nothing of the stream may count until ``closed`` has returned)."""
 
-async def _messages_async(requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
-    number = 0
-    async for request in requests:
-        number += 1
+    __slots__ = ("_context", "_deferred", "_ended_at", "_number", "_requests")
+
+    def __init__(self, requests: AsyncIterator[Any], context: Any) -> None:
+        self._requests, self._context = requests.__aiter__(), context
+        self._number = 0
+        self._deferred = False
+        self._ended_at: float | None = None
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        try:
+            request = await self._requests.__anext__()
+        except StopAsyncIteration:
+            if self._ended_at is None:
+                self._ended_at = time.monotonic()
+                if not self._deferred:
+                    await self.closed()
+            raise
+        self._number += 1
         if isinstance(request, Malformed):
-            raise MalformedMessage(f"message {number} of the request stream", request.reason)
-        yield request
-        del request
-    await _check_stream_closed_async(context)
+            raise MalformedMessage(f"message {self._number} of the request stream", request.reason)
+        return request
+
+    def defer_end_check(self) -> Callable[[], Awaitable[None]]:
+        """The end's check is the reader's to make (``closed``, returned), not made when
+        the stream ends."""
+        self._deferred = True
+        return self.closed
+
+    async def closed(self) -> None:
+        """Raise grpc.RpcError (as a cancelled call's stream does) unless the caller
+        closed its stream: ``STREAM_END_CHECK_S`` after its end, waiting only what is left
+        of that since the stream ended."""
+        if self._ended_at is None:
+            raise RuntimeError("the request stream was not read to its end")
+        left = self._ended_at + STREAM_END_CHECK_S - time.monotonic()
+        if left > 0:
+            await asyncio.sleep(left)
+        if self._context.cancelled() or self._context.done():
+            raise grpc.RpcError("the call ended before its request stream was closed")
 
 
 def _unary_request_async(behavior: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
@@ -292,7 +332,7 @@ def _unary_request_stream_async(
 def _stream_request_async(behavior: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
     async def checked(requests: AsyncIterator[Any], context: Any) -> Any:
         try:
-            return await behavior(_messages_async(requests, context), context)
+            return await behavior(RequestStream(requests, context), context)
         except MalformedMessage as exc:
             await _refuse_async(context, exc.what, exc.reason)
 
@@ -302,7 +342,7 @@ def _stream_request_async(behavior: Callable[[Any, Any], Any]) -> Callable[[Any,
 def _stream_both_async(behavior: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
     async def checked(requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
         try:
-            async for item in behavior(_messages_async(requests, context), context):
+            async for item in behavior(RequestStream(requests, context), context):
                 yield item
         except MalformedMessage as exc:
             await _refuse_async(context, exc.what, exc.reason)

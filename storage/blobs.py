@@ -195,7 +195,7 @@ class BlobWriter:
         self._tmp_path = Path(name)
         self._hash = hashlib.sha256()
         self.bytes_written = 0
-        self._done = False
+        self._done = self._synced = False
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         try:
@@ -210,16 +210,30 @@ class BlobWriter:
     def hexdigest(self) -> str:
         return self._hash.hexdigest()
 
-    def commit(self, expected_digest: str | None = None) -> str:
-        """Make the blob durable under its digest; raises BlobDigestError on mismatch."""
+    def sync(self, expected_digest: str | None = None) -> str:
+        """Check the digest (BlobDigestError on mismatch) and make the bytes durable in
+        the temporary file: ``commit``'s slow part, done ahead of it. Nothing is in place
+        until ``commit``, and ``discard`` still removes it all."""
         digest = self._hash.hexdigest()
         if expected_digest is not None and digest != expected_digest:
             self.discard()
             raise digest_mismatch(digest, expected_digest)
+        if not self._synced:
+            try:
+                self._file.flush()
+                os.fsync(self._file.fileno())
+            except OSError as exc:
+                self.discard()
+                _raise_if_full(exc, self._store.root)
+                raise
+            self._synced = True
+        return digest
+
+    def commit(self, expected_digest: str | None = None) -> str:
+        """Make the blob durable under its digest; raises BlobDigestError on mismatch."""
+        digest = self.sync(expected_digest)
         final = self._store.path(digest)
         try:
-            self._file.flush()
-            os.fsync(self._file.fileno())
             self._file.close()
             final.parent.mkdir(exist_ok=True)
             os.replace(self._tmp_path, final)

@@ -58,11 +58,16 @@ class SmallWriter:
     def hexdigest(self) -> str:
         return self._hash.hexdigest()
 
-    def commit(self, expected_digest: str | None = None) -> str:
+    def sync(self, expected_digest: str | None = None) -> str:
+        """Check the digest (``BlobWriter.sync``; there is nothing to sync in memory)."""
         digest = self._hash.hexdigest()
         if expected_digest is not None and digest != expected_digest:
             self.discard()
             raise digest_mismatch(digest, expected_digest)
+        return digest
+
+    def commit(self, expected_digest: str | None = None) -> str:
+        digest = self.sync(expected_digest)
         self.data = b"".join(self._parts)
         self._parts = []
         return digest

@@ -4,6 +4,7 @@ that do not parse (fedra.protos.wire's tolerant deserializers)."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 from types import SimpleNamespace
@@ -174,6 +175,105 @@ def test_a_request_stream_cut_by_the_transport_is_not_taken_as_closed(ended: str
 def test_a_request_stream_the_caller_closed_reaches_its_end() -> None:
     handler = wire._stream_request(lambda requests, context: list(requests))
     assert handler(iter([b"a", b"b"]), _Context("never")) == [b"a", b"b"]
+
+
+class _AioContext:
+    """A grpc.aio servicer context whose call ends (``done``) when the test says."""
+
+    def __init__(self) -> None:
+        self.ended = False
+
+    def cancelled(self) -> bool:
+        return False  # grpc.aio says so for a call the transport cut, too
+
+    def done(self) -> bool:
+        return self.ended
+
+
+class _Clock:
+    """``wire``'s clock and sleeps: time passes only as the test (or a sleep) says."""
+
+    def __init__(self) -> None:
+        self.now, self.slept = 100.0, []  # type: list[float]
+
+    def monotonic(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+async def _incoming(*messages: bytes) -> Any:
+    for m in messages:
+        yield m
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
+    c = _Clock()
+    monkeypatch.setattr(wire, "time", SimpleNamespace(monotonic=c.monotonic))
+    monkeypatch.setattr(wire, "asyncio", SimpleNamespace(sleep=c.sleep))
+    return c
+
+
+@pytest.mark.parametrize("ended", [False, True])
+def test_an_event_driven_request_stream_checks_its_end_where_it_ends(
+    clock: _Clock, ended: bool
+) -> None:
+    """Read as it comes (no deferral), a stream the transport cut fails at its end."""
+    context = _AioContext()
+
+    async def read() -> list[bytes]:
+        stream = wire.RequestStream(_incoming(b"a", b"b"), context)
+        context.ended = ended  # the news of the cut comes just after the stream's end
+        return [m async for m in stream]
+
+    if ended:
+        with pytest.raises(grpc.RpcError):
+            asyncio.run(read())
+    else:
+        assert asyncio.run(read()) == [b"a", b"b"]
+    assert clock.slept == [pytest.approx(wire.STREAM_END_CHECK_S)]
+
+
+@pytest.mark.parametrize("ended", [False, True])
+@pytest.mark.parametrize("work_s", [0.0, 0.002, 0.05])
+def test_a_deferred_end_check_waits_only_what_the_work_did_not_take(
+    clock: _Clock, work_s: float, ended: bool
+) -> None:
+    """An upload confirms its stream's end after its last checks and sync: the check's
+    wait overlaps that work, and a cut stream still fails the check, not the reading."""
+    context = _AioContext()
+
+    async def read_then_confirm() -> list[bytes]:
+        stream = wire.RequestStream(_incoming(b"a", b"b"), context)
+        closed = stream.defer_end_check()
+        got = [m async for m in stream]  # no wait at the end, even when cut
+        assert clock.slept == []
+        context.ended = ended
+        clock.now += work_s  # the payload's last checks and its spool's sync
+        await closed()
+        return got
+
+    if ended:
+        with pytest.raises(grpc.RpcError):
+            asyncio.run(read_then_confirm())
+    else:
+        assert asyncio.run(read_then_confirm()) == [b"a", b"b"]
+    left = wire.STREAM_END_CHECK_S - work_s
+    assert clock.slept == ([pytest.approx(left)] if left > 0 else [])
+
+
+def test_a_deferred_end_check_before_the_end_is_a_mistake(clock: _Clock) -> None:
+    async def confirm_early() -> None:
+        stream = wire.RequestStream(_incoming(b"a"), _AioContext())
+        closed = stream.defer_end_check()
+        await anext(stream)
+        await closed()
+
+    with pytest.raises(RuntimeError, match="not read to its end"):
+        asyncio.run(confirm_early())
 
 
 @pytest.mark.parametrize(

@@ -24,6 +24,7 @@ from google.protobuf.message import Message
 from fedra.client.connection import Assignment, Connection
 from fedra.coordinator.engine import EngineSettings
 from fedra.examples import synthetic
+from fedra.protos import wire
 from fedra.protos.codec import decode, encode
 from fedra.protos.v1 import admin_pb2, admin_pb2_grpc, common_pb2, site_pb2, site_pb2_grpc
 from fedra.runspec import CodecSpec, TrainSpec
@@ -661,6 +662,56 @@ def test_an_upload_cut_off_mid_stream_is_given_back_quietly(
     assert "unexpected error" not in caplog.text, caplog.text  # not an internal error
     assert "Traceback" not in caplog.text, caplog.text
     assert upload(coordinator, messages(task, site, payload)).bytes_received == len(payload)
+
+
+def test_an_upload_whose_call_ends_after_its_whole_payload_leaves_no_spool_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The end of an upload's stream is confirmed (wire.RequestStream.defer_end_check)
+    beside the payload's last checks and its spool file's sync, before the file is put in
+    place: a call that ends just after its stream did (the transport refusing a message
+    over the size limit ends a stream alike; here the caller cancels) counts for nothing,
+    leaves nothing in the spool, and the site's retry counts."""
+    monkeypatch.setattr(wire, "STREAM_END_CHECK_S", 3.0)  # the check, made long
+    caplog.set_level(logging.INFO, logger="fedra.coordinator")
+    settings = EngineSettings(
+        heartbeat_interval_s=1.0, poll_timeout_s=2.0, site_timeout_s=30.0,
+        inline_model_bytes=0, small_update_bytes=0,  # every update a spool file
+    )  # fmt: skip
+    c = InProcessCoordinator(tmp_path / "state", settings)
+    try:
+        run_id, tasks = start_round_one(c)
+        site, task = sorted(tasks.items())[0]
+        payload = delta_payload()
+        digest = hashlib.sha256(payload).hexdigest()
+        spool = c.engine.updates.blobs
+        closed = threading.Event()
+
+        def whole_then_closed() -> Iterator[site_pb2.UpdateChunk]:
+            yield from messages(task, site, payload, chunk=64)
+            closed.set()  # gRPC asks past the last message: the stream is closed now
+
+        call = c.site.UploadUpdate.future(whole_then_closed(), timeout=30)
+        assert closed.wait(10)
+        threading.Event().wait(1.0)  # the coordinator reads the end, then checks it
+        call.cancel()
+        with pytest.raises(grpc.FutureCancelledError):
+            call.result()
+        deadline = time.monotonic() + 10
+        while "ended before its request stream" not in caplog.text:
+            assert time.monotonic() < deadline, caplog.text
+            threading.Event().wait(0.02)
+        while c.engine._moving.get(site, 0):
+            assert time.monotonic() < deadline
+            threading.Event().wait(0.02)
+        assert round_status(c, run_id, 1).updates == 0
+        assert not spool.path(digest).exists() and list(spool._tmp.iterdir()) == []
+        monkeypatch.setattr(wire, "STREAM_END_CHECK_S", 0.005)
+        assert upload(c, messages(task, site, payload)).bytes_received == len(payload)
+        assert spool.path(digest).exists() and list(spool._tmp.iterdir()) == []
+        assert round_status(c, run_id, 1).updates == 1
+    finally:
+        c.close()
 
 
 def _cut_bytes(c: InProcessCoordinator, run_id: str, number: int) -> dict[str, int]:

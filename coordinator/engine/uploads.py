@@ -281,6 +281,7 @@ class Receiver:
             self.writer = engine.updates.writer(ticket.header.payload_bytes)
         except StorageFullError as exc:  # nothing was spooled: the site retries later
             raise Unavailable("disk full: the coordinator cannot spool updates now") from exc
+        self.sealed = False
 
     def feed(self, chunk: Buffer) -> None:
         declared = self.ticket.header.payload_bytes
@@ -292,8 +293,11 @@ class Receiver:
                 crash_point("mid_upload", self.ticket.round)
             _check_chunk(self.decoder, self.dense, chunk)
 
-    def finish(self) -> str:
-        """The payload is whole: check it and make it durable; returns its digest."""
+    def seal(self) -> None:
+        """The payload is whole: check it and sync its bytes, without putting it in place
+        in the spool yet (``finish``): until then ``discard`` leaves nothing behind."""
+        if self.sealed:
+            return
         h = self.ticket.header
         with self._checked():
             if self.writer.bytes_written != h.payload_bytes:
@@ -305,7 +309,14 @@ class Receiver:
             if self.dense is not None:
                 self.dense.finish()
             _check_init_model(self.ticket, self.decoder)
-            digest = self.writer.commit(expected_digest=h.sha256)
+            self.writer.sync(expected_digest=h.sha256)
+        self.sealed = True
+
+    def finish(self) -> str:
+        """The payload is whole: check it and make it durable; returns its digest."""
+        self.seal()
+        with self._checked():
+            digest = self.writer.commit(expected_digest=self.ticket.header.sha256)
             if isinstance(self.writer, SmallWriter):
                 self.ticket.payload = self.writer.data
             return digest
