@@ -1106,3 +1106,57 @@ def test_a_site_that_hung_up_during_a_transfer_is_reported_once_the_transfer_end
         assert sorted(watch.silent(run, now[0])) == ["down", "up"]  # not 20 s later
     finally:
         engine.close()
+
+
+def test_the_operators_presence_reads_while_sites_register_under_collections(
+    tmp_path: Path,
+) -> None:
+    """``presence_ages`` reads the sites without the engine's lock while registrations go
+    on. A copy that allocates as it goes (``list(d.items())``) can set off a collection,
+    whose callbacks run Python code and so let another thread in: the dictionary then
+    changes under the copy (seen at 5,000 sites: the snapshot lost a write)."""
+    import gc
+
+    now = [1000.0]
+    engine = _timed_engine(tmp_path, now, 20.0)
+    # More than the interpreter keeps free pairs for (2,000): the copy's pairs are new
+    # objects, so the collector counts them.
+    many = 2500
+    with ThreadPoolExecutor(32) as pool:  # registrations share group commits
+        list(pool.map(lambda i: engine.register(f"site-{i:04d}", [TASK], "1"), range(many)))
+
+    def let_others_in(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            time.sleep(0.0005)  # releases the interpreter's lock, as a slow callback may
+
+    stop, errors = threading.Event(), []
+
+    def register_more() -> None:
+        i = many
+        while not stop.is_set():
+            engine.register(f"site-{i:04d}", [TASK], "1")
+            i += 1
+
+    thread = threading.Thread(target=register_more)
+    threshold = gc.get_threshold()
+    gc.callbacks.append(let_others_in)
+    gc.set_threshold(20)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 3.0
+        reads = 0
+        while time.monotonic() < deadline and reads < 200:
+            try:
+                ages, _ = engine.presence_ages(now[0])
+            except RuntimeError as exc:
+                errors.append(exc)
+                break
+            reads += 1
+    finally:
+        gc.set_threshold(*threshold)
+        gc.callbacks.remove(let_others_in)
+        stop.set()
+        thread.join(10)
+        engine.close()
+    assert not errors, errors
+    assert reads > 0 and len(ages) >= many

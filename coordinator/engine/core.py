@@ -906,7 +906,10 @@ class Engine:
         last_seen, timeout = self._last_seen, self.settings.site_timeout_s
         ages: dict[str, int] = {}
         offline: list[str] = []
-        for site_id, s in list(self._sites.items()):  # one atomic copy
+        # One atomic copy: dict.copy runs no Python code. list(d.items()) allocates a pair
+        # per site, which can set off a collection whose callbacks let another thread in
+        # to change the dict under the copy (RuntimeError, seen while 5,000 registered).
+        for site_id, s in self._sites.copy().items():
             if polling.get(site_id, 0) > 0 or moving.get(site_id, 0) > 0:
                 ages[site_id] = 0
                 continue
