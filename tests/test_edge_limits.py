@@ -4,6 +4,7 @@ cannot share a port in use."""
 
 from __future__ import annotations
 
+import collections
 import logging
 import subprocess
 import sys
@@ -182,6 +183,51 @@ def test_a_site_holds_only_so_many_calls_and_silent_streams_end(
         greedy.Heartbeat(site_pb2.HeartbeatRequest(site_id="site-a"), timeout=5)
     finally:
         release.set()
+        c.close()
+
+
+def test_an_ended_call_frees_its_slot_and_leaves_no_cycle_for_the_collector(
+    tmp_path: Path, limiters: list[CallLimiter]
+) -> None:
+    """Every call frees its slot however it ends: answered, refused, or cancelled by its
+    caller while it waits. And a call answered or cancelled leaves nothing of the
+    limiter's, nor gRPC's call state, for the collector: at thousands of sites, calls
+    held in reference cycles were most of the daemon's young garbage, and its
+    collections half its CPU."""
+    import gc
+
+    c = _Coordinator(tmp_path, EdgeLimits(calls_per_admin=8, stream_idle_s=30), tls=False)
+    (limiter,) = limiters
+    try:
+        stub = c.site("site-a")
+        _register(stub, "site-a")
+        for _ in range(10):  # warm: whatever a first call builds once is not the calls'
+            stub.Heartbeat(site_pb2.HeartbeatRequest(site_id="site-a"), timeout=5)
+        gc.collect()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            for _ in range(50):
+                stub.Heartbeat(site_pb2.HeartbeatRequest(site_id="site-a"), timeout=5)
+            waiting = stub.PollTask.future(site_pb2.PollTaskRequest(site_id="site-a"), timeout=30)
+            _wait_for(lambda: limiter.in_flight() == 1, "the poll admitted")
+            waiting.cancel()  # the handler is cancelled mid-wait
+            _wait_for(lambda: limiter.in_flight() == 0, "the slots freed")
+            for _ in range(5):  # the server's loop finishes the cancelled call meanwhile
+                stub.Heartbeat(site_pb2.HeartbeatRequest(site_id="site-a"), timeout=5)
+            gc.collect()
+            left = collections.Counter(type(o).__name__ for o in gc.garbage)
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+        with pytest.raises(grpc.RpcError) as info:  # refused by the servicer (gRPC keeps
+            # the abort's exception with the call's state: a cycle, but refusals are few)
+            stub.Heartbeat(site_pb2.HeartbeatRequest(site_id="site-a", hold_s=-1), timeout=5)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        _wait_for(lambda: limiter.in_flight() == 0, "the refused call's slot freed")
+        cycles = {k: n for k, n in left.items() if k in {"_Call", "_Caller", "RPCState",
+                                                           "_ServicerContext"}}  # fmt: skip
+        assert not cycles, f"calls left in reference cycles: {cycles} (all: {left})"
+    finally:
         c.close()
 
 
