@@ -429,20 +429,27 @@ class CoordinatorAPI:
 
     def _accept_begin(
         self, ticket: uploads.UploadTicket, digest: str, size: int
-    ) -> tuple[Future[None], Callable[[], None]]:
+    ) -> tuple[Future[None], Callable[[Future[None]], None]]:
         """``uploads.accept`` without a thread waiting for the group commit: the accepting
         write goes in the next batch; returned, the batch's future and the rest of the
-        accept, to run once that is committed. Begun, it goes to its end."""
+        accept, to call with that future once it is done. Begun, it goes to its end.
+
+        The rest is given the future, not bound to it: a future keeps its callbacks, so a
+        callback holding its own future would be a reference cycle, which only the
+        collector frees (with the ticket and all it holds), an upload at a time."""
         write = uploads.accept_begin(self.engine, ticket, digest, size)
         durable = self.engine.commits.submit(write)
-        end = functools.partial(uploads.accept_end, self.engine, ticket, digest, size, durable)
-        return durable, end
+        return durable, functools.partial(uploads.accept_end, self.engine, ticket, digest, size)
 
     def _accept(self, ticket: uploads.UploadTicket, digest: str, size: int) -> Future[None]:
         """An accept whose end runs in the executor; the future says when it has."""
         durable, end = self._accept_begin(ticket, digest, size)
         accepted: Future[None] = Future()
-        durable.add_done_callback(lambda _: self._submit(_settle, accepted, end))
+
+        def committed(batch: Future[None]) -> None:
+            self._submit(_settle, accepted, functools.partial(end, batch))
+
+        durable.add_done_callback(committed)
         return accepted
 
     def _accept_here(
@@ -458,21 +465,22 @@ class CoordinatorAPI:
             with suppress(RuntimeError):  # the loop closed: nobody waits any more
                 inbox.put(functools.partial(_copy_outcome, outcome, done))
 
-        def on_loop() -> None:
-            # Not run holding the lock: ``end`` takes it (and a run's fold lock, which is
-            # taken before the engine's elsewhere) itself. Free now, it is soon again.
+        def on_loop(finish: Callable[[], None]) -> None:
+            # Not run holding the lock: ``finish`` takes it (and a run's fold lock, which
+            # is taken before the engine's elsewhere) itself. Free now, it is soon again.
             if self.engine.is_free():
-                _settle(done, end)
+                _settle(done, finish)
             else:
                 aside: Future[None] = Future()
                 aside.add_done_callback(back)
-                self._submit(_settle, aside, end)
+                self._submit(_settle, aside, finish)
 
-        def hand_over(_: Future[None]) -> None:  # the group commit's thread, or here
+        def hand_over(batch: Future[None]) -> None:  # the group commit's thread, or here
+            finish = functools.partial(end, batch)
             try:
-                inbox.put(on_loop)
+                inbox.put(functools.partial(on_loop, finish))
             except RuntimeError:  # the loop has closed (the server stopped): end it anyway
-                self._submit(_settle, Future(), end)
+                self._submit(_settle, Future(), finish)
 
         durable.add_done_callback(hand_over)
 

@@ -11,6 +11,7 @@ import logging
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -710,6 +711,48 @@ def test_an_upload_whose_call_ends_after_its_whole_payload_leaves_no_spool_file(
         assert upload(c, messages(task, site, payload)).bytes_received == len(payload)
         assert spool.path(digest).exists() and list(spool._tmp.iterdir()) == []
         assert round_status(c, run_id, 1).updates == 1
+    finally:
+        c.close()
+
+
+def test_a_round_s_calls_leave_nothing_in_reference_cycles(tmp_path: Path) -> None:
+    """Polls, uploads (one call and streamed) and status reads end without leaving the
+    call, its upload's ticket or the futures of its accept in a reference cycle: such
+    garbage waits for the collector, whose work at thousands of sites grew with it
+    (scale.md). gRPC's own per-call leftovers (its method lookup's closure) are not
+    counted."""
+    import gc
+
+    settings = EngineSettings(heartbeat_interval_s=1.0, poll_timeout_s=2.0, site_timeout_s=30.0)
+    c = InProcessCoordinator(tmp_path / "state", settings)  # models come with their tasks
+
+    def play(run_id: str, number: int, via: str) -> None:
+        sampled = round_status(c, run_id, number).sampled_sites
+        for site in sorted(sampled):
+            task = c.site.PollTask(site_pb2.PollTaskRequest(site_id=site), timeout=10).task
+            assert task.round == number
+            upload(c, messages(task, site, delta_payload(), chunk=64), via=via)
+        deadline = time.monotonic() + 10
+        while round_status(c, run_id, number).status != "committed":
+            assert time.monotonic() < deadline, f"round {number} did not commit"
+            threading.Event().wait(0.02)
+
+    try:
+        run_id, _ = start_round_one(c, rounds=6)
+        play(run_id, 1, "unary")  # warm
+        gc.collect()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            for number, via in ((2, "unary"), (3, "stream"), (4, "unary"), (5, "stream")):
+                play(run_id, number, via)
+            gc.collect()
+            left = Counter(type(o).__name__ for o in gc.garbage)
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+        ours = {"UploadTicket", "Future", "_Call", "_Caller", "RPCState", "_ServicerContext"}
+        cycles = {k: n for k, n in left.items() if k in ours}
+        assert not cycles, f"left in reference cycles: {cycles} (all: {left})"
     finally:
         c.close()
 
