@@ -275,6 +275,9 @@ class SiteAgent:
         self._downloaded = len(task.model)  # sent with the task; _global_model adds downloads
         if not task.init and self._settle(task):
             return  # this very task's update was sent before a restart, and is in
+        if beat.withdrawn.is_set():  # while it waited for the site (its attempt failed)
+            log.warning("%s: task withdrawn before its work began; skipped", tag)
+            return
         if task.init:
             model = impl.create_model(task.seed, params)
             payload = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -289,6 +292,9 @@ class SiteAgent:
             # leaves it, which buffers on a slow link hide.
             downloaded = time.monotonic()
             crash_point("after_download", task.round)
+            if beat.withdrawn.is_set():  # a training ahead stays for the task given next
+                log.warning("%s: task withdrawn during its download; not training", tag)
+                return
             payload, num_samples, metrics = self._train(impl, task, global_state)
             payload = attack(payload)
             metrics["download_s"] = downloaded - started

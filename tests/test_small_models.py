@@ -357,6 +357,63 @@ def test_a_heartbeat_still_tells_a_site_its_task_was_withdrawn() -> None:
         b.conn.close()
 
 
+@pytest.mark.parametrize("when", ["before its work", "after its model came"])
+def test_a_task_withdrawn_before_its_training_is_neither_trained_nor_uploaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, when: str
+) -> None:
+    """A site that hears from its heartbeat that its task was withdrawn (its attempt
+    failed, or here its run was cancelled) stops at the next step of its work: it does
+    not fetch the model for it, nor, once the model is in, train on it. Before, it
+    trained to the end and then did not upload: time a site then spent late for the
+    task given next (the retry of a round, at thousands of sites)."""
+    from fedra.client import agent as agent_mod
+    from fedra.client.connection import Session
+
+    monkeypatch.setattr(agent_mod, "first_beat_s", lambda interval_s: 0.02)
+    made = _coordinator(tmp_path)
+    c = next(made)
+    try:
+        run_id, tasks = _start_round_one(c)
+        site = sorted(tasks)[0]
+        config = SiteConfig(site, c.address, (TASK,), insecure=True)
+        data = {TASK: synthetic_task.load_data({"samples": 64, "seed": 1})}
+        agent = SiteAgent(config, executor=LocalExecutor(), tasks={TASK: synthetic_task}, data=data)
+        task = agent.conn.poll(2.0)
+        assert task is not None and task.round == 1
+        fetched, trained = [], []
+        real_model, real_train = agent._global_model, agent.executor.train
+        beat = _Heartbeat(agent.conn, task.task_id, 1.0, hold_s=2.0)
+
+        def withdraw() -> None:
+            c.admin.CancelRun(admin_pb2.CancelRunRequest(run_id=run_id), timeout=10)
+            assert beat.withdrawn.wait(10), "the heartbeat never said so"
+
+        def model(*args: object) -> object:
+            fetched.append(True)
+            got = real_model(*args)  # type: ignore[arg-type]
+            if when == "after its model came":
+                withdraw()
+            return got
+
+        def train(*args: object) -> object:
+            trained.append(True)
+            return real_train(*args)  # type: ignore[arg-type]
+
+        agent._global_model = model  # type: ignore[method-assign, assignment]
+        agent.executor.train = train  # type: ignore[method-assign, assignment]
+        with beat:
+            if when == "before its work":
+                withdraw()
+            agent._train_and_upload(task, Session(1.0, 2.0, 1 << 20), "test", beat)
+        assert fetched == ([] if when == "before its work" else [True])
+        assert trained == [] and agent.rounds_done == 0
+        (p,) = [p for p in round_status(c, run_id, 1).participations if p.site_id == site]
+        assert p.bytes_up == 0 and p.status != "accepted"
+        agent.conn.close()
+    finally:
+        next(made, None)
+
+
 def test_a_model_that_does_not_match_its_digest_is_refused_by_the_site() -> None:
     state = synthetic_task.create_model(0, {}).state_dict()
     model = encode({k: v.detach() for k, v in state.items()})
