@@ -126,11 +126,19 @@ class CoordinatorAPI:
         deadline (liveness, before anything waits: ``Engine.touch``)."""
         self.engine.touch(site_id, queued_s)
 
-    async def heartbeat(self, site_id: str, task_id: str, hold_s: float = 0.0) -> bool:
+    async def heartbeat(
+        self,
+        site_id: str,
+        task_id: str,
+        hold_s: float = 0.0,
+        hung_up: Callable[[], bool] = lambda: True,
+    ) -> bool:
         """Whether the site's task still counts; with ``hold_s`` > 0 and a task that does,
         after holding the call up to ``hold_s`` (at most the poll timeout) or until it stops
         counting. The site is online while the call is held, as in a long poll, and
-        offline at once if it hangs up (it stopped)."""
+        offline at once if it hangs up (it stopped). ``hung_up`` says whether a call
+        cancelled was hung up by its caller; one that ran out of time (a coordinator too
+        late to answer within it) says nothing against the site."""
         engine = self.engine
         current, run_id = await self.quick(engine.heartbeat, site_id, task_id)
         hold_s = min(hold_s, engine.settings.poll_timeout_s)
@@ -157,7 +165,7 @@ class CoordinatorAPI:
             waiting.discard()
         except BaseException:  # cancelled: the caller hung up (or the daemon is stopping)
             waiting.discard()
-            self.soon(engine.poll_end, site_id, began, True)
+            self.soon(engine.poll_end, site_id, began, hung_up())
             raise
         # Not waited for: a call that ends is not held by the engine's lock (nor cut off
         # waiting for it by a stopping server).
@@ -166,9 +174,12 @@ class CoordinatorAPI:
         # the coordinator is back, and the site's upload waits for that.
         return current
 
-    async def poll(self, site_id: str, timeout_s: float) -> TaskView | None:
+    async def poll(
+        self, site_id: str, timeout_s: float, hung_up: Callable[[], bool] = lambda: True
+    ) -> TaskView | None:
         """The site's task, waiting up to ``timeout_s`` for one. A caller that hangs up
-        (the call is cancelled) is offline at once, not when its poll would have ended."""
+        (the call is cancelled, and ``hung_up`` says so) is offline at once, not when its
+        poll would have ended; a poll that ran out of time is not a site hanging up."""
         engine = self.engine
         deadline = time.monotonic() + max(0.0, min(timeout_s, engine.settings.poll_timeout_s))
         ticket = engine.wakeups.ticket(site_key(site_id))
@@ -187,7 +198,7 @@ class CoordinatorAPI:
             ticket.discard()
         except BaseException:  # cancelled: the caller hung up (or the daemon is stopping)
             ticket.discard()
-            self.later(engine.poll_end, site_id, began, True)
+            self.later(engine.poll_end, site_id, began, hung_up())
             raise
         await self.quick(engine.poll_end, site_id, began, False)
         if view is not None and self._inlined(view):
@@ -385,10 +396,14 @@ class CoordinatorAPI:
             if closed is not None:
                 # Whole, checked and synced but not yet in the spool while the stream's end
                 # is confirmed (its wait overlaps this work): refused, nothing stays.
-                if here:
-                    held.seal(last)
-                else:
-                    await self.call(held.seal, last)
+                try:
+                    if here:
+                        held.seal(last)
+                    else:
+                        await self.call(held.seal, last)
+                except Exception:
+                    await closed()  # a stream the transport cut looks short: it was cut
+                    raise
                 last = None
                 await closed()
             digest = held.finish(last) if here else await self.call(held.finish, last)

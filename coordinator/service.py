@@ -123,7 +123,9 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
             raise InvalidArgument(f"hold_s must be a number of seconds >= 0, not {request.hold_s}")
         # Leave a margin inside the caller's own deadline so the answer gets back in time.
         hold_s = _long_poll_s(request.hold_s, context) if request.hold_s > 0 else 0.0
-        current = await self.api.heartbeat(request.site_id, request.task_id, hold_s)
+        current = await self.api.heartbeat(
+            request.site_id, request.task_id, hold_s, lambda: not wire.past_deadline(context)
+        )
         return site_pb2.HeartbeatResponse(task_current=current)
 
     @mapped
@@ -134,7 +136,9 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
         self.api.touch(request.site_id, wire.queued_s(context))
         # Leave a margin inside the caller's own deadline so the reply gets back in time.
         timeout = _long_poll_s(self.api.settings.poll_timeout_s, context)
-        task = await self.api.poll(request.site_id, timeout)
+        task = await self.api.poll(
+            request.site_id, timeout, lambda: not wire.past_deadline(context)
+        )
         if task is None:
             return site_pb2.PollTaskResponse()
         # Checked again: a certificate revoked while its poll waited gets no task (nor
@@ -169,6 +173,8 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
         if isinstance(request_iterator, wire.RequestStream):
             closed = request_iterator.defer_end_check()
         first = await anext(aiter(request_iterator), None)
+        if first is None and closed is not None:
+            await closed()  # a stream the transport cut at its first message was cut
         if not isinstance(first, site_pb2.UpdateChunk) or first.WhichOneof("part") != "header":
             raise InvalidArgument("an upload must start with exactly one header message")
         size = await self._upload(first.header, _payload(request_iterator), context, closed)

@@ -54,6 +54,18 @@ def declared_timeout(timeout_s: float) -> tuple[tuple[str, str]]:
     return ((TIMEOUT_KEY, str(round(timeout_s * 1000))),)
 
 
+# A call cancelled this close to its deadline ran out of time (past_deadline).
+DEADLINE_SLACK_S = 1.0
+
+
+def past_deadline(context: Any) -> bool:
+    """Whether the call is at its deadline, or within ``DEADLINE_SLACK_S`` of it: a call
+    cancelled then ran out of time (its caller's deadline, counted on its side, passes
+    about when the server's does) rather than being hung up by its caller."""
+    remaining = context.time_remaining()
+    return remaining is not None and remaining < DEADLINE_SLACK_S
+
+
 def queued_s(context: Any) -> float | None:
     """How long a call waited between its arrival and its handler, from the deadline its
     caller declared (``declared_timeout``) and what is left of it; None when it declared
@@ -86,6 +98,8 @@ MAX_STATUS_BYTES = 64 * 2**20
 # and its spool's sync (RequestStream.defer_end_check), so its reply comes that much later
 # only where those take less.
 STREAM_END_CHECK_S = 0.005
+# The least a deferred check waits, however long the work beside it took.
+STREAM_END_MIN_WAIT_S = 0.001
 
 
 def _varint(value: int) -> bytes:
@@ -291,19 +305,21 @@ class RequestStream:
 
     def defer_end_check(self) -> Callable[[], Awaitable[None]]:
         """The end's check is the reader's to make (``closed``, returned), not made when
-        the stream ends."""
+        the stream ends. A stream the transport cut looks short to the reader: before
+        refusing it as such, the reader asks ``closed``, whose error says it was cut."""
         self._deferred = True
         return self.closed
 
     async def closed(self) -> None:
         """Raise grpc.RpcError (as a cancelled call's stream does) unless the caller
         closed its stream: ``STREAM_END_CHECK_S`` after its end, waiting only what is left
-        of that since the stream ended."""
+        of that since the stream ended (``STREAM_END_MIN_WAIT_S`` at least)."""
         if self._ended_at is None:
             raise RuntimeError("the request stream was not read to its end")
         left = self._ended_at + STREAM_END_CHECK_S - time.monotonic()
-        if left > 0:
-            await asyncio.sleep(left)
+        # At least a short wait even when the work took longer: the loop then polls for
+        # news once more, which may have queued behind the work's own result.
+        await asyncio.sleep(max(left, STREAM_END_MIN_WAIT_S))
         if self._context.cancelled() or self._context.done():
             raise grpc.RpcError("the call ended before its request stream was closed")
 

@@ -224,9 +224,11 @@ def test_an_ended_call_frees_its_slot_and_leaves_no_cycle_for_the_collector(
             stub.Heartbeat(site_pb2.HeartbeatRequest(site_id="site-a", hold_s=-1), timeout=5)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         _wait_for(lambda: limiter.in_flight() == 0, "the refused call's slot freed")
-        cycles = {k: n for k, n in left.items() if k in {"_Call", "_Caller", "RPCState",
-                                                           "_ServicerContext"}}  # fmt: skip
-        assert not cycles, f"calls left in reference cycles: {cycles} (all: {left})"
+        # Each of the 51 calls left one of each before; a few may be another test's, whose
+        # objects became garbage meanwhile.
+        kinds = ("_Call", "_Caller", "RPCState", "_ServicerContext")
+        cycles = {k: left[k] for k in kinds if left[k]}
+        assert max(cycles.values(), default=0) < 10, f"calls left in cycles: {cycles} ({left})"
     finally:
         c.close()
 
