@@ -728,8 +728,18 @@ def test_a_round_s_calls_leave_nothing_in_reference_cycles(tmp_path: Path) -> No
     settings = EngineSettings(heartbeat_interval_s=1.0, poll_timeout_s=2.0, site_timeout_s=30.0)
     c = InProcessCoordinator(tmp_path / "state", settings)  # models come with their tasks
 
+    def opened(run_id: str, number: int) -> admin_pb2.RoundStatus:
+        deadline = time.monotonic() + 10
+        while True:  # the round opens a moment after the one before commits
+            rounds = c.admin.GetRun(admin_pb2.GetRunRequest(run_id=run_id)).rounds
+            found = [r for r in rounds if r.number == number]
+            if found:
+                return found[0]
+            assert time.monotonic() < deadline, f"round {number} did not open"
+            threading.Event().wait(0.02)
+
     def play(run_id: str, number: int, via: str) -> None:
-        sampled = round_status(c, run_id, number).sampled_sites
+        sampled = opened(run_id, number).sampled_sites
         for site in sorted(sampled):
             task = c.site.PollTask(site_pb2.PollTaskRequest(site_id=site), timeout=10).task
             assert task.round == number
