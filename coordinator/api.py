@@ -340,9 +340,10 @@ class CoordinatorAPI:
         """Receive an update: checked, spooled, durably accepted and folded before this
         returns the bytes it counted. ``check`` (its signature, say) runs first, in the
         same step as the header's checks; ``started`` once the round holds the update;
-        ``closed``, where given, once the payload is whole, checked and durable in the
-        spool, before it is accepted: it raises if the caller did not end ``chunks``
-        itself (wire.RequestStream.closed), and the update then counts for nothing."""
+        ``closed``, where given, once the payload is whole, checked and synced, before it
+        is put in place in the spool and accepted: it raises if the caller did not end
+        ``chunks`` itself (wire.RequestStream.closed), and the update then counts for
+        nothing and leaves no file."""
         engine, held = self.engine, _Held()
         # A small update is received in memory (storage.spool): no file, no thread. (Not
         # an async run's: refusing a stale one writes to the database.)
@@ -622,9 +623,8 @@ class _Held:
         self.receiver.seal()
 
     def finish(self, last: Buffer | None) -> str:
+        self.seal(last)  # once: the receiver's finish seals only what is not sealed
         assert self.receiver is not None
-        if last is not None:
-            self.receiver.feed(last)
         return self.receiver.finish()
 
 

@@ -372,6 +372,7 @@ def test_a_task_withdrawn_before_its_training_is_neither_trained_nor_uploaded(
     monkeypatch.setattr(agent_mod, "first_beat_s", lambda interval_s: 0.02)
     made = _coordinator(tmp_path)
     c = next(made)
+    agent: SiteAgent | None = None
     try:
         run_id, tasks = _start_round_one(c)
         site = sorted(tasks)[0]
@@ -409,8 +410,9 @@ def test_a_task_withdrawn_before_its_training_is_neither_trained_nor_uploaded(
         assert trained == [] and agent.rounds_done == 0
         (p,) = [p for p in round_status(c, run_id, 1).participations if p.site_id == site]
         assert p.bytes_up == 0 and p.status != "accepted"
-        agent.conn.close()
     finally:
+        if agent is not None:
+            agent.conn.close()
         next(made, None)
 
 
