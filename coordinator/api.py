@@ -676,8 +676,9 @@ def _read_chunk(chunks: Generator[bytes, None, None], last: bool, digest: str) -
 
 
 def _give_back(engine: Engine, held: _Held) -> None:
-    """An upload that did not complete: its spool file goes, its task is the site's again."""
+    """An upload that did not complete: its spool file goes (put in place already, if
+    the call was cancelled after its last step), its task is the site's again."""
     if held.receiver is not None:
         held.receiver.discard()
     if held.ticket is not None:
-        uploads.abort_upload(engine, held.ticket)
+        uploads.give_up(engine, held.ticket)

@@ -70,8 +70,12 @@ def _identity(st: os.stat_result) -> tuple[int, int, int]:
     return st.st_size, st.st_mtime_ns, st.st_ino
 
 
+def _is_digest(name: str) -> bool:
+    return len(name) == 64 and set(name) <= _HEX
+
+
 def _check_digest(digest: str) -> None:
-    if len(digest) != 64 or not set(digest) <= _HEX:
+    if not _is_digest(digest):
         raise ValueError(f"not a lower-case hex SHA-256 digest: {digest!r}")
 
 
@@ -168,6 +172,15 @@ class BlobStore:
 
     def delete(self, digest: str) -> None:
         self.path(digest).unlink(missing_ok=True)
+
+    def digests(self) -> Iterator[str]:
+        """The digests of the blobs in place (not writes in progress, nor other files)."""
+        for folder in self.root.iterdir():
+            if len(folder.name) != 2 or not folder.is_dir():
+                continue
+            for entry in folder.iterdir():
+                if entry.name.startswith(folder.name) and _is_digest(entry.name):
+                    yield entry.name
 
     def clear_tmp(self) -> int:
         """Remove writes a crash left behind; returns how many."""

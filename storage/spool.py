@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections import OrderedDict
-from collections.abc import Iterator
+from collections import Counter, OrderedDict
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 from fedra.storage.blobs import (
@@ -96,6 +96,9 @@ class UpdateSpool:
         self.small_bytes, self.cache_bytes = small_bytes, cache_bytes
         self._cache: OrderedDict[str, bytes] = OrderedDict()  # newest last
         self._cached = 0  # bytes in it
+        # Digests of files an upload put in place and has not yet handed to its accept:
+        # no clean-up deletes them meanwhile (identical updates share one file).
+        self._holds: Counter[str] = Counter()
         self._lock = threading.Lock()  # the loop, executor threads and the round drivers
 
     @property
@@ -151,14 +154,37 @@ class UpdateSpool:
         for start in range(0, len(data), chunk_bytes):
             yield data[start : start + chunk_bytes]
 
-    def delete(self, digest: str) -> None:
-        """Forget the update: its file and its memory copy. (Its rows' bytes go with their
-        round: ``Store.clear_update_data``.)"""
+    def hold(self, digest: str) -> None:
+        """An upload is about to put ``digest``'s file in place: keep it until ``release``,
+        whatever a clean-up of another update with the same bytes deletes meanwhile."""
         with self._lock:
+            self._holds[digest] += 1
+
+    def release(self, digest: str) -> None:
+        """The upload that held ``digest`` accepted it (its round keeps it now) or gave up."""
+        with self._lock:
+            self._holds[digest] -= 1
+            if self._holds[digest] <= 0:
+                del self._holds[digest]
+
+    def delete(self, digest: str) -> bool:
+        """Forget the update: its file and its memory copy, unless an upload holds it
+        (``hold``); whether it went. (Its rows' bytes go with their round:
+        ``Store.clear_update_data``.)"""
+        with self._lock:
+            if digest in self._holds:
+                return False
             data = self._cache.pop(digest, None)
             if data is not None:
                 self._cached -= len(data)
-        self.blobs.delete(digest)
+            self.blobs.delete(digest)  # under the lock: no hold begins while it goes
+        return True
+
+    def sweep(self, keep: Collection[str]) -> int:
+        """Delete the spool files that are not in ``keep`` nor held: what a crash between
+        an upload's file and its accept left behind, which no round refers to. Returns how
+        many went."""
+        return sum(self.delete(d) for d in list(self.blobs.digests()) if d not in keep)
 
     def clear_tmp(self) -> int:
         return self.blobs.clear_tmp()

@@ -7,6 +7,7 @@ between, and a failed attempt must be recorded once.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import time
@@ -18,7 +19,7 @@ import grpc
 import pytest
 from sqlalchemy import text
 
-from fedra.coordinator.engine import EngineSettings
+from fedra.coordinator.engine import EngineSettings, uploads
 from fedra.protos.v1 import admin_pb2, site_pb2
 from fedra.storage import Store
 from tests.conftest import InProcessCoordinator
@@ -251,3 +252,91 @@ def test_a_spooled_update_damaged_across_a_restart_fails_its_task_alone(
         assert not path.exists()
     finally:
         again.close()
+
+
+# -- spool files nobody refers to ------------------------------------------------------
+
+FILES = replace(SETTINGS, small_update_bytes=0)  # every update a spool file
+
+
+def _spool_path(c: InProcessCoordinator, payload: bytes) -> Path:
+    return c.engine.updates.blobs.path(hashlib.sha256(payload).hexdigest())
+
+
+def test_a_start_deletes_spool_files_no_round_refers_to_and_keeps_accepted_ones(
+    tmp_path: Path,
+) -> None:
+    """A crash between an update's file and its durable accept leaves a file that no row
+    names: the next start deletes it, keeps every accepted update's, and the round goes
+    on with those."""
+    first = InProcessCoordinator(tmp_path / "state", FILES)
+    try:
+        run_id, tasks = start_round_one(first, sites_per_round=3, min_sites=3)
+        (a, ta), (b, tb), (c, tc) = sorted(tasks.items())
+        upload(first, messages(ta, a, delta_payload(0.1)))
+        upload(first, messages(tb, b, delta_payload(0.2)))
+        accepted = [_spool_path(first, delta_payload(x)) for x in (0.1, 0.2)]
+        first.engine.updates.put(delta_payload(0.3))  # put in place, never accepted
+        orphan = _spool_path(first, delta_payload(0.3))
+        leftover = orphan.parent / "notes.txt"  # not a spooled update: not the spool's
+        leftover.write_text("an operator's file")
+    finally:
+        first.close()
+    assert orphan.exists() and all(p.exists() for p in accepted)
+    again = InProcessCoordinator(tmp_path / "state", FILES)
+    try:
+        assert not orphan.exists() and leftover.exists()
+        assert all(p.exists() for p in accepted)
+        run = again.engine.runs[run_id]
+        assert [run.assignments[s].state for s in (a, b)] == ["accepted", "accepted"]
+        upload(again, messages(tc, c, delta_payload(0.3)))
+        wait_round(again, run_id, 1, "committed")
+        r1 = round_status(again, run_id, 1)
+        assert r1.attempt == 1 and r1.updates == 3  # none lost to the sweep
+        assert not any(p.exists() for p in accepted)  # the round let go of them
+    finally:
+        again.close()
+
+
+def test_an_upload_given_up_with_its_file_in_place_leaves_it_only_to_another_holder(
+    tmp_path: Path,
+) -> None:
+    """A call cancelled after its last step put the file in place is given back: the file
+    goes, unless another upload of the same bytes holds it until its own accept."""
+    c = InProcessCoordinator(tmp_path / "state", FILES)
+    try:
+        run_id, tasks = start_round_one(c, sites_per_round=3, min_sites=3)
+        payload = delta_payload(0.1)
+        path = _spool_path(c, payload)
+
+        def spooled(site: str, task: site_pb2.Task) -> uploads.UploadTicket:
+            """An upload whose file is in place and whose accept has not begun."""
+            h = next(messages(task, site, payload)).header
+            ticket = uploads.begin_upload(
+                c.engine,
+                uploads.UpdateHeader(
+                    site_id=h.site_id, run_id=h.run_id, round=h.round, task_id=h.task_id,
+                    num_samples=h.num_samples, metrics=dict(h.metrics), codec=h.codec,
+                    sha256=h.sha256, nonce=h.nonce, payload_bytes=h.payload_bytes,
+                ),
+            )  # fmt: skip
+            receiver = uploads.Receiver(c.engine, ticket)
+            receiver.feed(payload)
+            assert receiver.finish() == h.sha256 and path.exists()
+            return ticket
+
+        (a, ta), (b, tb), (s3, t3) = sorted(tasks.items())
+        first, second = spooled(a, ta), spooled(b, tb)  # identical updates: one file
+        run = c.engine.runs[run_id]
+        assert run.assignments[a].state == run.assignments[b].state == "uploading"
+        uploads.give_up(c.engine, second)
+        assert path.exists(), "deleted while another upload of the same bytes held it"
+        uploads.give_up(c.engine, first)
+        assert not path.exists(), "a given-up upload's file stayed in the spool"
+        assert run.assignments[a].state != "uploading" != run.assignments[b].state
+        for site, task in ((a, ta), (b, tb), (s3, t3)):  # the tasks are the sites' again
+            upload(c, messages(task, site, payload))
+        wait_round(c, run_id, 1, "committed")
+        assert round_status(c, run_id, 1).updates == 3
+    finally:
+        c.close()

@@ -1408,6 +1408,29 @@ def test_a_larger_update_is_a_spool_file_and_a_cached_one_is_read_from_memory(
     assert not spool.exists(digest)
 
 
+def test_a_held_spool_file_outlives_deletes_and_a_sweep_keeps_what_it_is_told(
+    run_store: Store, tmp_path: Path
+) -> None:
+    spool = UpdateSpool(BlobStore(tmp_path / "updates"), run_store, small_bytes=0)
+    kept, held, orphan = (spool.put(os.urandom(100)) for _ in range(3))
+    spool.hold(held)
+    spool.hold(held)  # two uploads of the same bytes
+    assert not spool.delete(held) and spool.exists(held)
+    spool.release(held)
+    assert not spool.delete(held)  # the other still holds it
+    (tmp_path / "updates" / "spill").mkdir()  # not blobs: never swept
+    (tmp_path / "updates" / orphan[:2] / "notes").write_text("x")
+    with spool.writer() as unfinished:  # a write in progress is not in place
+        unfinished.write(b"partial")
+        assert sorted(spool.blobs.digests()) == sorted((kept, held, orphan))
+        assert spool.sweep(keep={kept}) == 1  # the orphan; the held one stays
+    assert spool.exists(kept) and spool.exists(held) and not spool.exists(orphan)
+    assert (tmp_path / "updates" / orphan[:2] / "notes").exists()
+    spool.release(held)
+    assert spool.sweep(keep={kept}) == 1 and not spool.exists(held)
+    assert spool.delete(kept) and not spool.exists(kept)
+
+
 def test_a_row_whose_update_bytes_changed_reads_as_damaged(
     run_store: Store, tmp_path: Path
 ) -> None:

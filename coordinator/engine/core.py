@@ -225,6 +225,7 @@ class Engine:
             crash_point("during_startup", run.open_round or run.next_round)
             self._launch(run, resumed=True)
         self._sweep_update_data()
+        self._sweep_spool()
 
     def _sweep_update_data(self) -> None:
         """Let go of the small updates' bytes that rows of ended rounds still hold (a
@@ -239,6 +240,23 @@ class Engine:
                 for a in (*run.assignments.values(), *run.carried.values())
             }
         self._store.clear_update_data([t for t in holding if t not in live])
+
+    def _sweep_spool(self) -> None:
+        """Delete the spool files no run refers to: an update put in place just before a
+        crash, whose accept never became durable, is nobody's (its site sends it again)."""
+        with self._lock:
+            keep = self.spool_kept() | {
+                digest
+                for run in self.runs.values()
+                for digest in (
+                    run.init_sha256,
+                    *(a.update_sha256 for a in run.carried.values()),
+                )
+                if digest
+            }
+        swept = self.updates.sweep(keep)
+        if swept:
+            log.info("deleted %d spooled update(s) that no round refers to", swept)
 
     def begin_stop(self) -> None:
         """Mark the engine stopping and wake every waiting call, which returns at once."""

@@ -98,6 +98,8 @@ class UploadTicket:
     started: float = field(default_factory=time.monotonic)
     # A small update, whole and checked: its bytes go into its accept (storage.spool).
     payload: bytes | None = field(default=None, repr=False)
+    # A larger one's file, put in place and held in the spool until ``let_go``.
+    spooled: str | None = None
 
     @property
     def expected(self) -> dict[str, TensorSpec] | None:
@@ -277,6 +279,7 @@ class Receiver:
         self.dense = None
         if ticket.model is not None and ticket.codec.name != "secagg":
             self.dense = StreamingDecompressor(ticket.model, ticket.codec)
+        self.spool = engine.updates
         try:
             self.writer = engine.updates.writer(ticket.header.payload_bytes)
         except StorageFullError as exc:  # nothing was spooled: the site retries later
@@ -313,12 +316,23 @@ class Receiver:
         self.sealed = True
 
     def finish(self) -> str:
-        """The payload is whole: check it and make it durable; returns its digest."""
+        """The payload is whole: check it and make it durable; returns its digest. A
+        file put in place in the spool is held there (``UpdateSpool.hold``) until the
+        upload is accepted or given up (``let_go``)."""
         self.seal()
         with self._checked():
-            digest = self.writer.commit(expected_digest=self.ticket.header.sha256)
             if isinstance(self.writer, SmallWriter):
+                digest = self.writer.commit(expected_digest=self.ticket.header.sha256)
                 self.ticket.payload = self.writer.data
+                return digest
+            held = self.ticket.header.sha256  # sealed: the payload hashes to it
+            self.spool.hold(held)
+            try:
+                digest = self.writer.commit(expected_digest=held)
+            except BaseException:
+                self.spool.release(held)
+                raise
+            self.ticket.spooled = digest
             return digest
 
     def discard(self) -> None:
@@ -373,6 +387,24 @@ def _check_init_model(ticket: UploadTicket, decoder: StreamDecoder) -> None:
         raise InvalidArgument("the initial model has no floating-point tensors to train")
 
 
+def let_go(engine: Engine, ticket: UploadTicket) -> None:
+    """The upload's file is its round's now, or nobody's: the spool's hold on it ends."""
+    if ticket.spooled is not None:
+        engine.updates.release(ticket.spooled)
+        ticket.spooled = None
+
+
+def give_up(engine: Engine, ticket: UploadTicket) -> None:
+    """An upload that will not be accepted: its file, if it put one in place, goes unless
+    an accepted update of any run is the same bytes; its task is the site's again."""
+    digest = ticket.spooled
+    with engine._lock:
+        let_go(engine, ticket)
+        if digest is not None:
+            _drop_spooled(engine, ticket.run, digest)
+    abort_upload(engine, ticket)
+
+
 def abort_upload(engine: Engine, ticket: UploadTicket) -> None:
     """Give the task back to the site: nothing about it changed."""
     with engine._lock:
@@ -410,9 +442,11 @@ def accept_begin(engine: Engine, ticket: UploadTicket, digest: str, nbytes: int)
                 try:
                     _check_staleness(engine, run, a)
                 except FailedPrecondition:
+                    let_go(engine, ticket)
                     _drop_spooled(engine, run, digest)
                     raise
         if not run.accepting(ticket.round, ticket.attempt):
+            let_go(engine, ticket)
             _drop_spooled(engine, run, digest)
             a.move(TaskState.FAILED)
             a.update_sha256 = None
@@ -445,6 +479,7 @@ def accept_end(
     if exc is not None:
         with engine._lock:
             run.folding -= 1
+            let_go(engine, ticket)
             _drop_spooled(engine, run, digest)
             abort_upload(engine, ticket)
             engine.notify(run.run_id)
@@ -459,6 +494,7 @@ def accept_end(
         a.move(TaskState.ACCEPTED)
         a.update_sha256, a.num_samples = digest, h.num_samples
         a.nonce = h.nonce
+        let_go(engine, ticket)  # the round keeps it now (Engine.spool_kept)
         run.last_accept_at = time.perf_counter()
     # Summing a large update takes a while: polls, heartbeats and other uploads go on.
     broken = ""
