@@ -24,7 +24,7 @@ demo: $(STAMP)
 	$(VENV)/bin/fedra demo --out demo-out
 
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest
+	OMP_NUM_THREADS=1 $(PY) -m pytest --durations=40
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
