@@ -209,6 +209,7 @@ class BlobWriter:
         self._hash = hashlib.sha256()
         self.bytes_written = 0
         self._done = self._synced = False
+        self.placed = False  # renamed into place by ``commit`` (which may still fail after)
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         try:
@@ -254,7 +255,7 @@ class BlobWriter:
             self.discard()
             _raise_if_full(exc, self._store.root)
             raise
-        self._done = True
+        self._done = self.placed = True
         fsync_dir(final.parent)
         self._store._verified[digest] = _identity(final.stat())  # hashed as it was written
         return digest

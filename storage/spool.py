@@ -163,8 +163,10 @@ class UpdateSpool:
     def release(self, digest: str) -> None:
         """The upload that held ``digest`` accepted it (its round keeps it now) or gave up."""
         with self._lock:
-            self._holds[digest] -= 1
             if self._holds[digest] <= 0:
+                raise RuntimeError(f"spool: {digest} released more often than held")
+            self._holds[digest] -= 1
+            if not self._holds[digest]:
                 del self._holds[digest]
 
     def delete(self, digest: str) -> bool:

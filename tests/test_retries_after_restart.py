@@ -20,14 +20,20 @@ import pytest
 from sqlalchemy import text
 
 from fedra.coordinator.engine import EngineSettings, uploads
+from fedra.coordinator.state import ATTEMPT_FAILED
+from fedra.protos.codec import encode
 from fedra.protos.v1 import admin_pb2, site_pb2
-from fedra.storage import Store
+from fedra.storage import Store, blobs
 from tests.conftest import InProcessCoordinator
 from tests.test_site_service import (
     delta_payload,
     messages,
+    model_state,
+    register,
     round_status,
     start_round_one,
+    submit,
+    tasks_of_round,
     upload,
     wait_round,
 )
@@ -298,6 +304,33 @@ def test_a_start_deletes_spool_files_no_round_refers_to_and_keeps_accepted_ones(
         again.close()
 
 
+def _fed(
+    c: InProcessCoordinator, site: str, task: site_pb2.Task, payload: bytes
+) -> tuple[uploads.UploadTicket, uploads.Receiver]:
+    """An upload whose payload has all arrived, before its last step."""
+    h = next(messages(task, site, payload)).header
+    ticket = uploads.begin_upload(
+        c.engine,
+        uploads.UpdateHeader(
+            site_id=h.site_id, run_id=h.run_id, round=h.round, task_id=h.task_id,
+            num_samples=h.num_samples, metrics=dict(h.metrics), codec=h.codec,
+            sha256=h.sha256, nonce=h.nonce, payload_bytes=h.payload_bytes,
+        ),
+    )  # fmt: skip
+    receiver = uploads.Receiver(c.engine, ticket)
+    receiver.feed(payload)
+    return ticket, receiver
+
+
+def _spooled(
+    c: InProcessCoordinator, site: str, task: site_pb2.Task, payload: bytes
+) -> uploads.UploadTicket:
+    """An upload whose last step ran (its file in place) and whose accept has not begun."""
+    ticket, receiver = _fed(c, site, task, payload)
+    receiver.finish()
+    return ticket
+
+
 def test_an_upload_given_up_with_its_file_in_place_leaves_it_only_to_another_holder(
     tmp_path: Path,
 ) -> None:
@@ -310,19 +343,8 @@ def test_an_upload_given_up_with_its_file_in_place_leaves_it_only_to_another_hol
         path = _spool_path(c, payload)
 
         def spooled(site: str, task: site_pb2.Task) -> uploads.UploadTicket:
-            """An upload whose file is in place and whose accept has not begun."""
-            h = next(messages(task, site, payload)).header
-            ticket = uploads.begin_upload(
-                c.engine,
-                uploads.UpdateHeader(
-                    site_id=h.site_id, run_id=h.run_id, round=h.round, task_id=h.task_id,
-                    num_samples=h.num_samples, metrics=dict(h.metrics), codec=h.codec,
-                    sha256=h.sha256, nonce=h.nonce, payload_bytes=h.payload_bytes,
-                ),
-            )  # fmt: skip
-            receiver = uploads.Receiver(c.engine, ticket)
-            receiver.feed(payload)
-            assert receiver.finish() == h.sha256 and path.exists()
+            ticket = _spooled(c, site, task, payload)
+            assert ticket.spooled == path.name and path.exists()
             return ticket
 
         (a, ta), (b, tb), (s3, t3) = sorted(tasks.items())
@@ -340,3 +362,85 @@ def test_an_upload_given_up_with_its_file_in_place_leaves_it_only_to_another_hol
         assert round_status(c, run_id, 1).updates == 3
     finally:
         c.close()
+
+
+def test_an_accept_that_fails_or_a_file_put_in_place_unsynced_holds_nothing_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever makes an upload fail after its file is in place (an accept that raises
+    something other than a refusal; the directory's sync failing after the rename), the
+    file goes with it and no hold is left to keep later clean-ups from deleting it."""
+    c = InProcessCoordinator(tmp_path / "state", FILES)
+    try:
+        run_id, tasks = start_round_one(c, sites_per_round=3, min_sites=3)
+        (a, ta), (b, tb), _ = sorted(tasks.items())
+        spool, run = c.engine.updates, c.engine.runs[run_id]
+
+        payload = delta_payload(0.1)
+        ticket = _spooled(c, a, ta, payload)
+
+        def broken(*args: object) -> bool:
+            raise RuntimeError("the database went away")
+
+        monkeypatch.setattr(run, "accepting", broken)
+        with pytest.raises(RuntimeError, match="went away"):
+            uploads.accept_begin(c.engine, ticket, str(ticket.spooled), len(payload))
+        monkeypatch.undo()
+        assert not _spool_path(c, payload).exists() and not spool._holds
+        uploads.abort_upload(c.engine, ticket)
+
+        other = delta_payload(0.2)
+
+        def no_sync(path: Path) -> None:
+            raise OSError("the directory's sync failed")
+
+        ticket, receiver = _fed(c, b, tb, other)
+        monkeypatch.setattr(blobs, "fsync_dir", no_sync)
+        with pytest.raises(OSError, match="sync failed"):
+            receiver.finish()
+        monkeypatch.undo()
+        assert _spool_path(c, other).exists()  # renamed, not known to be durable
+        assert run.assignments[b].state == "uploading"
+        uploads.give_up(c.engine, ticket)  # as the failed call's clean-up does
+        assert not _spool_path(c, other).exists() and not spool._holds
+    finally:
+        c.close()
+
+
+def test_a_failed_attempt_s_clean_up_at_a_start_spares_bytes_a_later_run_accepted(
+    tmp_path: Path,
+) -> None:
+    """Two runs' open rounds each accepted the same bytes; the first run's attempt had
+    failed before the restart. Restoring it must not delete the file the second run,
+    restored after it, still counts on."""
+    first = InProcessCoordinator(tmp_path / "state", FILES)
+    sites = ("site-a", "site-b", "site-c", "site-d")
+    payload = delta_payload(0.1)
+    try:
+        register(first, *sites)
+        runs = []
+        for _ in range(2):  # two sites each: one delivers, the other keeps the round open
+            run_id = submit(first, sites_per_round=2, min_sites=2, max_round_attempts=3)
+            ((init_site, init_task),) = tasks_of_round(first, run_id, 0).items()
+            upload(first, messages(init_task, init_site, encode(model_state())))
+            site, task = sorted(tasks_of_round(first, run_id, 1).items())[0]
+            upload(first, messages(task, site, payload))
+            runs.append((run_id, site))
+        path = _spool_path(first, payload)
+        assert path.exists()
+        (failed, _), (kept, kept_site) = runs
+        now = first.engine.clock()
+    finally:
+        first.close()
+    store = Store(f"sqlite:///{tmp_path / 'state' / 'fedra.db'}")
+    try:  # as if its driver had recorded the attempt's failure, then the process died
+        store.expire_attempt(failed, 1, 1, "test: failed", now, event=ATTEMPT_FAILED)
+    finally:
+        store.close()
+    again = InProcessCoordinator(tmp_path / "state", FILES)
+    try:
+        assert again.engine.runs[kept].assignments[kept_site].state == "accepted"
+        assert again.engine.runs[failed].attempt == 2
+        assert path.exists()
+    finally:
+        again.close()

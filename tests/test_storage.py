@@ -1427,6 +1427,8 @@ def test_a_held_spool_file_outlives_deletes_and_a_sweep_keeps_what_it_is_told(
     assert spool.exists(kept) and spool.exists(held) and not spool.exists(orphan)
     assert (tmp_path / "updates" / orphan[:2] / "notes").exists()
     spool.release(held)
+    with pytest.raises(RuntimeError, match="released more often than held"):
+        spool.release(held)
     assert spool.sweep(keep={kept}) == 1 and not spool.exists(held)
     assert spool.delete(kept) and not spool.exists(kept)
 

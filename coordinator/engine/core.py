@@ -173,6 +173,7 @@ class Engine:
         self.runs: dict[str, ActiveRun] = {}
         self.version = 0  # bumped on every change watchers may care about
         self.stopping = False
+        self.restoring = False  # start() is bringing back unfinished runs
         self._drivers: dict[str, threading.Thread] = {}
         self._site_tasks: dict[str, tuple[str, ...]] = {}
         self._provenance: dict[str, dict[str, Provenance]] = {}  # by site, by task, as told
@@ -211,6 +212,7 @@ class Engine:
 
     def start(self) -> None:
         """Resume every unfinished run from its last committed round."""
+        self.restoring = True  # until every unfinished run is back (recovery's deletes)
         self.models.clear_tmp()
         self.updates.clear_tmp()
         shutil.rmtree(self.updates.root / "spill", ignore_errors=True)  # robust rules' spill
@@ -224,6 +226,7 @@ class Engine:
             log.info("run %s: resumed at round %d", run.run_id, run.open_round or run.next_round)
             crash_point("during_startup", run.open_round or run.next_round)
             self._launch(run, resumed=True)
+        self.restoring = False
         self._sweep_update_data()
         self._sweep_spool()
 
@@ -244,7 +247,7 @@ class Engine:
     def _sweep_spool(self) -> None:
         """Delete the spool files no run refers to: an update put in place just before a
         crash, whose accept never became durable, is nobody's (its site sends it again)."""
-        with self._lock:
+        with self._lock:  # no accept between what is kept and what goes
             keep = self.spool_kept() | {
                 digest
                 for run in self.runs.values()
@@ -254,7 +257,7 @@ class Engine:
                 )
                 if digest
             }
-        swept = self.updates.sweep(keep)
+            swept = self.updates.sweep(keep)
         if swept:
             log.info("deleted %d spooled update(s) that no round refers to", swept)
 

@@ -176,9 +176,11 @@ def _resume_open_round(engine: Engine, run: ActiveRun, number: int, attempt: int
     if engine._store.failed_attempt(run.run_id, number, attempt, ATTEMPT_FAILED):
         # It failed (and said so) before the restart: the next attempt opens, nothing of
         # this one is resumed or recorded again; its spooled updates will not be used.
+        # At a start, runs not restored yet may hold the same bytes: the start's sweep
+        # deletes these files once every run is back (Engine._sweep_spool).
         kept = engine.spool_kept()
         for p in parts:
-            if p.update_sha256 and p.update_sha256 not in kept:
+            if p.update_sha256 and p.update_sha256 not in kept and not engine.restoring:
                 engine.updates.delete(p.update_sha256)
             engine.mark_seen_for_recovery(p.site_id, now)
         engine._store.clear_update_data([p.task_id for p in parts if p.update_sha256])

@@ -330,7 +330,10 @@ class Receiver:
             try:
                 digest = self.writer.commit(expected_digest=held)
             except BaseException:
-                self.spool.release(held)
+                if self.writer.placed:  # in place, not synced: giving up drops it
+                    self.ticket.spooled = held
+                else:
+                    self.spool.release(held)
                 raise
             self.ticket.spooled = digest
             return digest
@@ -435,27 +438,12 @@ def accept_begin(engine: Engine, ticket: UploadTicket, digest: str, nbytes: int)
     h, run, a = ticket.header, ticket.run, ticket.assignment
     upload_s = time.monotonic() - ticket.started
     with engine._lock:
-        if run.spec.asynchronous is not None:  # the round may have moved on meanwhile
-            engine.await_carried(h.task_id)
-            if run.assignments.get(h.site_id) is a and run.open_round is not None:
-                ticket.round, ticket.attempt = run.open_round, run.attempt
-                try:
-                    _check_staleness(engine, run, a)
-                except FailedPrecondition:
-                    let_go(engine, ticket)
-                    _drop_spooled(engine, run, digest)
-                    raise
-        if not run.accepting(ticket.round, ticket.attempt):
+        try:
+            _may_accept(engine, ticket)
+        except BaseException:  # refused (or the database failed): the file counts for nothing
             let_go(engine, ticket)
             _drop_spooled(engine, run, digest)
-            a.move(TaskState.FAILED)
-            a.update_sha256 = None
-            late = f"round {ticket.round} closed before the update arrived"
-            engine._store.fail_participation(a.task_id, late, engine.clock())
-            raise FailedPrecondition(
-                f"round {ticket.round} of run {run.run_id} closed before your update arrived; "
-                "poll for the next task"
-            )
+            raise
         metrics = dict(h.metrics)
         if run.spec.asynchronous is not None:
             metrics["staleness"] = float(run.staleness(a))
@@ -466,6 +454,26 @@ def accept_begin(engine: Engine, ticket: UploadTicket, digest: str, nbytes: int)
             metrics=metrics, bytes_up=nbytes, upload_s=upload_s, now=engine.clock(),
             data=ticket.payload,
         )  # fmt: skip
+
+
+def _may_accept(engine: Engine, ticket: UploadTicket) -> None:
+    """Raise if the update may not count now (lock held): its round closed before it
+    arrived, or an asynchronous run's update came too stale."""
+    h, run, a = ticket.header, ticket.run, ticket.assignment
+    if run.spec.asynchronous is not None:  # the round may have moved on meanwhile
+        engine.await_carried(h.task_id)
+        if run.assignments.get(h.site_id) is a and run.open_round is not None:
+            ticket.round, ticket.attempt = run.open_round, run.attempt
+            _check_staleness(engine, run, a)
+    if not run.accepting(ticket.round, ticket.attempt):
+        a.move(TaskState.FAILED)
+        a.update_sha256 = None
+        late = f"round {ticket.round} closed before the update arrived"
+        engine._store.fail_participation(a.task_id, late, engine.clock())
+        raise FailedPrecondition(
+            f"round {ticket.round} of run {run.run_id} closed before your update arrived; "
+            "poll for the next task"
+        )
 
 
 def accept_end(
@@ -490,11 +498,13 @@ def accept_end(
     if ticket.payload is not None:  # durable in its row now; at hand for the fold
         engine.updates.accepted(digest, ticket.payload)
     with engine._lock:
-        crash_point("after_accept", ticket.round)  # durable, not folded, no reply
-        a.move(TaskState.ACCEPTED)
-        a.update_sha256, a.num_samples = digest, h.num_samples
-        a.nonce = h.nonce
-        let_go(engine, ticket)  # the round keeps it now (Engine.spool_kept)
+        try:
+            crash_point("after_accept", ticket.round)  # durable, not folded, no reply
+            a.move(TaskState.ACCEPTED)
+            a.update_sha256, a.num_samples = digest, h.num_samples
+            a.nonce = h.nonce
+        finally:
+            let_go(engine, ticket)  # the round keeps it now (Engine.spool_kept)
         run.last_accept_at = time.perf_counter()
     # Summing a large update takes a while: polls, heartbeats and other uploads go on.
     broken = ""
