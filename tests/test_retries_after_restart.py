@@ -387,7 +387,7 @@ def test_an_accept_that_fails_or_a_file_put_in_place_unsynced_holds_nothing_back
             uploads.accept_begin(c.engine, ticket, str(ticket.spooled), len(payload))
         monkeypatch.undo()
         assert not _spool_path(c, payload).exists() and not spool._holds
-        uploads.abort_upload(c.engine, ticket)
+        assert run.assignments[a].state != "uploading"  # the site may send it again
 
         other = delta_payload(0.2)
 

@@ -443,6 +443,7 @@ def accept_begin(engine: Engine, ticket: UploadTicket, digest: str, nbytes: int)
         except BaseException:  # refused (or the database failed): the file counts for nothing
             let_go(engine, ticket)
             _drop_spooled(engine, run, digest)
+            abort_upload(engine, ticket)  # not refused for good: the task is the site's again
             raise
         metrics = dict(h.metrics)
         if run.spec.asynchronous is not None:
