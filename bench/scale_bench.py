@@ -152,7 +152,7 @@ class SiteTally:
                     return
                 self.longest("heartbeat_longest_s", time.monotonic() - at)
                 error = done.exception()
-                code = error.code().name if isinstance(error, grpc.RpcError) else "OK"
+                code = _outcome(error) if isinstance(error, grpc.RpcError) else "OK"
                 self.add(self.calls, f"heartbeat {code}")
 
             beat.add_done_callback(answered)
@@ -167,7 +167,7 @@ class SiteTally:
             try:
                 result = call(*args, **kwargs)
             except grpc.RpcError as exc:
-                self.add(self.calls, f"{name} {exc.code().name}")
+                self.add(self.calls, f"{name} {_outcome(exc)}")
                 raise
             except Exception as exc:  # e.g. a model whose SHA-256 does not match
                 self.add(self.calls, f"{name} {type(exc).__name__}")
@@ -176,6 +176,16 @@ class SiteTally:
             return result
 
         return counted
+
+
+def _outcome(error: grpc.RpcError) -> str:
+    """A failed call's status code; a CANCELLED one with gRPC's words for who cancelled
+    it (the server's core, the channel closing, the caller), which the code alone hides."""
+    code = error.code()
+    if code != grpc.StatusCode.CANCELLED:
+        return code.name
+    details = (error.details() or "").strip()
+    return f"{code.name} ({details[:40]})" if details else code.name
 
 
 class WarningCounter(logging.Handler):

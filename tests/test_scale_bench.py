@@ -156,7 +156,14 @@ def test_the_tally_counts_heartbeats_when_their_answers_come() -> None:
         def code(self) -> grpc.StatusCode:
             return grpc.StatusCode.DEADLINE_EXCEEDED
 
-    answers = iter([_Beat(), _Beat(Expired()), _Beat(cancelled=True)])
+    class CutByServer(grpc.RpcError):  # gRPC's core gave up on it: not the caller's doing
+        def code(self) -> grpc.StatusCode:
+            return grpc.StatusCode.CANCELLED
+
+        def details(self) -> str:
+            return "CANCELLED"
+
+    answers = iter([_Beat(), _Beat(Expired()), _Beat(cancelled=True), _Beat(CutByServer())])
 
     class Conn:
         def heartbeat_future(self, task_id: str, timeout_s: float = 10.0) -> _Beat:
@@ -167,7 +174,11 @@ def test_the_tally_counts_heartbeats_when_their_answers_come() -> None:
     for name in bench.COUNTED_CALLS:  # hook wraps these too
         setattr(conn, name, lambda *a, **k: None)
     tally.hook(conn)
-    for _ in range(3):
+    for _ in range(4):
         conn.heartbeat_future("task-1", 10.0)
-    assert tally.calls == {"heartbeat OK": 1, "heartbeat DEADLINE_EXCEEDED": 1}
+    assert tally.calls == {
+        "heartbeat OK": 1,
+        "heartbeat DEADLINE_EXCEEDED": 1,
+        "heartbeat CANCELLED (CANCELLED)": 1,  # who cancelled it, in gRPC's words
+    }
     assert tally.heartbeat_gap_s >= 0.0
