@@ -18,9 +18,10 @@ from tests.test_cluster import FAST, SYNTHETIC
 pytestmark = pytest.mark.multiprocess
 
 RECONNECT_MAX_S = 1.0
-# Long enough that gRPC's default backoff has grown to about 10 s: tries at about 0, 1,
-# 2.6, 5.2, 9.3, 15.8 and 26.3 s after the coordinator went away.
-DOWN_S = 18.0
+# Long enough that gRPC's default backoff, uncapped, would leave a gap of at least 2 s
+# (tries at about 0, 1, 2.6, 5.2 and 9.3 s after the coordinator went away, each delay
+# within 20% of that), past the cap's 1.2 s and the check's margin below.
+DOWN_S = 6.0
 # One register call and the coordinator's listing of its sites, on a busy machine.
 MARGIN_S = 1.5
 JITTER = 0.2  # gRPC's, on each backoff delay
