@@ -153,6 +153,16 @@ def build_engine(config: CoordinatorConfig, claim: bool = False) -> Engine:
     )
 
 
+# Calls that gRPC's core has received and the server has not yet taken up. A grpc.aio
+# server takes them one at a time, through its event loop; past 1,000 waiting, the core
+# cancels new ones at random (the caller reads CANCELLED, and no handler ever sees the
+# call), and every one past 3,000. A round of thousands of sites opens at one instant:
+# their polls, heartbeats and registrations were cancelled so, and came back later as
+# retries. Waiting costs a call about 2.4 kB here; its own deadline, and the core's 30 s
+# limit on a call left waiting, still bound how long it waits.
+PENDING_CALLS = 32_768
+
+
 def server_options(chunk_bytes: int, stream_window_mb: float) -> list[tuple[str, int]]:
     """gRPC server options: message limits for ``chunk_bytes`` chunks, and the receive window.
 
@@ -170,6 +180,8 @@ def server_options(chunk_bytes: int, stream_window_mb: float) -> list[tuple[str,
         ("grpc.max_receive_message_length", limit),
         # What it sends it builds itself: chunks, and a whole run's status (GetRun).
         ("grpc.max_send_message_length", max(limit, wire.MAX_STATUS_BYTES)),
+        ("grpc.server.max_pending_requests", PENDING_CALLS),
+        ("grpc.server.max_pending_requests_hard_limit", 2 * PENDING_CALLS),
     ]
     if stream_window_mb > 0:
         options += [

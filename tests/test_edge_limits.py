@@ -416,3 +416,44 @@ def test_a_second_coordinator_on_a_port_in_use_is_refused(tmp_path: Path) -> Non
 def test_bad_edge_limits_are_refused_by_flag(field: str, value: float, flag: str) -> None:
     with pytest.raises(ConfigError, match=flag):
         EdgeLimits(**{field: value})  # type: ignore[arg-type]
+
+
+def test_a_burst_of_calls_the_busy_loop_has_not_taken_up_waits_rather_than_is_cancelled(
+    tmp_path: Path,
+) -> None:
+    """Thousands of sites call at the instant a round opens, faster than the server's
+    event loop takes calls up. gRPC's core would cancel those past 1,000 waiting (some)
+    and 3,000 (all) before any handler saw them; the coordinator's server queues them."""
+    c = InProcessCoordinator(tmp_path / "state", EngineSettings())
+    blocked, release = threading.Event(), threading.Event()
+    channels = [
+        grpc.insecure_channel(c.address, options=[("grpc.use_local_subchannel_pool", 1)])
+        for _ in range(20)
+    ]
+    try:
+        for channel in channels:
+            grpc.channel_ready_future(channel).result(timeout=10)
+        stubs = [site_pb2_grpc.SiteServiceStub(channel) for channel in channels]
+
+        def busy() -> None:  # the loop at a round's opening: no call is taken up
+            blocked.set()
+            release.wait(30)
+
+        c.server._loop.call_soon_threadsafe(busy)
+        assert blocked.wait(10)
+        request = site_pb2.HeartbeatRequest(site_id="nobody", task_id="t")
+        calls = [stubs[i % len(stubs)].Heartbeat.future(request, timeout=60) for i in range(3500)]
+        ended = threading.Event()
+        for call in calls:
+            call.add_done_callback(lambda _: ended.set())
+        # A cancelled call would end now, while the loop is still busy: none may.
+        ended_early = ended.wait(2)
+        release.set()
+        codes = collections.Counter(call.code() for call in calls)  # each waits for its end
+        assert grpc.StatusCode.CANCELLED not in codes, codes
+        assert not ended_early
+    finally:
+        release.set()
+        for channel in channels:
+            channel.close()
+        c.close()
