@@ -360,18 +360,6 @@ class Receiver:
             raise
 
 
-def receive(engine: Engine, ticket: UploadTicket, chunks: Iterable[Buffer]) -> str:
-    """Spool and check the payload; returns its digest, the payload durable in the spool."""
-    receiver = Receiver(engine, ticket)
-    try:
-        for chunk in chunks:
-            receiver.feed(chunk)
-            del chunk  # let it go before the next one is built
-        return receiver.finish()
-    finally:
-        receiver.discard()  # nothing once committed
-
-
 def _check_chunk(
     decoder: StreamDecoder, dense: StreamingDecompressor | None, chunk: Buffer
 ) -> None:
