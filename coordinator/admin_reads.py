@@ -85,6 +85,7 @@ class AdminReads(admin_pb2_grpc.AdminServiceServicer):
         self.watch_interval_s = watch_interval_s  # a watch looks at least this often
         self.watch_gap_s = watch_gap_s  # and at most this often
         self.kept = FinalRounds()  # GetRun pages build only the rounds still moving
+        self.kept_summaries = FinalRounds()  # and summaries' pages, theirs
         self.pages = SharedPages()  # a large page is built once for the calls at once
         self._listings: dict[tuple[object, ...], admin_pb2.ListSitesResponse] = {}
         self._listing_lock = threading.Lock()
@@ -97,6 +98,14 @@ class AdminReads(admin_pb2_grpc.AdminServiceServicer):
     async def GetRun(self, request: admin_pb2.GetRunRequest, context: Any) -> admin_pb2.RunStatus:
         self.guard.admin(context)
         insecure, first, source = self.guard.insecure, request.first_round, self.reads.source
+        if request.summary:  # counted by the database: cheap enough to build for each call
+            if request.page:
+                summed = functools.partial(run_page, kept=self.kept_summaries, summary=True)
+                return await self.reads.read(
+                    summed, source, request.run_id, insecure, first, PAGE_BYTES
+                )
+            whole = functools.partial(run_status, summary=True)
+            return await self.reads.read(whole, source, request.run_id, insecure, first)
         if request.page:
             # Shared for a moment within a phase (driven, cancelled, ended), never across one.
             key = (request.run_id, first, insecure, source.run_phase(request.run_id))

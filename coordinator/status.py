@@ -21,7 +21,15 @@ from fedra.protos import wire
 from fedra.protos.serde import runspec_to_proto
 from fedra.protos.v1 import admin_pb2
 from fedra.runspec import RunSpec
-from fedra.storage.records import ParticipationRecord, RoundRecord, RunReads, RunRecord, RunView
+from fedra.storage.records import (
+    ParticipationRecord,
+    ParticipationTally,
+    RoundRecord,
+    RunReads,
+    RunRecord,
+    RunSummaryView,
+    RunView,
+)
 
 log = logging.getLogger("fedra.coordinator")
 
@@ -55,14 +63,20 @@ class StatusSource(Protocol):
 
 
 def run_status(
-    engine: StatusSource, run_id: str, insecure: bool = False, first_round: int = 0
+    engine: StatusSource,
+    run_id: str,
+    insecure: bool = False,
+    first_round: int = 0,
+    summary: bool = False,
 ) -> admin_pb2.RunStatus:
     """The run, every round numbered ``first_round`` or higher and every participation of
-    them, as stored; fails with RESOURCE_EXHAUSTED if that is more than one reply holds."""
-    view = read_run(engine, run_id, first_round)
-    status = run_header(engine, view.run, insecure)
-    status.provenance.CopyFrom(run_provenance(engine, view.run))
-    status.rounds.extend(round_statuses(view)[0].values())
+    them, as stored (``summary``: counted, ``round_summaries``); fails with
+    RESOURCE_EXHAUSTED if that is more than one reply holds."""
+    rounds = _SUMMARIES if summary else _WHOLE
+    read = rounds(engine, run_id, first_round, None, (), math.inf)
+    status = run_header(engine, read.run, insecure)
+    status.provenance.CopyFrom(run_provenance(engine, read.run, changed_only=summary))
+    status.rounds.extend(read.fresh.values())
     size = status.ByteSize()
     if size > wire.MAX_STATUS_BYTES:
         raise ResourceExhausted(
@@ -317,15 +331,19 @@ def run_page(
     first_round: int,
     page_bytes: int = PAGE_BYTES,
     kept: FinalRounds | None = None,
+    summary: bool = False,
 ) -> admin_pb2.RunStatus:
     """One page of a run's status: whole rounds from ``first_round`` on, about
-    ``page_bytes`` of them (at least one), ``more_rounds_follow`` set if more remain.
+    ``page_bytes`` of them (at least one), ``more_rounds_follow`` set if more remain
+    (``summary``: rounds counted, not listed, ``round_summaries``).
 
     Rounds are read in batches sized by the rounds read so far to about fill the page,
     so a page costs about what it holds however long the run and however large its
     rounds, and a walk through every page reads each round about once. With ``kept``,
-    the rounds it holds (final ones) are not read again, and those found final are kept.
+    the rounds it holds (final ones) are not read again, and those found final are kept;
+    keep summaries and whole rounds in two.
     """
+    rounds = _SUMMARIES if summary else _WHOLE
     cached = kept.from_(run_id, first_round) if kept is not None else []
     # A download finished but not yet written may change its round: asked before the read.
     pending = engine.downloads_pending() if kept is not None else set()
@@ -333,33 +351,75 @@ def run_page(
     status: admin_pb2.RunStatus | None = None
     size, since, batch, read = 0, first_round + len(cached), _FIRST_READ_ROUNDS, 0
     while True:
-        view = read_run(engine, run_id, since, batch)
+        got = rounds(engine, run_id, since, batch, pending, settled_before)
         if status is None:
-            status = run_header(engine, view.run, insecure)
+            status = run_header(engine, got.run, insecure)
             # Every page says what the run's results come from (a client's first page may
             # start at any round): a few rows of the ledger.
-            status.provenance.CopyFrom(run_provenance(engine, view.run))
+            status.provenance.CopyFrom(run_provenance(engine, got.run, changed_only=summary))
             for r in cached:
                 if status.rounds and size + r.ByteSize() > page_bytes:
                     status.more_rounds_follow = True
                     return status
                 status.rounds.append(r)
                 size += r.ByteSize()
-        fresh, final = round_statuses(view, pending, settled_before)
         if kept is not None:
-            kept.keep(run_id, fresh, final)
-        for r in fresh.values():
+            kept.keep(run_id, got.fresh, got.final)
+        for r in got.fresh.values():
             if status.rounds and size + r.ByteSize() > page_bytes:
                 status.more_rounds_follow = True
                 return status
             status.rounds.append(r)
             size += r.ByteSize()
-        if not view.more_rounds:
+        if not got.more or not got.fresh:
             return status
-        read += len(view.rounds)
-        since = view.rounds[-1].number + 1
+        read += len(got.fresh)
+        since = max(got.fresh) + 1
         per_round = max(1, size // read)
         batch = max(1, min((page_bytes - size) // per_round + 1, _MAX_READ_ROUNDS))
+
+
+@dataclass(frozen=True)
+class _Read:
+    """Rounds read for a status: by number, and the numbers of the final ones."""
+
+    run: RunRecord
+    fresh: dict[int, admin_pb2.RoundStatus]
+    final: set[int]
+    more: bool  # rounds after these exist
+
+
+def _whole_rounds(
+    engine: StatusSource,
+    run_id: str,
+    since: int,
+    limit: int | None,
+    pending: Collection[str],
+    settled_before: float,
+) -> _Read:
+    view = read_run(engine, run_id, since, limit)
+    fresh, final = round_statuses(view, pending, settled_before)
+    return _Read(view.run, fresh, final, view.more_rounds)
+
+
+def _summed_rounds(
+    engine: StatusSource,
+    run_id: str,
+    since: int,
+    limit: int | None,
+    pending: Collection[str],
+    settled_before: float,
+) -> _Read:
+    view = engine.records.read_run_summary(
+        run_id, since=since, limit=limit, flag_error=DECLINED, tasks=pending
+    )
+    if view is None:
+        raise NotFound(f"no run {run_id!r}")
+    fresh, final = round_summaries(view, settled_before)
+    return _Read(view.run, fresh, final, view.more_rounds)
+
+
+_WHOLE, _SUMMARIES = _whole_rounds, _summed_rounds
 
 
 # The rounds of one WatchRun message, at most (one round bigger than this goes alone).
@@ -454,21 +514,25 @@ def _with_rounds(
 
 _PROVENANCE_KINDS = (PROVENANCE_EVENT, RUN_PROVENANCE_EVENT)
 _provenance_lock = threading.Lock()
-# By (store, run): the latest provenance event read, and what was built from the events.
+# By (store, run): the latest provenance event read, and what was built from the events
+# (every site's, and only the changed ones').
 _provenance: weakref.WeakKeyDictionary[
-    RunReads, OrderedDict[str, tuple[int, admin_pb2.RunProvenance]]
+    RunReads,
+    OrderedDict[str, tuple[int, admin_pb2.RunProvenance, admin_pb2.RunProvenance]],
 ]
 _provenance = weakref.WeakKeyDictionary()
 _PROVENANCE_KEPT = 64
 
 
-def run_provenance(engine: StatusSource, record: RunRecord) -> admin_pb2.RunProvenance:
+def run_provenance(
+    engine: StatusSource, record: RunRecord, changed_only: bool = False
+) -> admin_pb2.RunProvenance:
     """What the run's results come from: its spec's digest, the fedra that drove it, and
     each site's provenance as of its latest accepted update (flagged ``changed`` if it
-    differs from the site's earlier ones), from the run's ledger. Built again only once
-    the ledger has a provenance event it was not built from (a page of a 1,000-site run
-    otherwise read and parsed a thousand events each time). Shared: copy it, never
-    change it."""
+    differs from the site's earlier ones; ``changed_only``: only those sites), from the
+    run's ledger. Built again only once the ledger has a provenance event it was not
+    built from (a page of a 1,000-site run otherwise read and parsed a thousand events
+    each time). Shared: copy it, never change it."""
     store, key = engine.records, record.id
     last = store.last_event_id(record.id, _PROVENANCE_KINDS)
     with _provenance_lock:
@@ -476,13 +540,17 @@ def run_provenance(engine: StatusSource, record: RunRecord) -> admin_pb2.RunProv
         kept = runs.get(key)
         if kept is not None and kept[0] == last:
             runs.move_to_end(key)
-            return kept[1]
-    out = _build_provenance(engine, record)
+            return kept[2] if changed_only else kept[1]
+    whole = _build_provenance(engine, record)
+    changed = admin_pb2.RunProvenance(
+        spec_sha256=whole.spec_sha256, coordinator_version=whole.coordinator_version
+    )
+    changed.sites.extend(p for p in whole.sites if p.changed)
     with _provenance_lock:
-        runs[key] = (last, out)
+        runs[key] = (last, whole, changed)
         while len(runs) > _PROVENANCE_KEPT:
             runs.popitem(last=False)
-    return out
+    return changed if changed_only else whole
 
 
 def _build_provenance(engine: StatusSource, record: RunRecord) -> admin_pb2.RunProvenance:
@@ -549,41 +617,102 @@ def round_statuses(
     out, final = {}, set()
     for r in view.rounds:
         mine = by_round.get(r.number, [])
-        settled = r.state != "open" and (r.closed_at or 0.0) < settled_before
-        if settled and all(p.finished and p.task_id not in pending for p in mine):
+        tallies = tally(mine)
+        held = any(p.task_id in pending for p in mine)
+        if _final(r, tallies, held, settled_before):
             final.add(r.number)
-        out[r.number] = _round(r, mine, ckpts)
+        status = _round(r, tallies, mine, ckpts)
+        status.sampled_sites.extend(r.sampled)
+        status.participations.extend(_participation(p) for p in mine)
+        out[r.number] = status
     return out, final
 
 
+def round_summaries(
+    view: RunSummaryView, settled_before: float = math.inf
+) -> tuple[dict[int, admin_pb2.RoundStatus], set[int]]:
+    """``round_statuses`` of a view counted by the database: each round as
+    ``round_statuses`` builds it, less its ``participations`` and ``sampled_sites``
+    (``sampled_count`` and ``participation_counts`` say how many)."""
+    ckpts = {c.round_number: c.model_sha256 for c in view.checkpoints}
+    tallies: dict[int, list[ParticipationTally]] = {}
+    for t in view.tallies:
+        tallies.setdefault(t.round_number, []).append(t)
+    accepted: dict[int, list[ParticipationRecord]] = {}
+    for p in view.accepted:
+        accepted.setdefault(p.round_number, []).append(p)
+    out, final = {}, set()
+    for r in view.rounds:
+        mine = tallies.get(r.number, [])
+        if _final(r, mine, r.number in view.held, settled_before):
+            final.add(r.number)
+        out[r.number] = _round(r, mine, accepted.get(r.number, []), ckpts)
+    return out, final
+
+
+def tally(parts: list[ParticipationRecord]) -> list[ParticipationTally]:
+    """The participations counted and summed per round, attempt, state and whether the
+    site declined, as ``Store.read_run_summary`` counts them with ``flag_error=DECLINED``."""
+    sums: dict[tuple[int, int, str, bool], list[int]] = {}
+    for p in parts:
+        key = (p.round_number, p.attempt, p.state, p.error.startswith(DECLINED))
+        row = sums.setdefault(key, [0, 0, 0, 0])
+        row[0] += 1
+        row[1] += p.bytes_down
+        row[2] += p.bytes_up
+        row[3] += p.bytes_cut
+    return [ParticipationTally(*key, *row) for key, row in sums.items()]
+
+
+def _final(
+    r: RoundRecord, tallies: list[ParticipationTally], held: bool, settled_before: float
+) -> bool:
+    settled = r.state != "open" and (r.closed_at or 0.0) < settled_before
+    return settled and not held and all(t.finished for t in tallies)
+
+
 def _round(
-    r: RoundRecord, parts: list[ParticipationRecord], ckpts: dict[int, str]
+    r: RoundRecord,
+    tallies: list[ParticipationTally],
+    accepted: list[ParticipationRecord],
+    ckpts: dict[int, str],
 ) -> admin_pb2.RoundStatus:
-    current = [p for p in parts if p.attempt == r.attempt]
+    """The round's figures from its participations' tallies (and, for the sites' idle
+    time, its accepted participations): no rows."""
+    counts: dict[str, int] = {}
+    for t in tallies:
+        if t.attempt == r.attempt:
+            shown = _shown_status(t.state, t.flagged)
+            counts[shown] = counts.get(shown, 0) + t.count
     closed = r.closed_at or 0.0
+    cut = sum(t.bytes_cut for t in tallies)
     return admin_pb2.RoundStatus(
         number=r.number,
         attempt=r.attempt,
         status=r.state,
-        sampled_sites=list(r.sampled),
-        updates=sum(p.state == "accepted" for p in current),
+        sampled_count=len(r.sampled),
+        updates=counts.get("accepted", 0),
         opened_unix_s=r.opened_at,
         closed_unix_s=closed,
         duration_s=max(0.0, closed - r.opened_at) if closed else 0.0,
-        bytes_down=sum(p.bytes_down for p in parts),
-        bytes_up=sum(p.bytes_up for p in parts),
+        bytes_down=sum(t.bytes_down for t in tallies),
+        bytes_up=sum(t.bytes_up for t in tallies),
         metrics=r.metrics,
         model_sha256=ckpts.get(r.number, ""),
         stages=r.stages,
-        participations=[_participation(p) for p in parts],
-        lost_bytes=sum(p.bytes_down + p.bytes_up for p in parts if _lost(r, p))
-        + sum(p.bytes_cut for p in parts),
-        site_idle_s=site_idle_s(r, parts),
-        cut_bytes=sum(p.bytes_cut for p in parts),
+        lost_bytes=sum(t.bytes_down + t.bytes_up for t in tallies if _lost(r, t)) + cut,
+        site_idle_s=site_idle_s(r, accepted),
+        cut_bytes=cut,
+        participation_counts=counts,
     )
 
 
-def _lost(r: RoundRecord, p: ParticipationRecord) -> bool:
+def _shown_status(state: str, declined: bool) -> str:
+    # A task the site's policy declined is not a failure of the site: said as such.
+    return "declined" if state == "failed" and declined else state
+
+
+def _lost(r: RoundRecord, p: ParticipationTally) -> bool:
     """Whether a participation's work (and the bytes it moved) can no longer count.
 
     A task still under way (an open round's, or an async task carried on past its
@@ -610,8 +739,7 @@ def _participation(p: ParticipationRecord) -> admin_pb2.Participation:
     return admin_pb2.Participation(
         site_id=p.site_id,
         attempt=p.attempt,
-        # A task the site's policy declined is not a failure of the site: said as such.
-        status="declined" if p.state == "failed" and p.error.startswith(DECLINED) else p.state,
+        status=_shown_status(p.state, p.error.startswith(DECLINED)),
         num_samples=p.num_samples,
         bytes_down=p.bytes_down,
         bytes_up=p.bytes_up,

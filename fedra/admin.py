@@ -52,11 +52,16 @@ class AdminClient:
         request = admin_pb2.SubmitRunRequest(spec=runspec_to_proto(spec))
         return self.stub.SubmitRun(request, timeout=self.timeout_s)
 
-    def status(self, run_id: str, first_round: int = 0) -> admin_pb2.RunStatus:
+    def status(
+        self, run_id: str, first_round: int = 0, *, summary: bool = False
+    ) -> admin_pb2.RunStatus:
         """The run and its rounds from ``first_round`` on, asked for in pages of about
         1 MiB, so that no run is too long to read (a daemon that predates paging sends
-        every round in one reply)."""
-        request = admin_pb2.GetRunRequest(run_id=run_id, first_round=first_round, page=True)
+        every round in one reply). ``summary``: each round counted, not listed
+        (``GetRunRequest.summary``; a daemon that predates it lists them)."""
+        request = admin_pb2.GetRunRequest(
+            run_id=run_id, first_round=first_round, page=True, summary=summary
+        )
         status = self.stub.GetRun(request, timeout=self.timeout_s)
         rounds = list(status.rounds)
         provenance = admin_pb2.RunProvenance()

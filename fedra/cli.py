@@ -465,7 +465,10 @@ def _cmd_submit(args: argparse.Namespace) -> int:
 def _cmd_status(args: argparse.Namespace) -> int:
     check_round(args.from_round, "--from-round")
     with _admin(args) as admin:
-        status = admin.status(args.run_id, first_round=args.from_round)
+        # The text names no site but a changed one: counts do (a round of thousands of
+        # sites is a few hundred bytes instead of a megabyte).
+        summary = args.summary or not args.json
+        status = admin.status(args.run_id, first_round=args.from_round, summary=summary)
     if args.json:
         print(json.dumps(status_to_dict(status), indent=2))
     else:
@@ -832,10 +835,16 @@ def format_round(r: admin_pb2.RoundStatus) -> str:
     )
     lost = f"  lost {format_bytes(r.lost_bytes)}" if r.lost_bytes else ""
     return (
-        f"round {r.number:>3}  {r.updates}/{len(r.sampled_sites)} sites  "
+        f"round {r.number:>3}  {r.updates}/{sampled(r)} sites  "
         f"{moved_bytes(r) / 1e6:8.3f} MB  {r.duration_s:6.2f} s  {idle}  "
         f"{metrics}{lost}"
     ).rstrip()
+
+
+def sampled(r: admin_pb2.RoundStatus) -> int:
+    """How many sites the round sampled, from a summary or a whole round (a daemon that
+    predates sampled_count sends only the list)."""
+    return r.sampled_count or len(r.sampled_sites)
 
 
 def moved_bytes(r: admin_pb2.RoundStatus) -> int:
@@ -1075,7 +1084,15 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(func=_cmd_submit)
     q = rsub.add_parser("status", help="a run's state and rounds")
     q.add_argument("run_id")
-    q.add_argument("--json", action="store_true")
+    q.add_argument(
+        "--json", action="store_true",
+        help="the whole status, every participation of every round, as JSON",
+    )  # fmt: skip
+    q.add_argument(
+        "--summary", action="store_true",
+        help="with --json: each round's counts (sampled_count, participation_counts), not "
+        "its sites; provenance of the sites that changed only (the text always is)",
+    )  # fmt: skip
     q.add_argument("--from-round", type=int, default=0, metavar="N", help="only rounds N and later")
     q.set_defaults(func=_cmd_status)
     q = rsub.add_parser("watch", help="print rounds as they commit until the run ends")

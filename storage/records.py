@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -112,6 +112,41 @@ class RunView:
     more_rounds: bool = False  # rounds after these exist (a read with a limit)
 
 
+@dataclass(frozen=True)
+class ParticipationTally:
+    """The participations of one round's attempt in one state, counted and summed by the
+    database (``Store.read_run_summary``): a round's figures without its rows."""
+
+    round_number: int
+    attempt: int
+    state: str
+    flagged: bool  # its error starts with the prefix the read was asked to flag
+    count: int
+    bytes_down: int = 0
+    bytes_up: int = 0
+    bytes_cut: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.state in FINAL_PARTICIPATION_STATES
+
+
+@dataclass(frozen=True)
+class RunSummaryView:
+    """A run and some of its rounds counted instead of listed, read at one moment
+    (``Store.read_run_summary``)."""
+
+    run: RunRecord
+    rounds: list[RoundRecord]
+    tallies: list[ParticipationTally]
+    # The accepted participations of each committed round's last attempt (what its
+    # sites' idle time is worked out from); no other rows.
+    accepted: list[ParticipationRecord]
+    checkpoints: list[CheckpointRecord]
+    held: frozenset[int] = frozenset()  # the rounds with a task among those asked after
+    more_rounds: bool = False
+
+
 class RunReads(Protocol):
     """The reads a run's status is built from: ``Store`` is one. What a reader that must
     not write is handed (the engine's ``records``, the read process's database)."""
@@ -121,6 +156,16 @@ class RunReads(Protocol):
     def read_run(
         self, run_id: str, *, since: int = 0, limit: int | None = None
     ) -> RunView | None: ...
+
+    def read_run_summary(
+        self,
+        run_id: str,
+        *,
+        since: int = 0,
+        limit: int | None = None,
+        flag_error: str = "",
+        tasks: Collection[str] = (),
+    ) -> RunSummaryView | None: ...
 
     def list_events(self, run_id: str, kinds: tuple[str, ...] = ()) -> list[EventRecord]: ...
 
@@ -139,6 +184,19 @@ class ReadsOf:
 
     def read_run(self, run_id: str, *, since: int = 0, limit: int | None = None) -> RunView | None:
         return self._store.read_run(run_id, since=since, limit=limit)
+
+    def read_run_summary(
+        self,
+        run_id: str,
+        *,
+        since: int = 0,
+        limit: int | None = None,
+        flag_error: str = "",
+        tasks: Collection[str] = (),
+    ) -> RunSummaryView | None:
+        return self._store.read_run_summary(
+            run_id, since=since, limit=limit, flag_error=flag_error, tasks=tasks
+        )
 
     def list_events(self, run_id: str, kinds: tuple[str, ...] = ()) -> list[EventRecord]:
         return self._store.list_events(run_id, kinds)

@@ -12,7 +12,7 @@ import json
 import os
 import socket
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from pathlib import Path
 from typing import Any
@@ -47,8 +47,10 @@ from fedra.storage.records import (
     CheckpointRecord,
     EventRecord,
     ParticipationRecord,
+    ParticipationTally,
     RoundRecord,
     RunRecord,
+    RunSummaryView,
     RunView,
     SiteRecord,
 )
@@ -280,6 +282,50 @@ del _p
 def _rounds_since(run_id: str, since: int) -> Select[m.Round]:
     r = m.Round
     return select(r).where(r.run_id == run_id, r.number >= since).order_by(r.number)
+
+
+def _rounds_read(
+    s: Session, run_id: str, since: int, limit: int | None
+) -> tuple[m.Run, list[m.Round], int | None] | None:
+    """The run and its rounds numbered ``since`` or higher, at most ``limit`` of them,
+    and the number below which they end when more follow (None: none follow); None if
+    there is no such run."""
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit}")
+    run = s.get(m.Run, run_id)
+    if run is None:
+        return None
+    rounds_q = _rounds_since(run_id, since)
+    if limit is not None:
+        rounds_q = rounds_q.limit(limit + 1)  # one more says whether more follow
+    rounds = list(s.scalars(rounds_q))
+    if limit is not None and len(rounds) > limit:
+        del rounds[limit:]
+        return run, rounds, rounds[-1].number + 1
+    return run, rounds, None
+
+
+# Values in one IN (...) of a read, at most (SQLite's limit on a statement's parameters
+# was 999 before 3.32).
+_IN_CHUNK = 500
+
+
+def _accepted_in_last_attempts(run_id: str, numbers: list[int]) -> Select[Any]:
+    """The accepted participations of the rounds ``numbers``' last attempts, as rows."""
+    t, r = m.Participation.__table__.c, m.Round.__table__.c
+    last = (r.run_id == t.run_id) & (r.number == t.round_number) & (r.attempt == t.attempt)
+    return (
+        select(*(t[name] for name in rows.PARTICIPATION_COLUMNS))
+        .join_from(m.Participation.__table__, m.Round.__table__, last)
+        .where(
+            t.run_id == run_id,
+            t.state == "accepted",
+            t.round_number >= min(numbers),
+            t.round_number <= max(numbers),
+            r.state == "committed",
+        )
+        .order_by(t.round_number, t.site_id)
+    )
 
 
 def _participation_rows_between(run_id: str, since: int, until: int | None) -> Select[Any]:
@@ -802,21 +848,11 @@ class Store:
         """The run and its rounds numbered ``since`` or higher (at most ``limit`` of them),
         with their participations and checkpoints, in one transaction (one snapshot, on
         SQLite): what a status needs."""
-        if limit is not None and limit < 1:
-            raise ValueError(f"limit must be >= 1, got {limit}")
         with self._read() as s:
-            run = s.get(m.Run, run_id)
-            if run is None:
+            found = _rounds_read(s, run_id, since, limit)
+            if found is None:
                 return None
-            rounds_q = _rounds_since(run_id, since)
-            if limit is not None:
-                rounds_q = rounds_q.limit(limit + 1)  # one more says whether more follow
-            rounds = list(s.scalars(rounds_q))
-            more = limit is not None and len(rounds) > limit
-            until = None
-            if more:
-                del rounds[limit:]
-                until = rounds[-1].number + 1
+            run, rounds, until = found
             return RunView(
                 rows.run_record(run),
                 [rows.round_record(r) for r in rounds],
@@ -828,7 +864,80 @@ class Store:
                     rows.checkpoint_record(c)
                     for c in s.scalars(_checkpoints_between(run_id, since, until))
                 ],
-                more_rounds=more,
+                more_rounds=until is not None,
+            )
+
+    def read_run_summary(
+        self,
+        run_id: str,
+        *,
+        since: int = 0,
+        limit: int | None = None,
+        flag_error: str = "",
+        tasks: Collection[str] = (),
+    ) -> RunSummaryView | None:
+        """``read_run`` with the participations counted by the database instead of read:
+        per round, attempt and state, how many and the bytes they moved (``flagged``:
+        whether the error starts with ``flag_error``, when one is given), plus the
+        accepted participations of each committed round's last attempt; ``held`` names
+        the rounds that have one of ``tasks``. One transaction."""
+        with self._read() as s:
+            found = _rounds_read(s, run_id, since, limit)
+            if found is None:
+                return None
+            run, rounds, until = found
+            t = m.Participation.__table__.c
+            between = [t.run_id == run_id, t.round_number >= since]
+            if until is not None:
+                between.append(t.round_number < until)
+            keys: list[Any] = [t.round_number, t.attempt, t.state]
+            if flag_error:  # (no constant in a GROUP BY: SQLite reads one as a column's place)
+                keys.append(case((t.error.startswith(flag_error, autoescape=True), 1), else_=0))
+            sums = [func.coalesce(func.sum(c), 0) for c in (t.bytes_down, t.bytes_up, t.bytes_cut)]
+            query = select(*keys, func.count(), *sums).where(*between).group_by(*keys)
+            tallies = []
+            for row in s.execute(query):
+                n, a, st, *flag = row[: len(keys)]
+                k, d, u, c = row[len(keys) :]
+                tallies.append(
+                    ParticipationTally(
+                        round_number=n,
+                        attempt=a,
+                        state=st,
+                        flagged=bool(flag and flag[0]),
+                        count=int(k),
+                        bytes_down=int(d),
+                        bytes_up=int(u),
+                        bytes_cut=int(c),
+                    )
+                )
+            committed = [r.number for r in rounds if r.state == "committed"]
+            accepted = (
+                [
+                    rows.participation_from_values(p)
+                    for p in s.execute(_accepted_in_last_attempts(run_id, committed))
+                ]
+                if committed
+                else []
+            )
+            held: set[int] = set()
+            wanted = list(tasks)
+            for at in range(0, len(wanted), _IN_CHUNK):
+                q = select(t.round_number).where(
+                    *between, t.task_id.in_(wanted[at : at + _IN_CHUNK])
+                )
+                held.update(s.scalars(q.distinct()))
+            return RunSummaryView(
+                rows.run_record(run),
+                [rows.round_record(r) for r in rounds],
+                tallies,
+                accepted,
+                [
+                    rows.checkpoint_record(c)
+                    for c in s.scalars(_checkpoints_between(run_id, since, until))
+                ],
+                held=frozenset(held),
+                more_rounds=until is not None,
             )
 
     def update_data(self, sha256: str) -> bytes | None:

@@ -187,6 +187,7 @@ class GetRunRequest(_message.Message):
     RUN_ID_FIELD_NUMBER: _builtins.int
     FIRST_ROUND_FIELD_NUMBER: _builtins.int
     PAGE_FIELD_NUMBER: _builtins.int
+    SUMMARY_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     first_round: _builtins.int
     """Only the rounds numbered first_round and up (0: from the initial model)."""
@@ -198,16 +199,25 @@ class GetRunRequest(_message.Message):
     page is read at its own moment. Unset, every round comes in one reply, or the call
     fails with RESOURCE_EXHAUSTED when they do not fit.
     """
+    summary: _builtins.bool
+    """Counts instead of rows: each round without its participations and sampled_sites
+    (RoundStatus.sampled_count and participation_counts say how many), and
+    provenance.sites only for the sites whose provenance changed. Every other field is
+    as without it. A round of thousands of sites is a few hundred bytes, counted by the
+    database instead of read row by row: what a dashboard or `fedra run status` asks
+    for. Works with or without page.
+    """
     def __init__(
         self,
         *,
         run_id: _builtins.str = ...,
         first_round: _builtins.int = ...,
         page: _builtins.bool = ...,
+        summary: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_round", b"first_round", "page", b"page", "run_id", b"run_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_round", b"first_round", "page", b"page", "run_id", b"run_id", "summary", b"summary"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -432,6 +442,26 @@ class RoundStatus(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class ParticipationCountsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     NUMBER_FIELD_NUMBER: _builtins.int
     ATTEMPT_FIELD_NUMBER: _builtins.int
     STATUS_FIELD_NUMBER: _builtins.int
@@ -449,6 +479,8 @@ class RoundStatus(_message.Message):
     LOST_BYTES_FIELD_NUMBER: _builtins.int
     SITE_IDLE_S_FIELD_NUMBER: _builtins.int
     CUT_BYTES_FIELD_NUMBER: _builtins.int
+    SAMPLED_COUNT_FIELD_NUMBER: _builtins.int
+    PARTICIPATION_COUNTS_FIELD_NUMBER: _builtins.int
     number: _builtins.int
     """0 is the initial model"""
     attempt: _builtins.int
@@ -475,6 +507,8 @@ class RoundStatus(_message.Message):
     """Bytes of transfers cut off or refused midway (the participations' bytes_cut): on the
     wire besides bytes_down and bytes_up, and all of them lost.
     """
+    sampled_count: _builtins.int
+    """How many sites the round sampled (sampled_sites' length, also in a summary)."""
     @_builtins.property
     def sampled_sites(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -487,6 +521,12 @@ class RoundStatus(_message.Message):
     def stages(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
         """The round's ledger, seconds per stage: distribute_s, compute_s and transfer_s (the
         slowest site's), aggregate_s, checkpoint_s, and round_s end to end.
+        """
+
+    @_builtins.property
+    def participation_counts(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """The participations of the round's current attempt, by status (the Participation
+        statuses, "declined" included), also in a summary.
         """
 
     def __init__(
@@ -509,10 +549,12 @@ class RoundStatus(_message.Message):
         lost_bytes: _builtins.int = ...,
         site_idle_s: _builtins.float = ...,
         cut_bytes: _builtins.int = ...,
+        sampled_count: _builtins.int = ...,
+        participation_counts: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "bytes_down", b"bytes_down", "bytes_up", b"bytes_up", "closed_unix_s", b"closed_unix_s", "cut_bytes", b"cut_bytes", "duration_s", b"duration_s", "lost_bytes", b"lost_bytes", "metrics", b"metrics", "model_sha256", b"model_sha256", "number", b"number", "opened_unix_s", b"opened_unix_s", "participations", b"participations", "sampled_sites", b"sampled_sites", "site_idle_s", b"site_idle_s", "stages", b"stages", "status", b"status", "updates", b"updates"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "bytes_down", b"bytes_down", "bytes_up", b"bytes_up", "closed_unix_s", b"closed_unix_s", "cut_bytes", b"cut_bytes", "duration_s", b"duration_s", "lost_bytes", b"lost_bytes", "metrics", b"metrics", "model_sha256", b"model_sha256", "number", b"number", "opened_unix_s", b"opened_unix_s", "participation_counts", b"participation_counts", "participations", b"participations", "sampled_count", b"sampled_count", "sampled_sites", b"sampled_sites", "site_idle_s", b"site_idle_s", "stages", b"stages", "status", b"status", "updates", b"updates"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

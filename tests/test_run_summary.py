@@ -1,0 +1,174 @@
+"""A run's status counted by the database (``GetRunRequest.summary``): every figure the
+same as the whole status's, on SQLite and PostgreSQL, with no participation read."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from fedra.admin import AdminClient
+from fedra.cli import format_status
+from fedra.coordinator.ledger import DECLINED, PROVENANCE_EVENT
+from fedra.coordinator.status import round_statuses, round_summaries, run_page, run_status
+from fedra.protos.v1 import admin_pb2
+from fedra.runspec import RunSpec
+from fedra.storage.records import CheckpointRecord
+from fedra.storage.store import Store
+from tests.conftest import InProcessCoordinator, postgres_database
+
+TASK = "fedra.examples.synthetic:task"
+T0 = 1_700_000_000.0
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
+    if request.param == "sqlite":
+        s = Store(f"sqlite:///{tmp_path}/fedra.db")
+        yield s
+        s.close()
+        return
+    with postgres_database("fedra_summary") as url:
+        s = Store(url)
+        try:
+            yield s
+        finally:
+            s.close()
+
+
+def _fill(store: Store, run_id: str, seed: int, rounds: int = 9) -> list[str]:
+    """A run whose rounds have every kind of participation: downloads, accepts, cut
+    transfers, failures, declines, expiries, retried attempts, and a last round left
+    open, or ended by the run failing. Returns every task id."""
+    rng = random.Random(seed)
+    spec = RunSpec(name="mixed", task=TASK, rounds=rounds + 1, sites_per_round=6, min_sites=1)
+    store.create_run(run_id, "mixed", TASK, spec.validate().to_json(), T0)
+    store.set_run_state(run_id, "running", "", T0)
+    tasks: list[str] = []
+    now = T0
+    for number in range(rounds):
+        attempts = rng.choice([1, 1, 2, 3])
+        for attempt in range(1, attempts + 1):
+            sites = rng.sample([f"site-{i:02d}" for i in range(12)], rng.randint(1, 8))
+            assignment = {s: f"{run_id}-{number}-{attempt}-{s}" for s in sites}
+            tasks.extend(assignment.values())
+            now += 1.0
+            store.open_round(run_id, number, attempt, assignment, now, now + 60.0)
+            for task in assignment.values():
+                what = rng.choice(["accept", "accept", "accept", "fail", "decline", "idle", "dl"])
+                if what != "idle":
+                    store.mark_downloaded(task, rng.randint(1, 10**9), rng.random())
+                if rng.random() < 0.3:
+                    store.mark_downloaded_many([], cuts=[(task, rng.randint(1, 10**6))])
+                if what == "accept":
+                    store.accept_update(
+                        task,
+                        nonce=rng.randbytes(16),
+                        sha256=f"{rng.getrandbits(256):064x}",
+                        num_samples=rng.randint(1, 100),
+                        metrics={"compute_s": rng.random() * 3, "loss": rng.random()},
+                        bytes_up=rng.randint(1, 10**9),
+                        upload_s=rng.random(),
+                        now=now + rng.random(),
+                    )
+                elif what == "fail":
+                    store.fail_participation(task, "the update was refused: 50% of it", now)
+                elif what == "decline":
+                    store.fail_participation(task, DECLINED + "not on weekends", now)
+            if attempt < attempts:
+                store.expire_attempt(run_id, number, attempt, "attempt failed", now + 2.0)
+        last = number == rounds - 1
+        if not last:
+            ckpt = CheckpointRecord(run_id, number, f"{number:064x}", 1, None, now + 3.0)
+            store.commit_round(run_id, number, ckpt, {"loss": rng.random()}, now + 3.0)
+        elif rng.random() < 0.5:
+            store.set_run_state(run_id, "failed", "too few sites", now + 4.0)
+    return tasks
+
+
+def _without_rows(r: admin_pb2.RoundStatus) -> admin_pb2.RoundStatus:
+    out = admin_pb2.RoundStatus()
+    out.CopyFrom(r)
+    out.ClearField("participations")
+    out.ClearField("sampled_sites")
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_summary_has_every_figure_of_the_whole_status_without_its_rows(
+    store: Store, seed: int
+) -> None:
+    """Bytes, lost and cut bytes, updates, idle time and finality, counted by the
+    database, equal what the whole status works out from every row; the counts by
+    status are the current attempt's participations'."""
+    tasks = _fill(store, "mixed", seed)
+    rng = random.Random(seed)
+    held = set(rng.sample(tasks, 3))
+    for since, limit in ((0, None), (3, 2), (5, None)):
+        whole = store.read_run("mixed", since=since, limit=limit)
+        summed = store.read_run_summary(
+            "mixed", since=since, limit=limit, flag_error=DECLINED, tasks=held
+        )
+        assert whole is not None and summed is not None
+        assert summed.more_rounds == whole.more_rounds
+        for settled in (float("inf"), T0 + 8.0):
+            rounds, final = round_statuses(whole, held, settled)
+            summaries, summary_final = round_summaries(summed, settled)
+            assert summary_final == final
+            assert list(summaries) == list(rounds)
+            for number, r in rounds.items():
+                s = summaries[number]
+                assert s == _without_rows(r), number
+                assert s.sampled_count == len(r.sampled_sites) > 0
+                current = Counter(p.status for p in r.participations if p.attempt == r.attempt)
+                assert dict(s.participation_counts) == dict(current)
+    statuses = [r.status for r in round_statuses(store.read_run("mixed"))[0].values()]  # type: ignore[arg-type]
+    assert "committed" in statuses
+
+
+def test_a_summary_of_a_missing_run_is_none(store: Store) -> None:
+    assert store.read_run_summary("nope") is None
+    with pytest.raises(ValueError, match="limit must be >= 1"):
+        store.read_run_summary("nope", limit=0)
+
+
+def test_get_run_summary_over_grpc_pages_and_the_cli_prints_from_it(
+    coordinator: InProcessCoordinator,
+) -> None:
+    """Over the admin port: a summary (paged or whole) is the whole status less its rows,
+    and far smaller; only the sites whose provenance changed are named; the text of
+    `fedra run status` is the same from a summary as from the whole status."""
+    engine = coordinator.engine
+    _fill(engine._store, "mixed", seed=11, rounds=30)
+    for number, (site, digest) in enumerate([("a", "1"), ("b", "1"), ("b", "2"), ("c", "3")]):
+        data: dict[str, float | int | str] = {"site": site, "digest": digest, "device": "cpu"}
+        engine._store.add_event("mixed", PROVENANCE_EVENT, site, T0 + number, number, data)
+    stub, request = coordinator.admin, admin_pb2.GetRunRequest(run_id="mixed")
+    whole = stub.GetRun(request, timeout=10)
+    summary = stub.GetRun(admin_pb2.GetRunRequest(run_id="mixed", summary=True), timeout=10)
+    assert [_without_rows(r) for r in whole.rounds] == list(summary.rounds)
+    assert summary.ByteSize() * 3 < whole.ByteSize()
+    assert summary.state == whole.state and summary.spec == whole.spec
+    assert all(not r.participations and not r.sampled_sites for r in summary.rounds)
+    assert [p.site_id for p in whole.provenance.sites] == ["a", "b", "c"]
+    assert [(p.site_id, p.since_round) for p in summary.provenance.sites] == [("b", 2)]
+    assert summary.provenance.sites[0] == whole.provenance.sites[1]
+    assert summary.provenance.spec_sha256 == whole.provenance.spec_sha256
+    with AdminClient(coordinator.address) as admin:
+        paged = admin.status("mixed", summary=True)
+        assert list(paged.rounds) == list(summary.rounds)
+        assert list(admin.status("mixed", first_round=7, summary=True).rounds) == list(
+            summary.rounds[7:]
+        )
+        assert format_status(admin.status("mixed")) == format_status(paged)
+    small = run_page(engine, "mixed", False, 4, page_bytes=1, summary=True)
+    assert [r.number for r in small.rounds] == [4] and small.more_rounds_follow
+    assert run_status(engine, "mixed", insecure=True, summary=True) == summary
+    with pytest.raises(grpc.RpcError) as missing:
+        stub.GetRun(admin_pb2.GetRunRequest(run_id="nope", summary=True, page=True), timeout=10)
+    assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "no run 'nope'" in str(missing.value.details())
