@@ -17,7 +17,8 @@ synthetic task (9 parameters) and uploads, in a run of ``--rounds`` rounds of Fe
 - the coordinator's seconds in garbage collections during the run (from its metrics,
   ``--http`` on a loopback port of its own), and their share of its CPU;
 - latency p50/p99 of ListSites and GetRun, called ``--admin-hz`` times a second each by a
-  thread of this process on its own channel while the rounds run;
+  thread of this process on its own channel while the rounds run (GetRun as `fedra run
+  status` asks for it, a summary, or with ``--status-probe pages`` a page of rows);
 - errors by gRPC status code: what each agent's ``Connection`` calls raised (counted by
   wrapping the methods of each agent's own Connection object), the agents' own warnings
   by message, and the admin caller's failed calls.
@@ -686,12 +687,13 @@ def wait_finished(probe: AdminProbe, coordinator: ManagedProcess, deadline: floa
 
 
 def probe_admin(
-    cluster: LocalCluster, run_id: str, hz: float, deadline: float
+    cluster: LocalCluster, run_id: str, hz: float, deadline: float, status: str = "summary"
 ) -> tuple[bool, dict[str, Any]]:
     """ListSites and GetRun, each on a thread of its own, until the run ends: whether it
-    ended in time, and the calls' figures."""
+    ended in time, and the calls' figures. ``status``: GetRun as `fedra run status` asks
+    (``summary``: counts, paged) or for every row (``pages``: its first page, about 1 MiB)."""
     assert cluster.coordinator is not None
-    get_run = admin_pb2.GetRunRequest(run_id=run_id, page=True)
+    get_run = admin_pb2.GetRunRequest(run_id=run_id, page=True, summary=status == "summary")
     calls: dict[str, AdminCall] = {
         "ListSites": lambda stub, t: stub.ListSites(admin_pb2.ListSitesRequest(), timeout=t),
         "GetRun": lambda stub, t: stub.GetRun(get_run, timeout=t),
@@ -711,7 +713,7 @@ def probe_admin(
     for probe in probes.values():
         errors.update(probe.errors)
     figures = {"admin": {name: p.figures() for name, p in probes.items()}}
-    return finished, {**figures, "admin_errors": dict(errors)}
+    return finished, {**figures, "admin_errors": dict(errors), "status_probe": status}
 
 
 def read_rounds(cluster: LocalCluster, run_id: str) -> dict[str, Any]:
@@ -833,7 +835,7 @@ class Measurement:
                 run_id = admin.submit(spec)
                 submit_s = time.time() - submitted
             finished, self.result["run"] = probe_admin(
-                cluster, run_id, self.args.admin_hz, self.deadline
+                cluster, run_id, self.args.admin_hz, self.deadline, self.args.status_probe
             )
             self.reached("run_ended")
             gc_after = gc_seconds(cluster.state_dir)
@@ -1189,6 +1191,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout-s", type=float, default=900.0, help="per N, all included")
     parser.add_argument("--round-deadline-s", type=float, default=300.0)
     parser.add_argument("--admin-hz", type=float, default=4.0, help="ListSites and GetRun")
+    parser.add_argument(
+        "--status-probe", choices=("summary", "pages"), default="summary",
+        help="GetRun as `fedra run status` asks for it (counts), or its first page of rows "
+        "(the probe until 2026-12-06)",
+    )  # fmt: skip
     parser.add_argument(
         "--site-nice",
         type=int,

@@ -98,23 +98,21 @@ class AdminReads(admin_pb2_grpc.AdminServiceServicer):
     async def GetRun(self, request: admin_pb2.GetRunRequest, context: Any) -> admin_pb2.RunStatus:
         self.guard.admin(context)
         insecure, first, source = self.guard.insecure, request.first_round, self.reads.source
-        if request.summary:  # counted by the database: cheap enough to build for each call
-            if request.page:
-                summed = functools.partial(run_page, kept=self.kept_summaries, summary=True)
-                return await self.reads.read(
-                    summed, source, request.run_id, insecure, first, PAGE_BYTES
-                )
-            whole = functools.partial(run_status, summary=True)
-            return await self.reads.read(whole, source, request.run_id, insecure, first)
         if request.page:
             # Shared for a moment within a phase (driven, cancelled, ended), never across one.
-            key = (request.run_id, first, insecure, source.run_phase(request.run_id))
+            phase = source.run_phase(request.run_id)
+            key = (request.run_id, first, insecure, phase, request.summary)
+            kept = self.kept_summaries if request.summary else self.kept
             build = functools.partial(
-                run_page, source, request.run_id, insecure, first, PAGE_BYTES, self.kept
-            )
+                run_page, source, request.run_id, insecure, first, PAGE_BYTES, kept,
+                summary=request.summary,
+            )  # fmt: skip
             if (page := self.pages.answer(key, build, self.reads.readers)) is not None:
                 return page
             return await self.reads.read(self.pages.get, key, build)
+        if request.summary:
+            whole = functools.partial(run_status, summary=True)
+            return await self.reads.read(whole, source, request.run_id, insecure, first)
         return await self.reads.read(run_status, source, request.run_id, insecure, first)
 
     @mapped

@@ -288,7 +288,9 @@ class SharedPages:
             started = self.clock()
             status = build()
             cost = self.clock() - started
-            large = sum(len(r.participations) for r in status.rounds) >= self.min_participations
+            # What its build read: each round's participations, or counted (a summary).
+            read = sum(max(len(r.participations), r.sampled_count) for r in status.rounds)
+            large = read >= self.min_participations
             with self._lock:
                 self._keep(key, status, started, self.fresh_for(cost), large)
             flight.future.set_result(status)
@@ -621,7 +623,7 @@ def round_statuses(
         held = any(p.task_id in pending for p in mine)
         if _final(r, tallies, held, settled_before):
             final.add(r.number)
-        status = _round(r, tallies, mine, ckpts)
+        status = _round(r, tallies, site_idle_s(r, mine), ckpts)
         status.sampled_sites.extend(r.sampled)
         status.participations.extend(_participation(p) for p in mine)
         out[r.number] = status
@@ -638,15 +640,12 @@ def round_summaries(
     tallies: dict[int, list[ParticipationTally]] = {}
     for t in view.tallies:
         tallies.setdefault(t.round_number, []).append(t)
-    accepted: dict[int, list[ParticipationRecord]] = {}
-    for p in view.accepted:
-        accepted.setdefault(p.round_number, []).append(p)
     out, final = {}, set()
     for r in view.rounds:
         mine = tallies.get(r.number, [])
         if _final(r, mine, r.number in view.held, settled_before):
             final.add(r.number)
-        out[r.number] = _round(r, mine, accepted.get(r.number, []), ckpts)
+        out[r.number] = _round(r, mine, view.idle.get(r.number, 0.0), ckpts)
     return out, final
 
 
@@ -672,13 +671,10 @@ def _final(
 
 
 def _round(
-    r: RoundRecord,
-    tallies: list[ParticipationTally],
-    accepted: list[ParticipationRecord],
-    ckpts: dict[int, str],
+    r: RoundRecord, tallies: list[ParticipationTally], idle: float, ckpts: dict[int, str]
 ) -> admin_pb2.RoundStatus:
-    """The round's figures from its participations' tallies (and, for the sites' idle
-    time, its accepted participations): no rows."""
+    """The round's figures from its participations' tallies and its sites' idle time
+    (``site_idle_s``): no rows."""
     counts: dict[str, int] = {}
     for t in tallies:
         if t.attempt == r.attempt:
@@ -701,7 +697,7 @@ def _round(
         model_sha256=ckpts.get(r.number, ""),
         stages=r.stages,
         lost_bytes=sum(t.bytes_down + t.bytes_up for t in tallies if _lost(r, t)) + cut,
-        site_idle_s=site_idle_s(r, accepted),
+        site_idle_s=idle,
         cut_bytes=cut,
         participation_counts=counts,
     )

@@ -139,9 +139,9 @@ class RunSummaryView:
     run: RunRecord
     rounds: list[RoundRecord]
     tallies: list[ParticipationTally]
-    # The accepted participations of each committed round's last attempt (what its
-    # sites' idle time is worked out from); no other rows.
-    accepted: list[ParticipationRecord]
+    # Per committed round: the mean time a site whose update it accepted sat idle in it
+    # (``ledger.idle_s``); a committed round that accepted none is not in it.
+    idle: dict[int, float]
     checkpoints: list[CheckpointRecord]
     held: frozenset[int] = frozenset()  # the rounds with a task among those asked after
     more_rounds: bool = False

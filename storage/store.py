@@ -24,6 +24,7 @@ from sqlalchemy import (
     Select,
     bindparam,
     case,
+    cast,
     create_engine,
     event,
     func,
@@ -310,12 +311,28 @@ def _rounds_read(
 _IN_CHUNK = 500
 
 
-def _accepted_in_last_attempts(run_id: str, numbers: list[int]) -> Select[Any]:
-    """The accepted participations of the rounds ``numbers``' last attempts, as rows."""
+def _idle_in_last_attempts(run_id: str, numbers: list[int], dialect: str) -> Select[Any]:
+    """Per committed round of ``numbers``, the mean over the accepted participations of
+    its last attempt of the time each sat idle, as ``ledger.idle_s`` works it out: from
+    its task (or the round's opening, if later) to the commit, less its own download,
+    compute and upload (the site's measures, from its metrics, where it sent them)."""
     t, r = m.Participation.__table__.c, m.Round.__table__.c
+
+    def metric(name: str) -> Any:
+        if dialect == "postgresql":
+            return cast(cast(t.metrics_json, postgresql.JSON)[name].astext, Float)
+        return func.json_extract(t.metrics_json, f'$."{name}"')
+
+    busy = (
+        func.coalesce(metric("download_s"), t.download_s)
+        + func.coalesce(metric("compute_s"), 0.0)
+        + t.upload_s
+    )
+    start = case((t.assigned_at < r.opened_at, t.assigned_at), else_=r.opened_at)
+    idle = r.closed_at - start - busy
     last = (r.run_id == t.run_id) & (r.number == t.round_number) & (r.attempt == t.attempt)
     return (
-        select(*(t[name] for name in rows.PARTICIPATION_COLUMNS))
+        select(t.round_number, func.avg(case((idle > 0.0, idle), else_=0.0)))
         .join_from(m.Participation.__table__, m.Round.__table__, last)
         .where(
             t.run_id == run_id,
@@ -323,8 +340,9 @@ def _accepted_in_last_attempts(run_id: str, numbers: list[int]) -> Select[Any]:
             t.round_number >= min(numbers),
             t.round_number <= max(numbers),
             r.state == "committed",
+            r.closed_at.is_not(None),
         )
-        .order_by(t.round_number, t.site_id)
+        .group_by(t.round_number)
     )
 
 
@@ -879,8 +897,8 @@ class Store:
         """``read_run`` with the participations counted by the database instead of read:
         per round, attempt and state, how many and the bytes they moved (``flagged``:
         whether the error starts with ``flag_error``, when one is given), plus the
-        accepted participations of each committed round's last attempt; ``held`` names
-        the rounds that have one of ``tasks``. One transaction."""
+        mean idle time of each committed round's sites (``ledger.idle_s``); ``held``
+        names the closed rounds that have one of ``tasks``. One transaction."""
         with self._read() as s:
             found = _rounds_read(s, run_id, since, limit)
             if found is None:
@@ -912,26 +930,31 @@ class Store:
                     )
                 )
             committed = [r.number for r in rounds if r.state == "committed"]
-            accepted = (
-                [
-                    rows.participation_from_values(p)
-                    for p in s.execute(_accepted_in_last_attempts(run_id, committed))
-                ]
+            idle = (
+                {
+                    n: float(mean)
+                    for n, mean in s.execute(
+                        _idle_in_last_attempts(run_id, committed, self.engine.dialect.name)
+                    )
+                }
                 if committed
-                else []
+                else {}
             )
             held: set[int] = set()
-            wanted = list(tasks)
+            closed = [r.number for r in rounds if r.state != "open"]  # an open one is not final
+            wanted = list(tasks) if closed else []
             for at in range(0, len(wanted), _IN_CHUNK):
                 q = select(t.round_number).where(
-                    *between, t.task_id.in_(wanted[at : at + _IN_CHUNK])
+                    *between,
+                    t.round_number.in_(closed),
+                    t.task_id.in_(wanted[at : at + _IN_CHUNK]),
                 )
                 held.update(s.scalars(q.distinct()))
             return RunSummaryView(
                 rows.run_record(run),
                 [rows.round_record(r) for r in rounds],
                 tallies,
-                accepted,
+                idle,
                 [
                     rows.checkpoint_record(c)
                     for c in s.scalars(_checkpoints_between(run_id, since, until))

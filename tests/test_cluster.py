@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -165,6 +166,20 @@ def test_full_run_through_the_cli(cluster: LocalCluster, tmp_path: Path) -> None
     # instead of downloading it; later rounds download the new global model.
     assert int(rounds[1]["bytes_down"]) == 0
     assert all(int(r["bytes_down"]) > 0 for r in rounds[2:])
+    summed = fedra_cli(
+        "run", "status", run_id, "--json", "--summary", "--state-dir", str(cluster.state_dir)
+    )
+    assert summed.returncode == 0, summed.stderr
+    summary = json.loads(summed.stdout)
+    for whole, counted in zip(rounds, summary["rounds"], strict=True):
+        assert counted.pop("participations", []) == [] and counted.pop("sampled_sites", []) == []
+        assert counted["sampled_count"] == len(whole["sampled_sites"])
+        assert counted["participation_counts"] == dict(
+            Counter(p["status"] for p in whole["participations"])
+        )
+        rest = {k: v for k, v in whole.items() if k not in ("participations", "sampled_sites")}
+        assert counted == rest
+    assert [r["participation_counts"] for r in summary["rounds"][1:]] == [{"accepted": 3}] * 4
     later = fedra_cli(
         "run", "status", run_id, "--from-round", "3", "--state-dir", str(cluster.state_dir)
     )

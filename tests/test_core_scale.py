@@ -579,6 +579,30 @@ def test_shared_pages_keep_a_large_page_for_its_cost_and_build_a_small_one_each_
     assert built[-1] == 21 and len(built) == 9
 
 
+def test_shared_pages_keep_a_summary_of_a_large_round_as_a_large_page() -> None:
+    """A summary holds no participations, but its build counted a round's worth of
+    them: it is kept as the page of rows would be, and a small one is not."""
+    from fedra.coordinator.status import SharedPages
+
+    now = [0.0]
+    pages = SharedPages(share=0.1, max_age_s=1.0, min_participations=10, clock=lambda: now[0])
+    built: list[int] = []
+
+    def summary(sampled: int) -> Callable[[], admin_pb2.RunStatus]:
+        def run() -> admin_pb2.RunStatus:
+            built.append(sampled)
+            now[0] += 0.02
+            return admin_pb2.RunStatus(rounds=[admin_pb2.RoundStatus(sampled_count=sampled)])
+
+        return run
+
+    first = pages.get(("large", 0, True), summary(5000))
+    assert pages.get(("large", 0, True), summary(5000)) is first and built == [5000]
+    pages.get(("small", 0, True), summary(3))
+    pages.get(("small", 0, True), summary(3))
+    assert built == [5000, 3, 3]
+
+
 def test_shared_pages_build_a_costly_page_at_most_max_share_of_the_time() -> None:
     from fedra.coordinator.status import SharedPages
 

@@ -59,6 +59,7 @@ def test_scale_bench_reports_every_figure(tmp_path: Path) -> None:
         admin = run["admin"][name]
         assert admin["calls"] >= 1 and 0 < admin["p50_ms"] <= admin["p99_ms"], admin
     assert run["admin_errors"] == {}, run
+    assert run["status_probe"] == "summary", run
     sites = r["site_calls"]
     assert sites["errors_by_code"] == {} and sites["agents_crashed"] == {}, sites
     assert sites["calls"]["register OK"] == SITES, sites
