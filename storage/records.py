@@ -50,6 +50,11 @@ class RoundRecord:
 # A participation in one of these states never changes again.
 FINAL_PARTICIPATION_STATES = ("accepted", "failed", "expired")
 
+# A site's own measure of its download, compute or upload time counts within [0, this]
+# seconds wherever a sum is made of it (a site sends any finite number: 1e308 twice is
+# inf in Python and an error in PostgreSQL).
+MAX_MEASURED_S = 1e9
+
 
 @dataclass(frozen=True)
 class ParticipationRecord:

@@ -45,6 +45,7 @@ from fedra.storage import rows
 from fedra.storage.migrate import upgrade
 from fedra.storage.records import (
     FINAL_PARTICIPATION_STATES,
+    MAX_MEASURED_S,
     CheckpointRecord,
     EventRecord,
     ParticipationRecord,
@@ -323,10 +324,14 @@ def _idle_in_last_attempts(run_id: str, numbers: list[int], dialect: str) -> Sel
             return cast(cast(t.metrics_json, postgresql.JSON)[name].astext, Float)
         return func.json_extract(t.metrics_json, f'$."{name}"')
 
+    def measured(seconds: Any) -> Any:  # as ledger.idle_s counts it: within [0, bound]
+        bound = MAX_MEASURED_S
+        return case((seconds < 0.0, 0.0), (seconds > bound, bound), else_=seconds)
+
     busy = (
-        func.coalesce(metric("download_s"), t.download_s)
-        + func.coalesce(metric("compute_s"), 0.0)
-        + t.upload_s
+        measured(func.coalesce(metric("download_s"), t.download_s))
+        + measured(func.coalesce(metric("compute_s"), 0.0))
+        + measured(t.upload_s)
     )
     start = case((t.assigned_at < r.opened_at, t.assigned_at), else_=r.opened_at)
     idle = r.closed_at - start - busy
@@ -910,7 +915,9 @@ class Store:
                 between.append(t.round_number < until)
             keys: list[Any] = [t.round_number, t.attempt, t.state]
             if flag_error:  # (no constant in a GROUP BY: SQLite reads one as a column's place)
-                keys.append(case((t.error.startswith(flag_error, autoescape=True), 1), else_=0))
+                # Not LIKE: SQLite's ignores case.
+                prefix = func.substr(t.error, 1, len(flag_error)) == flag_error
+                keys.append(case((prefix, 1), else_=0))
             sums = [func.coalesce(func.sum(c), 0) for c in (t.bytes_down, t.bytes_up, t.bytes_cut)]
             query = select(*keys, func.count(), *sums).where(*between).group_by(*keys)
             tallies = []
@@ -941,15 +948,13 @@ class Store:
                 else {}
             )
             held: set[int] = set()
-            closed = [r.number for r in rounds if r.state != "open"]  # an open one is not final
+            closed = {r.number for r in rounds if r.state != "open"}  # an open one is not final
             wanted = list(tasks) if closed else []
             for at in range(0, len(wanted), _IN_CHUNK):
                 q = select(t.round_number).where(
-                    *between,
-                    t.round_number.in_(closed),
-                    t.task_id.in_(wanted[at : at + _IN_CHUNK]),
+                    *between, t.task_id.in_(wanted[at : at + _IN_CHUNK])
                 )
-                held.update(s.scalars(q.distinct()))
+                held.update(n for n in s.scalars(q.distinct()) if n in closed)
             return RunSummaryView(
                 rows.run_record(run),
                 [rows.round_record(r) for r in rounds],

@@ -203,7 +203,7 @@ class GetRunRequest(_message.Message):
     """Counts instead of rows: each round without its participations and sampled_sites
     (RoundStatus.sampled_count and participation_counts say how many), and
     provenance.sites only for the sites whose provenance changed. Every other field is
-    as without it. A round of thousands of sites is a few hundred bytes, counted by the
+    as without it (site_idle_s up to rounding: the database works out that mean). A round of thousands of sites is a few hundred bytes, counted by the
     database instead of read row by row: what a dashboard or `fedra run status` asks
     for. Works with or without page.
     """
