@@ -134,7 +134,9 @@ class AdminReads(admin_pb2_grpc.AdminServiceServicer):
     ) -> AsyncIterator[admin_pb2.RunStatus]:
         self.guard.admin(context)
         insecure, only_changed = self.guard.insecure, request.changed_rounds_only
-        watch = RunWatch(self.reads.source, request.run_id, insecure, only_changed)
+        watch = RunWatch(
+            self.reads.source, request.run_id, insecure, only_changed, summary=request.summary
+        )
         # Woken by a change of the run (a burst of them is one look), or every interval;
         # it waits holding no thread, and a client that hangs up ends it at once.
         changes = self.reads.changes(request.run_id, self.watch_interval_s, self.watch_gap_s)

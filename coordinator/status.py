@@ -447,9 +447,11 @@ class RunWatch:
         insecure: bool,
         changed_rounds_only: bool,
         message_bytes: int = WATCH_MESSAGE_BYTES,
+        summary: bool = False,
     ) -> None:
         self.engine, self.run_id, self.insecure = engine, run_id, insecure
         self.changed_rounds_only = changed_rounds_only
+        self.summary = summary  # rounds counted, not listed (``round_summaries``)
         self.message_bytes = message_bytes
         self.sent: dict[int, admin_pb2.RoundStatus] = {}  # by number: the rounds to send whole
         self.floor = 0  # every round numbered below this is final, and was sent as such
@@ -459,15 +461,22 @@ class RunWatch:
 
     def look(self) -> list[admin_pb2.RunStatus]:
         """The next messages: none when nothing changed since the last look."""
-        view = read_run(self.engine, self.run_id, self.floor)
-        # A finished download is written a moment later (DownloadLedger): a round with a
-        # download pending may change yet. Asked after the read, so that a round settled
-        # now was read after its last write; it is passed over at the next look, once
-        # this look has sent it.
-        pending, settled_before = self.engine.downloads_pending(), self.engine.settled_before()
-        self.finished = view.run.finished
-        header = run_header(self.engine, view.run, self.insecure, self.header)
-        fresh, final = round_statuses(view, pending, settled_before)
+        engine = self.engine
+        if self.summary:  # the read asks after the pending downloads: asked before it
+            pending, settled_before = engine.downloads_pending(), engine.settled_before()
+            got = _SUMMARIES(engine, self.run_id, self.floor, None, pending, settled_before)
+            run, fresh, final = got.run, got.fresh, got.final
+        else:
+            view = read_run(engine, self.run_id, self.floor)
+            # A finished download is written a moment later (DownloadLedger): a round with
+            # a download pending may change yet. Asked after the read, so that a round
+            # settled now was read after its last write; it is passed over at the next
+            # look, once this look has sent it.
+            pending, settled_before = engine.downloads_pending(), engine.settled_before()
+            run = view.run
+            fresh, final = round_statuses(view, pending, settled_before)
+        self.finished = run.finished
+        header = run_header(engine, run, self.insecure, self.header)
         changed = [r for n, r in fresh.items() if self.sent.get(n) != r]
         out: list[admin_pb2.RunStatus] = []
         if self.header is None or changed or header != self.header:

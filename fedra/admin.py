@@ -81,7 +81,12 @@ class AdminClient:
         return list(self.stub.ListRuns(admin_pb2.ListRunsRequest(), timeout=self.timeout_s).runs)
 
     def watch(
-        self, run_id: str, timeout_s: float | None = None, *, changed_rounds_only: bool = False
+        self,
+        run_id: str,
+        timeout_s: float | None = None,
+        *,
+        changed_rounds_only: bool = False,
+        summary: bool = False,
     ) -> Iterator[admin_pb2.RunStatus]:
         """RunStatus now and after each change, until the run ends.
 
@@ -89,8 +94,11 @@ class AdminClient:
         round, kept by number. With ``changed_rounds_only`` the statuses are yielded as
         they come instead: the first with every round, later ones with only the rounds new
         or changed since the one before (what a follower that prints rounds needs).
+        ``summary``: each round counted, not listed (``WatchRunRequest.summary``).
         """
-        request = admin_pb2.WatchRunRequest(run_id=run_id, changed_rounds_only=True)
+        request = admin_pb2.WatchRunRequest(
+            run_id=run_id, changed_rounds_only=True, summary=summary
+        )
         stream = self.stub.WatchRun(request, timeout=timeout_s)
         if changed_rounds_only:
             yield from stream

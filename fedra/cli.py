@@ -508,8 +508,8 @@ class _Progress:
 
     def update(self, r: admin_pb2.RoundStatus) -> None:
         counts, clock = format_open_round(r, time.time())
-        done = sum(p.status == "accepted" for p in r.participations if p.attempt == r.attempt)
-        self._show(counts, clock, progress_bar(done, len(r.sampled_sites), self.BAR))
+        done = by_status(r)["accepted"]
+        self._show(counts, clock, progress_bar(done, sampled(r), self.BAR))
 
     def waiting(self, reason: str) -> None:
         """The run's reason while no round is open (e.g. waiting for sites)."""
@@ -548,16 +548,16 @@ def progress_bar(done: int, total: int, width: int) -> str:
 def format_open_round(r: admin_pb2.RoundStatus, now: float) -> tuple[str, str]:
     """An open round's progress: its sites' counts and bytes, and how long it has been
     open with the rate its bytes moved at."""
-    by_status = Counter(p.status for p in r.participations if p.attempt == r.attempt)
-    failed = f", {by_status['failed']} failed" if by_status["failed"] else ""
-    if by_status["declined"]:  # by the sites' own policies
-        failed += f", {by_status['declined']} declined"
+    counted = by_status(r)
+    failed = f", {counted['failed']} failed" if counted["failed"] else ""
+    if counted["declined"]:  # by the sites' own policies
+        failed += f", {counted['declined']} declined"
     attempt = f" (attempt {r.attempt})" if r.attempt > 1 else ""
     moved = moved_bytes(r)
     counts = (
-        f"open round {r.number}{attempt}: {by_status['accepted']}/{len(r.sampled_sites)} "
-        f"updates in, {by_status['downloaded']} training or uploading, "
-        f"{by_status['assigned']} yet to start{failed}, {moved / 1e6:.3f} MB moved"
+        f"open round {r.number}{attempt}: {counted['accepted']}/{sampled(r)} "
+        f"updates in, {counted['downloaded']} training or uploading, "
+        f"{counted['assigned']} yet to start{failed}, {moved / 1e6:.3f} MB moved"
     )
     open_s = max(0.0, now - r.opened_unix_s)
     rate = f" ({moved / 1e6 / open_s:.2f} MB/s)" if open_s >= 1 and moved else ""
@@ -586,7 +586,9 @@ def _cmd_watch(args: argparse.Namespace) -> int:
             address = _address(args)
             where = f" at {address}"
             with _admin(args, address) as admin:
-                for status in admin.watch(args.run_id, changed_rounds_only=True):
+                # Counts, not rows: the lines name no site.
+                watched = admin.watch(args.run_id, changed_rounds_only=True, summary=True)
+                for status in watched:
                     reached = True
                     if away_since is not None:
                         away = time.monotonic() - away_since
@@ -845,6 +847,14 @@ def sampled(r: admin_pb2.RoundStatus) -> int:
     """How many sites the round sampled, from a summary or a whole round (a daemon that
     predates sampled_count sends only the list)."""
     return r.sampled_count or len(r.sampled_sites)
+
+
+def by_status(r: admin_pb2.RoundStatus) -> Counter[str]:
+    """The round's current attempt's participations by status, from a summary or a
+    whole round (a daemon that predates participation_counts sends only the rows)."""
+    if r.participation_counts or not r.participations:
+        return Counter(dict(r.participation_counts))
+    return Counter(p.status for p in r.participations if p.attempt == r.attempt)
 
 
 def moved_bytes(r: admin_pb2.RoundStatus) -> int:

@@ -384,6 +384,14 @@ def test_an_open_round_s_progress_counts_its_current_attempt() -> None:
     )
     assert clock == "12 s so far (0.16 MB/s)"
     assert format_open_round(r, now=100.5)[1] == "0 s so far"  # no rate from half a second
+    # The same round as a summary (what `run watch` asks for): counts, no rows.
+    summary = admin_pb2.RoundStatus()
+    summary.CopyFrom(r)
+    summary.ClearField("participations")
+    summary.ClearField("sampled_sites")
+    summary.sampled_count = 4
+    summary.participation_counts.update(accepted=1, downloaded=1, assigned=1, failed=1)
+    assert format_open_round(summary, now=112.4) == (counts, clock)
 
 
 def test_the_progress_bar() -> None:

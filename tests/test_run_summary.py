@@ -210,3 +210,31 @@ def test_get_run_summary_over_grpc_pages_and_the_cli_prints_from_it(
         stub.GetRun(admin_pb2.GetRunRequest(run_id="nope", summary=True, page=True), timeout=10)
     assert missing.value.code() == grpc.StatusCode.NOT_FOUND
     assert "no run 'nope'" in str(missing.value.details())
+
+
+def test_a_summary_watch_sends_what_a_whole_watch_does_without_the_rows(
+    coordinator: InProcessCoordinator,
+) -> None:
+    """A look of WatchRun with summary: every round counted as the whole look has it,
+    the same rounds sent again only when they change; over gRPC, the counts that `fedra
+    run watch` prints from."""
+    from fedra.coordinator.status import RunWatch
+
+    engine = coordinator.engine
+    _fill(engine._store, "mixed", seed=3, rounds=12)
+    whole = RunWatch(engine, "mixed", True, changed_rounds_only=True)
+    counted = RunWatch(engine, "mixed", True, changed_rounds_only=True, summary=True)
+    [first_whole], [first_counted] = whole.look(), counted.look()
+    assert [r.number for r in first_counted.rounds] == list(range(12))
+    for s, r in zip(first_counted.rounds, first_whole.rounds, strict=True):
+        assert _same_but_rows(s, r), r.number
+    assert counted.look() == whole.look() == []  # nothing changed: nothing sent
+    with AdminClient(coordinator.address) as admin:
+        stream = admin.watch("mixed", summary=True)
+        first = next(stream)
+        stream.close()
+    assert [r.number for r in first.rounds] == list(range(12))
+    assert all(not r.participations and r.sampled_count for r in first.rounds)
+    assert [dict(r.participation_counts) for r in first.rounds] == [
+        dict(r.participation_counts) for r in first_whole.rounds
+    ]

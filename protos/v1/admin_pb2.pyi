@@ -264,6 +264,7 @@ class WatchRunRequest(_message.Message):
 
     RUN_ID_FIELD_NUMBER: _builtins.int
     CHANGED_ROUNDS_ONLY_FIELD_NUMBER: _builtins.int
+    SUMMARY_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     changed_rounds_only: _builtins.bool
     """When set, the first message is the whole status and each later one holds in
@@ -272,15 +273,21 @@ class WatchRunRequest(_message.Message):
     rounds by number, which also works with a daemon that predates this field and
     sends every round every time. Unset, every message holds every round.
     """
+    summary: _builtins.bool
+    """Each round counted, not listed, as GetRunRequest.summary does (what `fedra run
+    watch` asks for: an open round of thousands of sites is a few hundred bytes a
+    message instead of about a megabyte).
+    """
     def __init__(
         self,
         *,
         run_id: _builtins.str = ...,
         changed_rounds_only: _builtins.bool = ...,
+        summary: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["changed_rounds_only", b"changed_rounds_only", "run_id", b"run_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changed_rounds_only", b"changed_rounds_only", "run_id", b"run_id", "summary", b"summary"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
