@@ -58,7 +58,7 @@ class StatusSource(Protocol):
 
     def settled_before(self) -> float:
         """A round closed before this, with none of its tasks in ``downloads_pending()``
-        asked after it, is final (the engine: any round; a snapshot: those it saw closed)."""
+        asked after it, is final (the engine: now; a snapshot: when it was written)."""
         ...
 
 
@@ -347,9 +347,11 @@ def run_page(
     """
     rounds = _SUMMARIES if summary else _WHOLE
     cached = kept.from_(run_id, first_round) if kept is not None else []
-    # A download finished but not yet written may change its round: asked before the read.
-    pending = engine.downloads_pending() if kept is not None else set()
+    # A download finished but not yet written may change its round: asked before the
+    # read, and after the moment before which a closed round may be final (a round
+    # closed later may have a download that began after the pending ones were asked).
     settled_before = engine.settled_before() if kept is not None else math.inf
+    pending = engine.downloads_pending() if kept is not None else set()
     status: admin_pb2.RunStatus | None = None
     size, since, batch, read = 0, first_round + len(cached), _FIRST_READ_ROUNDS, 0
     while True:
@@ -462,8 +464,10 @@ class RunWatch:
     def look(self) -> list[admin_pb2.RunStatus]:
         """The next messages: none when nothing changed since the last look."""
         engine = self.engine
-        if self.summary:  # the read asks after the pending downloads: asked before it
-            pending, settled_before = engine.downloads_pending(), engine.settled_before()
+        if self.summary:  # the read asks after the pending downloads: asked before it,
+            # and after the moment before which a closed round may be final (run_page)
+            settled_before = engine.settled_before()
+            pending = engine.downloads_pending()
             got = _SUMMARIES(engine, self.run_id, self.floor, None, pending, settled_before)
             run, fresh, final = got.run, got.fresh, got.final
         else:

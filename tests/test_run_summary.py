@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -238,3 +238,95 @@ def test_a_summary_watch_sends_what_a_whole_watch_does_without_the_rows(
     assert [dict(r.participation_counts) for r in first.rounds] == [
         dict(r.participation_counts) for r in first_whole.rounds
     ]
+
+
+class _Racing:
+    """A StatusSource over a store as the engine is one: a round closed before its
+    ``settled_before()`` (its clock) is final unless one of its tasks is in
+    ``downloads_pending()``. ``race`` runs right after the next pending downloads are
+    taken, as another thread of the daemon may."""
+
+    def __init__(self, store: Store) -> None:
+        self.records, self.pending, self.now = store, set[str](), T0 + 2.5
+        self.race: Callable[[], None] | None = None
+
+    def waiting_reason(self, run_id: str) -> str:
+        return ""
+
+    def run_phase(self, run_id: str) -> tuple[object, ...]:
+        return ("driven", False)
+
+    def settled_before(self) -> float:
+        return self.now
+
+    def downloads_pending(self) -> set[str]:
+        out = set(self.pending)
+        race, self.race = self.race, None
+        if race is not None:
+            race()
+        return out
+
+
+@pytest.mark.parametrize("summary", [False, True], ids=["rows", "summary"])
+@pytest.mark.parametrize("reader", ["watch", "page"])
+def test_a_download_that_begins_as_its_round_commits_is_never_left_out(
+    tmp_path: Path, summary: bool, reader: str
+) -> None:
+    """Between the moment the pending downloads are taken and the read, a site's
+    download begins and its round commits: the round must not be taken as final (kept
+    by a page's cache, passed over by a watch) before that download's bytes are read."""
+    from fedra.coordinator.status import FinalRounds, RunWatch
+
+    store = Store(f"sqlite:///{tmp_path}/fedra.db")
+    spec = RunSpec(name="r", task=TASK, rounds=3, sites_per_round=2, min_sites=1)
+    store.create_run("r", "r", TASK, spec.validate().to_json(), T0)
+    store.set_run_state("r", "running", "", T0)
+    store.open_round("r", 0, 1, {"a": "t-a", "b": "t-b"}, T0 + 1, T0 + 60)
+    store.mark_downloaded("t-a", 100, 0.1)
+    store.accept_update(
+        "t-a", nonce=b"n" * 16, sha256="0" * 64, num_samples=1, metrics={},
+        bytes_up=10, upload_s=0.1, now=T0 + 2,
+    )  # fmt: skip
+    source = _Racing(store)
+    watch = RunWatch(source, "r", False, changed_rounds_only=True, summary=summary)  # type: ignore[arg-type]
+    kept = FinalRounds()
+    sent: dict[int, admin_pb2.RoundStatus] = {}
+
+    def read() -> None:
+        if reader == "watch":
+            for message in watch.look():
+                sent.update((r.number, r) for r in message.rounds)
+        else:
+            page = run_page(source, "r", False, 0, kept=kept, summary=summary)  # type: ignore[arg-type]
+            sent.update((r.number, r) for r in page.rounds)
+
+    def commits() -> None:  # site b's download begins, then the round commits
+        source.pending.add("t-b")
+        ckpt = CheckpointRecord("r", 0, "0" * 64, 1, None, T0 + 3)
+        store.commit_round("r", 0, ckpt, {}, T0 + 3)
+        store.open_round("r", 1, 1, {"a": "t-a1"}, T0 + 4, T0 + 60)
+        source.now = T0 + 5
+
+    read()
+    source.race = commits
+    read()
+    read()
+    store.mark_downloaded("t-b", 5000, 1.0)  # b's download ends: written, no longer pending
+    source.pending.discard("t-b")
+    source.now = T0 + 6
+    for _ in range(3):
+        read()
+    assert sent[0].bytes_down == 5100
+    if reader == "watch":
+        assert watch.floor == 1  # round 0 is final now, and passed over
+    else:
+        assert [r.number for r in kept.from_("r", 0)] == [0]
+    store.close()
+
+
+def test_the_engine_settles_only_rounds_closed_before_now(
+    coordinator: InProcessCoordinator,
+) -> None:
+    engine = coordinator.engine
+    before = engine.clock()
+    assert before <= engine.settled_before() <= engine.clock()

@@ -12,7 +12,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import math
 import shutil
 import threading
 import time
@@ -988,8 +987,9 @@ class Engine:
         return live.waiting_reason or ""
 
     def settled_before(self) -> float:
-        """Any round may be final: ``downloads_pending`` is asked after the read."""
-        return math.inf
+        """Now: a round closed before now has no download left to start, so each one of
+        it is in ``downloads_pending`` asked after this, or written already."""
+        return self.clock()
 
     def downloads_pending(self) -> set[str]:
         """The tasks with a download under way, or finished but not yet written."""
