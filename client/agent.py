@@ -142,21 +142,22 @@ class SiteAgent:
 
     def run(self) -> None:
         """Serve until ``stop`` is set; the metrics endpoint, if any, for as long."""
-        logformat.set_about(site=self.config.site_id)  # this thread serves this site alone
-        self._serve_metrics()
-        if self.audit is not None:
-            path = self.config.path
-            self.audit.record(
-                "site.start", f"site {self.config.site_id}", version=__version__,
-                allowed_tasks=sorted(self.config.allowed_tasks),
-                config_sha256=hashlib.sha256(path.read_bytes()).hexdigest() if path else "",
-            )  # fmt: skip
-        try:
-            self._run()
-        finally:
-            if self._ahead is not None:
-                self._ahead.cancel()
-            self.metrics.close()
+        # What this thread logs meanwhile is about this site; its caller's context after.
+        with logformat.about(site=self.config.site_id):
+            self._serve_metrics()
+            if self.audit is not None:
+                path = self.config.path
+                self.audit.record(
+                    "site.start", f"site {self.config.site_id}", version=__version__,
+                    allowed_tasks=sorted(self.config.allowed_tasks),
+                    config_sha256=hashlib.sha256(path.read_bytes()).hexdigest() if path else "",
+                )  # fmt: skip
+            try:
+                self._run()
+            finally:
+                if self._ahead is not None:
+                    self._ahead.cancel()
+                self.metrics.close()
 
     def _serve_metrics(self) -> None:
         """Start ``/metrics`` if [metrics] http asks, and say where (port 0: the one bound)."""

@@ -242,11 +242,17 @@ class Server:
             await self._server.stop(grace_s)
         if self.api is not None:
             self.api.close()  # steps not yet begun are dropped; those under way end
+        if self._watch is not None:
+            self._watch.cancel()
+        # What is left are the calls the stop cut: gRPC ends each once its handler has, and
+        # a handler in a blocking step under way ends when the step has (``api.call``).
+        # Cancelling gRPC's own task for a call would make it log the cancellation as an
+        # unhandled error, with a traceback; what outlives the drain is cancelled anyway.
         rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        for task in rest:
-            task.cancel()
         if rest:
-            await asyncio.wait(rest, timeout=_DRAIN_S)
+            _, late = await asyncio.wait(rest, timeout=_DRAIN_S)
+            for task in late:
+                task.cancel()
 
 
 async def _spawn(coroutine: Coroutine[Any, Any, None]) -> asyncio.Task[None]:

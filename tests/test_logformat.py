@@ -13,6 +13,9 @@ import pytest
 
 from fedra import logformat
 from fedra.cli import main
+from fedra.client.agent import SiteAgent
+from fedra.client.config import SiteConfig
+from fedra.client.executor import LocalExecutor
 from fedra.local import LocalCluster
 from fedra.logformat import JsonLines, about, set_about
 from tests.test_cluster import FAST, finished, start_synthetic_sites, synthetic_spec, wait_until
@@ -69,6 +72,19 @@ def test_a_thread_s_context_is_its_own() -> None:
         t.join()
     assert seen["a"]["site"] == "a" and seen["b"]["site"] == "b"
     assert "site" not in _line("x")  # and none leaked into this thread
+
+
+def test_a_site_agent_run_on_the_caller_s_thread_gives_its_context_back() -> None:
+    """Its lines are about its site while it runs; the caller's afterwards, as they were."""
+    config = SiteConfig("s-run", "127.0.0.1:9", ("m:t",), insecure=True)  # never dialled
+    agent = SiteAgent(config, executor=LocalExecutor(), tasks={}, data={})
+    seen: list[dict[str, object]] = []
+    agent._run = lambda: seen.append(_line("x"))  # type: ignore[method-assign]
+    with about(run="r-caller"):
+        agent.run()
+        after = _line("x")
+    assert seen[0]["site"] == "s-run" and seen[0]["run"] == "r-caller"
+    assert after["run"] == "r-caller" and "site" not in after
 
 
 def test_a_hostile_message_stays_one_line_and_an_exception_is_kept() -> None:

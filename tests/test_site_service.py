@@ -1331,6 +1331,80 @@ def test_a_site_that_hangs_up_its_held_heartbeat_is_offline_at_once(
         time.sleep(0.02)
 
 
+@pytest.mark.parametrize("how", ["shutdown", "server stop alone"])
+def test_stopping_with_no_grace_under_held_calls_logs_no_traceback(
+    coordinator: InProcessCoordinator, caplog: pytest.LogCaptureFixture, how: str
+) -> None:
+    """A coordinator that stops at once (a lost database: grace 0) while held calls are
+    open ends them cleanly: gRPC's own task for a call is not cancelled under it, which
+    makes gRPC log an unhandled CancelledError with a traceback."""
+    from fedra.coordinator.server import shutdown
+
+    _, tasks = start_round_one(coordinator)
+    held = [
+        site_pb2.HeartbeatRequest(site_id=site, task_id=task.task_id, hold_s=60.0)
+        for site, task in tasks.items()
+    ]
+    # 15 a site: within the 32 calls a connection may have in progress.
+    calls = [coordinator.site.Heartbeat.future(h, timeout=30) for h in held * 15]
+    deadline = time.monotonic() + 10
+    while sum(coordinator.engine._polling.values()) < len(calls):  # every hold has begun
+        assert time.monotonic() < deadline, "the holds never began"
+        time.sleep(0.01)
+    with caplog.at_level(logging.DEBUG, logger="grpc"):
+        if how == "shutdown":
+            shutdown(coordinator.server, coordinator.engine, grace_s=0)
+        else:
+            coordinator.server.stop(0)
+    for call in calls:
+        try:
+            call.result(timeout=10)  # answered (woken by the stop) or cut: either way ended
+        except grpc.RpcError as exc:
+            assert exc.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
+    unhandled = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not unhandled, [r.getMessage() for r in unhandled]
+
+
+def test_stopping_with_no_grace_while_calls_wait_for_the_engine_logs_no_traceback(
+    coordinator: InProcessCoordinator,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Calls whose step is under way in the executor when a stop with no grace cuts them
+    (a lost database: the group commit holds the engine) end once their step has: the
+    stop waits for them instead of cancelling gRPC's own task for each call, which made
+    gRPC log an unhandled CancelledError with a traceback."""
+    _, tasks = start_round_one(coordinator)
+    engine = coordinator.engine
+    entered = threading.Semaphore(0)
+    beat = engine.heartbeat
+
+    def counted(*args: Any) -> Any:  # in the executor: the test holds the engine's lock
+        entered.release()
+        return beat(*args)
+
+    monkeypatch.setattr(engine, "heartbeat", counted)
+    beats = [
+        site_pb2.HeartbeatRequest(site_id=site, task_id=task.task_id)
+        for site, task in tasks.items()
+    ] * 5
+    with caplog.at_level(logging.DEBUG, logger="grpc"):
+        with engine._lock:
+            calls = [coordinator.site.Heartbeat.future(b, timeout=30) for b in beats]
+            for _ in calls:
+                assert entered.acquire(timeout=10), "a heartbeat never reached the engine"
+            stopping = threading.Thread(target=coordinator.server.stop, args=(0,))
+            stopping.start()
+            for call in calls:  # cut by the stop while their steps wait for the lock
+                with pytest.raises(grpc.RpcError) as cut:
+                    call.result(timeout=10)
+                assert cut.value.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
+        stopping.join(30)
+        assert not stopping.is_alive()
+    unhandled = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not unhandled, [r.getMessage() for r in unhandled]
+
+
 @pytest.mark.parametrize("call", ["held heartbeat", "poll"])
 def test_a_wait_that_outlives_its_deadline_is_not_a_site_hanging_up(
     coordinator: InProcessCoordinator, monkeypatch: pytest.MonkeyPatch, call: str
