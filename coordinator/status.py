@@ -691,7 +691,7 @@ def _round(
     counts: dict[str, int] = {}
     for t in tallies:
         if t.attempt == r.attempt:
-            shown = _shown_status(t.state, t.flagged)
+            shown = shown_status(t.state, t.flagged)
             counts[shown] = counts.get(shown, 0) + t.count
     closed = r.closed_at or 0.0
     cut = sum(t.bytes_cut for t in tallies)
@@ -716,7 +716,7 @@ def _round(
     )
 
 
-def _shown_status(state: str, declined: bool) -> str:
+def shown_status(state: str, declined: bool) -> str:
     # A task the site's policy declined is not a failure of the site: said as such.
     return "declined" if state == "failed" and declined else state
 
@@ -748,7 +748,7 @@ def _participation(p: ParticipationRecord) -> admin_pb2.Participation:
     return admin_pb2.Participation(
         site_id=p.site_id,
         attempt=p.attempt,
-        status=_shown_status(p.state, p.error.startswith(DECLINED)),
+        status=shown_status(p.state, p.error.startswith(DECLINED)),
         num_samples=p.num_samples,
         bytes_down=p.bytes_down,
         bytes_up=p.bytes_up,

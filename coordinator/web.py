@@ -1,9 +1,10 @@
 """The status page's data: runs, a run's rounds and its sites, as JSON for ``/api``.
 
-Read as ``fedra run status`` reads (``status.run_page``, from the database and the
-engine's snapshot, never under the engine's lock), with rounds that can change no more
-kept between refreshes (``FinalRounds``), so that a page left open on a long run reads
-only its open rounds again. An edge, like the servicers: protobuf stays in here.
+Read as ``fedra run status`` reads (``status.run_page``, a summary, from the database and
+the engine's snapshot, never under the engine's lock), with rounds that can change no
+more kept between refreshes (``FinalRounds``), so that a page left open on a long run
+reads only its open rounds again; the table of sites is counted by the database
+(``read_site_tallies``). An edge, like the servicers: protobuf stays in here.
 """
 
 from __future__ import annotations
@@ -11,10 +12,19 @@ from __future__ import annotations
 from typing import Any
 
 from fedra.coordinator.engine import Engine
-from fedra.coordinator.status import FinalRounds, run_header, run_page
+from fedra.coordinator.ledger import DECLINED
+from fedra.coordinator.status import (
+    FinalRounds,
+    run_header,
+    run_page,
+    run_provenance,
+    shown_status,
+)
 from fedra.protos.v1 import admin_pb2
+from fedra.storage.records import SiteTally
 
-MAX_PAGES = 64  # of a run's rounds read for one view, at most (about 64 MiB of status)
+MAX_PAGES = 64  # of a run's rounds read for one view, at most
+FAILURES_SHOWN = 5  # a site's first failed tasks' errors, in its row
 
 
 class StatusPages:
@@ -29,23 +39,25 @@ class StatusPages:
         return [_run(run_header(self.engine, r, self.insecure)) for r in reversed(records)]
 
     def run(self, run_id: str) -> dict[str, Any]:
-        """The run, its rounds (without their participations) and a row per site."""
+        """The run, its rounds (counted, not listed) and a row per site: both counted by
+        the database, so a federation of thousands of sites costs this process a row per
+        site and per round, not one per participation."""
         first, pages = 0, 0
         header: admin_pb2.RunStatus | None = None
         rounds: list[dict[str, Any]] = []
-        sites: dict[str, dict[str, Any]] = {}
         while True:
-            page = run_page(self.engine, run_id, self.insecure, first, kept=self.kept)
+            page = run_page(self.engine, run_id, self.insecure, first, kept=self.kept, summary=True)
             header = header or page
-            for r in page.rounds:
-                rounds.append(_round(r))
-                for p in r.participations:
-                    _count(sites, r, p)
+            rounds.extend(_round(r) for r in page.rounds)
             pages += 1
             if not page.more_rounds_follow or not page.rounds or pages >= MAX_PAGES:
                 break
             first = page.rounds[-1].number + 1
         assert header is not None
+        tallies = self.engine.records.read_site_tallies(
+            run_id, flag_error=DECLINED, failures=FAILURES_SHOWN
+        )
+        sites = {t.site_id: _site(t) for t in tallies}
         revoked = self.engine.barred()
         presence = self.engine.presence(sites)
         for site_id, row in sites.items():
@@ -57,7 +69,9 @@ class StatusPages:
         out["rounds"] = rounds
         out["sites"] = sorted(sites.values(), key=lambda s: s["site_id"])
         out["truncated"] = pages >= MAX_PAGES
-        prov = header.provenance
+        # Every site's provenance, not only the sites that changed (what a summary has).
+        record = next((r for r in self.engine.records.list_runs() if r.id == run_id), None)
+        prov = run_provenance(self.engine, record) if record else header.provenance
         out["provenance"] = {
             "spec_sha256": prov.spec_sha256,
             "coordinator_version": prov.coordinator_version,
@@ -95,7 +109,7 @@ def _round(r: admin_pb2.RoundStatus) -> dict[str, Any]:
         "number": r.number,
         "attempt": r.attempt,
         "status": r.status,
-        "sampled": len(r.sampled_sites),
+        "sampled": r.sampled_count,
         "updates": r.updates,
         "opened_unix_s": r.opened_unix_s,
         "duration_s": r.duration_s,
@@ -108,29 +122,19 @@ def _round(r: admin_pb2.RoundStatus) -> dict[str, Any]:
     }
 
 
-def _count(sites: dict[str, dict[str, Any]], r: admin_pb2.RoundStatus, p: Any) -> None:
-    row = sites.setdefault(p.site_id, {
-        "site_id": p.site_id, "rounds": 0, "accepted": 0, "failed": 0, "declined": 0, "bytes": 0,
-        "busy_s": 0.0, "idle_s": 0.0, "counted_s": 0.0, "failures": [], "state": "",
-    })  # fmt: skip
-    busy_s = p.metrics.get("download_s", p.download_s) + p.metrics.get("compute_s", 0.0)
-    busy_s += p.upload_s
-    row["rounds"] += 1
-    row["bytes"] += p.bytes_down + p.bytes_up + p.bytes_cut
-    row["busy_s"] += busy_s
-    row["state"] = p.status  # its latest task's
-    if p.status == "accepted":
-        row["accepted"] += 1
-        if r.status == "committed" and r.duration_s > 0:
-            # As the round's idle share counts it: from the opening to the commit, less its
-            # own download, compute and upload (``counted_s``: those rounds' time).
-            row["idle_s"] += max(0.0, r.duration_s - busy_s)
-            row["counted_s"] += r.duration_s
-    elif p.status == "declined":  # the site's policy: not a failure
-        row["declined"] += 1
-        if p.error and len(row["failures"]) < 5:
-            row["failures"].append(f"round {r.number}: {p.error}")
-    elif p.status in ("failed", "expired"):
-        row["failed"] += 1
-        if p.error and len(row["failures"]) < 5:
-            row["failures"].append(f"round {r.number}: {p.error}")
+def _site(t: SiteTally) -> dict[str, Any]:
+    return {
+        "site_id": t.site_id,
+        "rounds": t.participations,
+        "accepted": t.accepted,
+        "failed": t.failed,
+        "declined": t.declined,
+        "bytes": t.bytes,
+        "busy_s": t.busy_s,
+        # Accepted in committed rounds: the time it sat idle, as the round's idle share
+        # counts it, and the time that is counted over (``counted_s``).
+        "idle_s": t.idle_s,
+        "counted_s": t.counted_s,
+        "failures": [f"round {n}: {error}" for n, error in t.failures],
+        "state": shown_status(t.latest_state, t.latest_flagged),  # its latest task's
+    }

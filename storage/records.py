@@ -152,6 +152,27 @@ class RunSummaryView:
     more_rounds: bool = False
 
 
+@dataclass(frozen=True)
+class SiteTally:
+    """One site's participations in a run, counted and summed by the database
+    (``Store.read_site_tallies``): a row of the status page's table of sites."""
+
+    site_id: str
+    participations: int  # its tasks in the run, every attempt of every round
+    accepted: int
+    failed: int  # failed or expired, less those it declined
+    declined: int  # failed with an error that starts with the prefix the read flags
+    bytes: int  # down, up and cut
+    busy_s: float  # its own download, compute and upload, as it measured them
+    # Accepted in the last attempt of a committed round: the time it sat idle, as
+    # ``ledger.idle_s`` works it out, and the time that is counted over.
+    idle_s: float
+    counted_s: float
+    latest_state: str  # its latest task's (the last round, the last attempt)
+    latest_flagged: bool
+    failures: tuple[tuple[int, str], ...] = ()  # (round, error) of its first failed tasks
+
+
 class RunReads(Protocol):
     """The reads a run's status is built from: ``Store`` is one. What a reader that must
     not write is handed (the engine's ``records``, the read process's database)."""
@@ -171,6 +192,10 @@ class RunReads(Protocol):
         flag_error: str = "",
         tasks: Collection[str] = (),
     ) -> RunSummaryView | None: ...
+
+    def read_site_tallies(
+        self, run_id: str, *, flag_error: str = "", failures: int = 5
+    ) -> list[SiteTally]: ...
 
     def list_events(self, run_id: str, kinds: tuple[str, ...] = ()) -> list[EventRecord]: ...
 
@@ -202,6 +227,11 @@ class ReadsOf:
         return self._store.read_run_summary(
             run_id, since=since, limit=limit, flag_error=flag_error, tasks=tasks
         )
+
+    def read_site_tallies(
+        self, run_id: str, *, flag_error: str = "", failures: int = 5
+    ) -> list[SiteTally]:
+        return self._store.read_site_tallies(run_id, flag_error=flag_error, failures=failures)
 
     def list_events(self, run_id: str, kinds: tuple[str, ...] = ()) -> list[EventRecord]:
         return self._store.list_events(run_id, kinds)

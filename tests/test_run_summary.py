@@ -6,18 +6,21 @@ from __future__ import annotations
 import random
 from collections import Counter
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
 from fedra.admin import AdminClient
 from fedra.cli import format_status
+from fedra.coordinator import ledger
 from fedra.coordinator.ledger import DECLINED, PROVENANCE_EVENT
 from fedra.coordinator.status import round_statuses, round_summaries, run_page, run_status
 from fedra.protos.v1 import admin_pb2
 from fedra.runspec import RunSpec
-from fedra.storage.records import CheckpointRecord
+from fedra.storage.records import CheckpointRecord, SiteTally
 from fedra.storage.store import Store
 from tests.conftest import InProcessCoordinator, postgres_database
 
@@ -167,6 +170,70 @@ def test_a_summary_of_a_missing_run_is_none(store: Store) -> None:
     assert store.read_run_summary("nope") is None
     with pytest.raises(ValueError, match="limit must be >= 1"):
         store.read_run_summary("nope", limit=0)
+
+
+def _sites_from_rows(store: Store, run_id: str, failures: int) -> dict[str, SiteTally]:
+    """What ``read_site_tallies`` must give, worked out from every participation's row."""
+    view = store.read_run(run_id)
+    assert view is not None
+    last = {r.number: r for r in view.rounds}
+    rows: dict[str, dict[str, Any]] = {}
+    order = sorted(view.participations, key=lambda p: (p.round_number, p.attempt, p.assigned_at))
+    for p in order:
+        row = rows.setdefault(p.site_id, {"failures": ()})
+        for name in ("participations", "accepted", "declined", "failed", "bytes"):
+            row.setdefault(name, 0)
+        for name in ("busy_s", "idle_s", "counted_s"):
+            row.setdefault(name, 0.0)
+        declined = p.state == "failed" and p.error.startswith(DECLINED)
+        row["participations"] += 1
+        row["accepted"] += p.state == "accepted"
+        row["declined"] += declined
+        row["failed"] += p.state in ("failed", "expired") and not declined
+        row["bytes"] += p.bytes_down + p.bytes_up + p.bytes_cut
+        busy = ledger._busy_s(p)
+        row["busy_s"] += busy
+        r = last[p.round_number]
+        closed = r.closed_at if r.state == "committed" and p.attempt == r.attempt else None
+        if p.state == "accepted" and closed:
+            span = closed - min(r.opened_at, p.assigned_at)
+            row["idle_s"] += max(0.0, span - busy)
+            row["counted_s"] += span
+        row["latest"] = (p.state, declined)
+        if p.state in ("failed", "expired") and p.error and len(row["failures"]) < failures:
+            row["failures"] = (*row["failures"], (p.round_number, p.error))
+    out = {}
+    for site, row in rows.items():
+        state, flagged = row.pop("latest")
+        fields = {k: row[k] for k in ("participations", "accepted", "failed", "declined")}
+        out[site] = SiteTally(
+            site_id=site, **fields, bytes=row["bytes"], busy_s=float(row["busy_s"]),
+            idle_s=float(row["idle_s"]), counted_s=float(row["counted_s"]),
+            latest_state=state, latest_flagged=flagged, failures=row["failures"],
+        )  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_sites_counted_by_the_database_match_their_rows(store: Store, seed: int) -> None:
+    """The status page's table of sites: each figure as its participations' rows give it,
+    declines told from failures, the latest task's state and the first failures' errors."""
+    _fill(store, "r1", seed)
+    _fill(store, "r2", seed + 100)  # another run's rows count for nothing here
+    for failures in (0, 2, 5):
+        got = store.read_site_tallies("r1", flag_error=DECLINED, failures=failures)
+        want = _sites_from_rows(store, "r1", failures)
+        assert [t.site_id for t in got] == sorted(want)
+        for t in got:
+            w = want[t.site_id]
+            for name in ("busy_s", "idle_s", "counted_s"):
+                assert getattr(t, name) == pytest.approx(getattr(w, name), rel=1e-9), name
+            assert replace(t, busy_s=0, idle_s=0, counted_s=0) == replace(
+                w, busy_s=0, idle_s=0, counted_s=0
+            )
+    assert any(t.declined for t in got) and any(t.failed for t in got)
+    assert any(t.idle_s > 0 for t in got) and any(t.failures for t in got)
+    assert store.read_site_tallies("no-such-run") == []
 
 
 def test_get_run_summary_over_grpc_pages_and_the_cli_prints_from_it(
