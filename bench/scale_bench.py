@@ -840,7 +840,9 @@ class Measurement:
             self.reached("run_ended")
             gc_after = gc_seconds(cluster.state_dir)
             if gc_before is not None and gc_after is not None:
-                self.result["coordinator_gc_s"] = gc_after - gc_before
+                by_generation = {g: gc_after[g] - gc_before.get(g, 0.0) for g in gc_after}
+                self.result["coordinator_gc_s"] = sum(by_generation.values())
+                self.result["coordinator_gc_s_by_generation"] = by_generation
             # The emulated sites' own CPU in the run: what the machine had left for the
             # coordinator is what they did not take.
             sites_cpu_s = sum(proc_sample(w.popen.pid).cpu_s for w in workers) - sites_before
@@ -952,11 +954,11 @@ def measure(n: int, regions: int, args: argparse.Namespace) -> dict[str, Any]:
     return m.result
 
 
-_GC_SECONDS = re.compile(r'^fedra_gc_seconds_total\{generation="[0-9]"\} ([0-9.e+-]+)$', re.M)
+_GC_SECONDS = re.compile(r'^fedra_gc_seconds_total\{generation="([0-9])"\} ([0-9.e+-]+)$', re.M)
 
 
-def gc_seconds(state_dir: Path) -> float | None:
-    """The coordinator's seconds in garbage collections so far, all generations, from its
+def gc_seconds(state_dir: Path) -> dict[int, float] | None:
+    """The coordinator's seconds in garbage collections so far, by generation, from its
     metrics (``--http``, named in ``coordinator.json``); None if it serves none."""
     try:
         address = json.loads((state_dir / "coordinator.json").read_text())["http_address"]
@@ -965,7 +967,7 @@ def gc_seconds(state_dir: Path) -> float | None:
     except (OSError, KeyError, ValueError):
         return None
     found = _GC_SECONDS.findall(text)
-    return sum(float(x) for x in found) if found else None
+    return {int(g): float(x) for g, x in found} if found else None
 
 
 _LAG_LOGGED = re.compile(r"hears its sites ([0-9.]+) s late")
@@ -1142,7 +1144,10 @@ def print_result(r: dict[str, Any]) -> None:
     gc_s, cpu_s = r.get("coordinator_gc_s"), run.get("coordinator_cpu_s")
     if gc_s is not None:
         share = f" ({100 * gc_s / cpu_s:.0f}% of its CPU in the run)" if cpu_s else ""
-        print(f"  the coordinator's garbage collections: {gc_s:.2f} s in the run{share}")
+        by = r.get("coordinator_gc_s_by_generation") or {}
+        gens = ", ".join(f"generation {g}: {v:.2f} s" for g, v in sorted(by.items()))
+        print(f"  the coordinator's garbage collections: {gc_s:.2f} s in the run{share}"
+              + (f" ({gens})" if gens else ""))  # fmt: skip
     late = r.get("coordinator_late") or {}
     if late:
         print(f"  the coordinator heard late: its sites' calls waited in gRPC's queue up to "

@@ -683,6 +683,9 @@ def _final(
     return settled and not held and all(t.finished for t in tallies)
 
 
+IDLE_DIGITS = 6  # of a round's mean idle seconds shown
+
+
 def _round(
     r: RoundRecord, tallies: list[ParticipationTally], idle: float, ckpts: dict[int, str]
 ) -> admin_pb2.RoundStatus:
@@ -710,7 +713,9 @@ def _round(
         model_sha256=ckpts.get(r.number, ""),
         stages=r.stages,
         lost_bytes=sum(t.bytes_down + t.bytes_up for t in tallies if _lost(r, t)) + cut,
-        site_idle_s=idle,
+        # To the microsecond: a mean the database works out may differ in its last bits
+        # between two reads (the order of its sum), and a watch would send it again.
+        site_idle_s=round(idle, IDLE_DIGITS),
         cut_bytes=cut,
         participation_counts=counts,
     )
