@@ -9,6 +9,8 @@ reads only its open rounds again; the table of sites is counted by the database
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from typing import Any
 
 from fedra.coordinator.engine import Engine
@@ -21,7 +23,7 @@ from fedra.coordinator.status import (
     shown_status,
 )
 from fedra.protos.v1 import admin_pb2
-from fedra.storage.records import SiteTally
+from fedra.storage.records import RunReads, SiteTally
 
 MAX_PAGES = 64  # of a run's rounds read for one view, at most
 FAILURES_SHOWN = 5  # a site's first failed tasks' errors, in its row
@@ -33,6 +35,7 @@ class StatusPages:
     def __init__(self, engine: Engine, insecure: bool) -> None:
         self.engine, self.insecure = engine, insecure
         self.kept = FinalRounds(max_bytes=16 << 20)
+        self._sites = SiteTables(engine.records, self.kept)
 
     def runs(self) -> list[dict[str, Any]]:
         records = self.engine.records.list_runs()
@@ -54,10 +57,8 @@ class StatusPages:
                 break
             first = page.rounds[-1].number + 1
         assert header is not None
-        tallies = self.engine.records.read_site_tallies(
-            run_id, flag_error=DECLINED, failures=FAILURES_SHOWN
-        )
-        sites = {t.site_id: _site(t) for t in tallies}
+        first_round = rounds[0]["number"] if rounds else 0
+        sites = {t.site_id: _site(t) for t in self._sites.tallies(run_id, first_round)}
         revoked = self.engine.barred()
         presence = self.engine.presence(sites)
         for site_id, row in sites.items():
@@ -87,6 +88,48 @@ class StatusPages:
             ],
         }  # fmt: skip
         return out
+
+
+class SiteTables:
+    """Each run's table of sites: per site, the tallies of the rounds that can change no
+    more (``final``: those its rounds' summaries kept) kept, and those of the rounds
+    after them read again at each refresh. A page left open on a long run of thousands
+    of sites reads only its open rounds' participations. Safe from any thread."""
+
+    def __init__(self, records: RunReads, final: FinalRounds, runs: int = 8) -> None:
+        self.records, self.final, self.runs = records, final, runs
+        self._lock = threading.Lock()
+        # By run: the rounds up to which its tallies are kept (excluded), and those.
+        self._kept: OrderedDict[str, tuple[int, dict[str, SiteTally]]] = OrderedDict()
+
+    def tallies(self, run_id: str, first_round: int = 0) -> list[SiteTally]:
+        """The run's sites, by site id; ``first_round``: the number of its first round."""
+        final = first_round + len(self.final.from_(run_id, first_round))  # up to, excluded
+        with self._lock:
+            upto, kept = self._kept.get(run_id, (0, {}))
+        if final > upto:  # more rounds can change no more: keep theirs too
+            kept = _added(kept, self._read(run_id, upto, final))
+            upto = final
+            with self._lock:
+                self._kept[run_id] = upto, kept
+                self._kept.move_to_end(run_id)
+                while len(self._kept) > self.runs:
+                    self._kept.popitem(last=False)
+        moving = _added(kept, self._read(run_id, upto, None))
+        return sorted(moving.values(), key=lambda t: t.site_id)
+
+    def _read(self, run_id: str, since: int, until: int | None) -> list[SiteTally]:
+        return self.records.read_site_tallies(
+            run_id, since=since, until=until, flag_error=DECLINED, failures=FAILURES_SHOWN
+        )
+
+
+def _added(earlier: dict[str, SiteTally], later: list[SiteTally]) -> dict[str, SiteTally]:
+    out = dict(earlier)
+    for t in later:
+        before = out.get(t.site_id)
+        out[t.site_id] = t if before is None else before.then(t, FAILURES_SHOWN)
+    return out
 
 
 def _run(s: admin_pb2.RunStatus) -> dict[str, Any]:

@@ -979,13 +979,24 @@ class Store:
             )
 
     def read_site_tallies(
-        self, run_id: str, *, flag_error: str = "", failures: int = 5
+        self,
+        run_id: str,
+        *,
+        since: int = 0,
+        until: int | None = None,
+        flag_error: str = "",
+        failures: int = 5,
     ) -> list[SiteTally]:
-        """Per site of the run (by site id), its participations counted and summed by the
-        database, with its latest task's state and the errors of its first ``failures``
-        failed tasks (``flag_error``: the prefix of an error that says the site declined).
-        Three statements in one transaction; no participation is read into Python."""
+        """Per site of the run (by site id), its participations in rounds ``since`` to
+        ``until`` (excluded) counted and summed by the database, with its latest task's
+        state and the errors of its first ``failures`` failed tasks (``flag_error``: the
+        prefix of an error that says the site declined). Three statements in one
+        transaction; no participation is read into Python. The tallies of two ranges of
+        rounds add up (``SiteTally.then``)."""
         t, r = m.Participation.__table__.c, m.Round.__table__.c
+        between = [t.run_id == run_id, t.round_number >= since]
+        if until is not None:
+            between.append(t.round_number < until)
         idle, span, busy, last = _idle_terms(self.engine.dialect.name)
         flagged: Any = literal(False)
         if flag_error:  # Not LIKE: SQLite's ignores case.
@@ -1010,7 +1021,7 @@ class Store:
                 total(counts, span, 0.0),
             )
             .select_from(m.Participation.__table__.outerjoin(m.Round.__table__, last))
-            .where(t.run_id == run_id)
+            .where(*between)
             .group_by(t.site_id)
             .order_by(t.site_id)
         )
@@ -1019,13 +1030,13 @@ class Store:
             order_by=(t.round_number.desc(), t.attempt.desc(), t.assigned_at.desc()),
         )
         ranked = select(t.site_id, t.state, case((is_flagged, 1), else_=0).label("flag"))
-        latest = ranked.add_columns(newest.label("nth")).where(t.run_id == run_id).subquery()
+        latest = ranked.add_columns(newest.label("nth")).where(*between).subquery()
         first = func.row_number().over(
             partition_by=t.site_id, order_by=(t.round_number, t.attempt, t.assigned_at)
         )
         failed = (
             select(t.site_id, t.round_number, t.error, first.label("nth"))
-            .where(t.run_id == run_id, failing, t.error != "")
+            .where(*between, failing, t.error != "")
             .subquery()
         )
         with self._read() as s:

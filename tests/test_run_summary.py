@@ -5,22 +5,29 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+from sqlalchemy import text
 
 from fedra.admin import AdminClient
 from fedra.cli import format_status
 from fedra.coordinator import ledger
 from fedra.coordinator.ledger import DECLINED, PROVENANCE_EVENT
-from fedra.coordinator.status import round_statuses, round_summaries, run_page, run_status
+from fedra.coordinator.status import (
+    FinalRounds,
+    round_statuses,
+    round_summaries,
+    run_page,
+    run_status,
+)
 from fedra.protos.v1 import admin_pb2
 from fedra.runspec import RunSpec
-from fedra.storage.records import CheckpointRecord, SiteTally
+from fedra.storage.records import CheckpointRecord, ReadsOf, SiteTally
 from fedra.storage.store import Store
 from tests.conftest import InProcessCoordinator, postgres_database
 
@@ -222,6 +229,20 @@ def _sites_from_rows(store: Store, run_id: str, failures: int) -> dict[str, Site
     return out
 
 
+def _assert_same_tallies(got: Iterable[SiteTally], want: Iterable[SiteTally]) -> None:
+    """The same sites with the same figures (the seconds up to the order of their sum)."""
+    by_site = {t.site_id: t for t in want}
+    got = list(got)
+    assert [t.site_id for t in got] == sorted(by_site)
+    for t in got:
+        w = by_site[t.site_id]
+        for name in ("busy_s", "idle_s", "counted_s"):
+            assert getattr(t, name) == pytest.approx(getattr(w, name), rel=1e-9), name
+        assert replace(t, busy_s=0, idle_s=0, counted_s=0) == replace(
+            w, busy_s=0, idle_s=0, counted_s=0
+        )
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_the_sites_counted_by_the_database_match_their_rows(store: Store, seed: int) -> None:
     """The status page's table of sites: each figure as its participations' rows give it,
@@ -230,18 +251,62 @@ def test_the_sites_counted_by_the_database_match_their_rows(store: Store, seed: 
     _fill(store, "r2", seed + 100)  # another run's rows count for nothing here
     for failures in (0, 2, 5):
         got = store.read_site_tallies("r1", flag_error=DECLINED, failures=failures)
-        want = _sites_from_rows(store, "r1", failures)
-        assert [t.site_id for t in got] == sorted(want)
-        for t in got:
-            w = want[t.site_id]
-            for name in ("busy_s", "idle_s", "counted_s"):
-                assert getattr(t, name) == pytest.approx(getattr(w, name), rel=1e-9), name
-            assert replace(t, busy_s=0, idle_s=0, counted_s=0) == replace(
-                w, busy_s=0, idle_s=0, counted_s=0
-            )
+        _assert_same_tallies(got, _sites_from_rows(store, "r1", failures).values())
     assert any(t.declined for t in got) and any(t.failed for t in got)
     assert any(t.idle_s > 0 for t in got) and any(t.failures for t in got)
     assert store.read_site_tallies("no-such-run") == []
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_the_sites_of_two_ranges_of_rounds_add_up_to_those_of_both(store: Store, seed: int) -> None:
+    """What the status page keeps of the rounds that can change no more, added to what
+    it reads of the others, is what one read of every round gives."""
+    _fill(store, "r1", seed)
+    whole = store.read_site_tallies("r1", flag_error=DECLINED)
+    for cut in range(11):
+        added = {
+            t.site_id: t for t in store.read_site_tallies("r1", until=cut, flag_error=DECLINED)
+        }
+        for t in store.read_site_tallies("r1", since=cut, flag_error=DECLINED):
+            before = added.get(t.site_id)
+            added[t.site_id] = t if before is None else before.then(t, failures=5)
+        _assert_same_tallies(sorted(added.values(), key=lambda t: t.site_id), whole)
+
+
+def test_the_status_page_reads_again_only_the_rounds_that_can_still_change(store: Store) -> None:
+    """Its table of sites keeps the tallies of the rounds its summaries kept as final and
+    reads the rest at each refresh: the same table as one read of every round."""
+    from fedra.coordinator.web import SiteTables
+
+    tasks = _fill(store, "r1", seed=3)
+    final = FinalRounds()
+    tables = SiteTables(ReadsOf(store), final)
+
+    def table() -> list[SiteTally]:
+        return store.read_site_tallies("r1", flag_error=DECLINED, failures=5)
+
+    _assert_same_tallies(tables.tallies("r1"), table())  # nothing final yet: all read
+    final.keep("r1", {n: admin_pb2.RoundStatus(number=n) for n in range(4)}, set(range(4)))
+    _assert_same_tallies(tables.tallies("r1"), table())  # rounds 0-3 read again, and kept
+    # A row of a kept round is not read again (it cannot change: this one is written
+    # here, behind the store's back, only to tell a kept tally from one read again); a
+    # row of a later round is.
+    early = next(t for t in tasks if t.startswith("r1-2-"))
+    late = next(t for t in tasks if t.startswith("r1-8-"))
+    before = {t.site_id: t for t in tables.tallies("r1")}
+    with store.engine.begin() as conn:
+        for task in (early, late):
+            conn.execute(
+                text("UPDATE participations SET bytes_up = bytes_up + 1000 WHERE task_id = :t"),
+                {"t": task},
+            )
+    now = {t.site_id: t for t in tables.tallies("r1")}
+    early_site, late_site = early.split("-", 3)[3], late.split("-", 3)[3]
+    moved = 1000 if early_site == late_site else 0
+    assert now[early_site].bytes == before[early_site].bytes + moved
+    assert now[late_site].bytes == before[late_site].bytes + 1000
+    whole = {t.site_id: t for t in table()}
+    assert whole[early_site].bytes == before[early_site].bytes + 1000  # it was written
 
 
 def test_get_run_summary_over_grpc_pages_and_the_cli_prints_from_it(
