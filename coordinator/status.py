@@ -72,7 +72,7 @@ def run_status(
     """The run, every round numbered ``first_round`` or higher and every participation of
     them, as stored (``summary``: counted, ``round_summaries``); fails with
     RESOURCE_EXHAUSTED if that is more than one reply holds."""
-    rounds = _SUMMARIES if summary else _WHOLE
+    rounds = _summed_rounds if summary else _whole_rounds
     read = rounds(engine, run_id, first_round, None, (), math.inf)
     status = run_header(engine, read.run, insecure)
     status.provenance.CopyFrom(run_provenance(engine, read.run, changed_only=summary))
@@ -345,7 +345,7 @@ def run_page(
     the rounds it holds (final ones) are not read again, and those found final are kept;
     keep summaries and whole rounds in two.
     """
-    rounds = _SUMMARIES if summary else _WHOLE
+    rounds = _summed_rounds if summary else _whole_rounds
     cached = kept.from_(run_id, first_round) if kept is not None else []
     # A download finished but not yet written may change its round: asked before the
     # read, and after the moment before which a closed round may be final (a round
@@ -423,9 +423,6 @@ def _summed_rounds(
     return _Read(view.run, fresh, final, view.more_rounds)
 
 
-_WHOLE, _SUMMARIES = _whole_rounds, _summed_rounds
-
-
 # The rounds of one WatchRun message, at most (one round bigger than this goes alone).
 WATCH_MESSAGE_BYTES = 1 << 20
 
@@ -468,7 +465,7 @@ class RunWatch:
             # and after the moment before which a closed round may be final (run_page)
             settled_before = engine.settled_before()
             pending = engine.downloads_pending()
-            got = _SUMMARIES(engine, self.run_id, self.floor, None, pending, settled_before)
+            got = _summed_rounds(engine, self.run_id, self.floor, None, pending, settled_before)
             run, fresh, final = got.run, got.fresh, got.final
         else:
             view = read_run(engine, self.run_id, self.floor)
