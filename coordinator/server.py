@@ -253,6 +253,8 @@ class Server:
             _, late = await asyncio.wait(rest, timeout=_DRAIN_S)
             for task in late:
                 task.cancel()
+            if late:  # their clean-up (a ticket let go, a poll ended) runs before the loop stops
+                await asyncio.wait(late, timeout=_CANCELLED_S)
 
 
 async def _spawn(coroutine: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
@@ -260,6 +262,7 @@ async def _spawn(coroutine: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
 
 
 _DRAIN_S = 30.0  # how long stopping waits for the blocking steps under way to end
+_CANCELLED_S = 1.0  # and then for those it cancelled to clean up
 
 
 def create_server(

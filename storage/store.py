@@ -427,6 +427,11 @@ class Store:
                 raise
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         reader = self.engine.execution_options(**{_READ_ONLY: True})
+        if self.engine.dialect.name == "postgresql":
+            # A read of several statements sees one snapshot, as SQLite's read transaction
+            # does (PostgreSQL's default gives each statement its own); a transaction that
+            # only reads is never refused for it.
+            reader = reader.execution_options(isolation_level="REPEATABLE READ")
         self._read_sessions = sessionmaker(reader, expire_on_commit=False)
         # SQLite has one writer at a time, and a writer that finds the lock taken polls
         # for it, sleeping up to 100 ms between tries: this process's writers queue here
@@ -605,7 +610,7 @@ class Store:
 
     @contextmanager
     def _read(self) -> Iterator[Session]:
-        """One reading transaction: it never holds up a writer."""
+        """One reading transaction, one snapshot: it never holds up a writer."""
         with self._read_sessions.begin() as session:
             yield session
 
@@ -1023,7 +1028,6 @@ class Store:
             .select_from(m.Participation.__table__.outerjoin(m.Round.__table__, last))
             .where(*between)
             .group_by(t.site_id)
-            .order_by(t.site_id)
         )
         newest = func.row_number().over(
             partition_by=t.site_id,
@@ -1074,6 +1078,7 @@ class Store:
                         failures=tuple(errors.get(site, ())),
                     )
                 )
+            out.sort(key=lambda t: t.site_id)  # as Python orders them, whatever the collation
             return out
 
     def update_data(self, sha256: str) -> bytes | None:

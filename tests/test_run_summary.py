@@ -291,22 +291,23 @@ def test_the_status_page_reads_again_only_the_rounds_that_can_still_change(store
     # A row of a kept round is not read again (it cannot change: this one is written
     # here, behind the store's back, only to tell a kept tally from one read again); a
     # row of a later round is.
-    early = next(t for t in tasks if t.startswith("r1-2-"))
-    late = next(t for t in tasks if t.startswith("r1-8-"))
-    before = {t.site_id: t for t in tables.tallies("r1")}
-    with store.engine.begin() as conn:
-        for task in (early, late):
-            conn.execute(
-                text("UPDATE participations SET bytes_up = bytes_up + 1000 WHERE task_id = :t"),
-                {"t": task},
-            )
-    now = {t.site_id: t for t in tables.tallies("r1")}
-    early_site, late_site = early.split("-", 3)[3], late.split("-", 3)[3]
-    moved = 1000 if early_site == late_site else 0
-    assert now[early_site].bytes == before[early_site].bytes + moved
-    assert now[late_site].bytes == before[late_site].bytes + 1000
-    whole = {t.site_id: t for t in table()}
-    assert whole[early_site].bytes == before[early_site].bytes + 1000  # it was written
+    for kept_round, later_round in ((2, 8), (3, 4)):  # (3, 4): either side of the edge
+        early = next(t for t in tasks if t.startswith(f"r1-{kept_round}-"))
+        late = next(t for t in tasks if t.startswith(f"r1-{later_round}-"))
+        before = {t.site_id: t for t in tables.tallies("r1")}
+        with store.engine.begin() as conn:
+            for task in (early, late):
+                conn.execute(
+                    text("UPDATE participations SET bytes_up = bytes_up + 1000 WHERE task_id = :t"),
+                    {"t": task},
+                )
+        now = {t.site_id: t for t in tables.tallies("r1")}
+        early_site, late_site = early.split("-", 3)[3], late.split("-", 3)[3]
+        moved = 1000 if early_site == late_site else 0
+        assert now[early_site].bytes == before[early_site].bytes + moved
+        assert now[late_site].bytes == before[late_site].bytes + 1000
+        whole = {t.site_id: t for t in table()}
+        assert whole[early_site].bytes == before[early_site].bytes + 1000 + moved  # written
 
 
 def test_get_run_summary_over_grpc_pages_and_the_cli_prints_from_it(

@@ -6,6 +6,7 @@ and must change nothing: the task stays open and a correct upload is still accep
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import os
@@ -1365,6 +1366,47 @@ def test_stopping_with_no_grace_under_held_calls_logs_no_traceback(
     assert not unhandled, [r.getMessage() for r in unhandled]
 
 
+def test_a_stop_waits_for_what_is_left_on_its_loop_instead_of_cancelling_it(
+    coordinator: InProcessCoordinator,
+) -> None:
+    """What is still on the server's loop once gRPC has stopped (gRPC's own task of each
+    call it cut, whose handler ends once its step has) is waited for, not cancelled: a
+    cancelled one of gRPC's is logged as an unhandled error, with a traceback. Here a
+    task on the loop that ends only when told stands for such a call."""
+    server = coordinator.server
+    seen: dict[str, bool] = {}
+
+    async def on_loop() -> tuple[asyncio.Event, asyncio.Task[None]]:
+        gate = asyncio.Event()
+
+        async def call_like() -> None:
+            try:
+                await gate.wait()
+                seen["ended"] = True
+            except asyncio.CancelledError:
+                seen["cancelled"] = True
+                raise
+
+        return gate, asyncio.get_running_loop().create_task(call_like())
+
+    gate, task = server.run(on_loop())
+    loop = task.get_loop()
+    stopping = threading.Thread(target=server.stop, args=(0,))
+    stopping.start()
+    deadline = time.monotonic() + 10
+    while True:  # gRPC has stopped: its port no longer answers
+        try:
+            coordinator.admin.ListRuns(admin_pb2.ListRunsRequest(), timeout=1)
+        except grpc.RpcError:
+            break
+        assert time.monotonic() < deadline, "the server never stopped serving"
+    stopping.join(1.0)  # a second into the drain, it still waits
+    assert stopping.is_alive() and not seen
+    loop.call_soon_threadsafe(gate.set)
+    stopping.join(10)
+    assert not stopping.is_alive() and seen == {"ended": True}
+
+
 def test_stopping_with_no_grace_while_calls_wait_for_the_engine_logs_no_traceback(
     coordinator: InProcessCoordinator,
     caplog: pytest.LogCaptureFixture,
@@ -1474,7 +1516,6 @@ def test_a_hold_cancelled_while_it_begins_does_not_leave_its_site_counted_as_pol
     """A site hangs up while its held heartbeat's first step runs in the executor (the
     engine's lock was busy): the step runs to its end, and the hold it began is ended, so
     the site does not count as polling, online for ever, a round waiting on it."""
-    import asyncio
     from contextlib import suppress
 
     _, tasks = start_round_one(coordinator)
