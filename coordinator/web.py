@@ -103,7 +103,7 @@ class SiteTables:
         self._kept: OrderedDict[str, tuple[int, dict[str, SiteTally]]] = OrderedDict()
 
     def tallies(self, run_id: str, first_round: int = 0) -> list[SiteTally]:
-        """The run's sites, by site id; ``first_round``: the number of its first round."""
+        """The run's sites; ``first_round``: the number of its first round."""
         final = first_round + len(self.final.from_(run_id, first_round))  # up to, excluded
         with self._lock:
             upto, kept = self._kept.get(run_id, (0, {}))
@@ -115,8 +115,7 @@ class SiteTables:
                 self._kept.move_to_end(run_id)
                 while len(self._kept) > self.runs:
                     self._kept.popitem(last=False)
-        moving = _added(kept, self._read(run_id, upto, None))
-        return sorted(moving.values(), key=lambda t: t.site_id)
+        return list(_added(kept, self._read(run_id, upto, None)).values())
 
     def _read(self, run_id: str, since: int, until: int | None) -> list[SiteTally]:
         return self.records.read_site_tallies(

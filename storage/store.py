@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import (
     BigInteger,
@@ -313,12 +313,17 @@ def _rounds_read(
 _IN_CHUNK = 500
 
 
-def _idle_terms(dialect: str) -> tuple[Any, Any, Any, Any]:
-    """A participation's idle time as ``ledger.idle_s`` works it out (from its task, or
-    the round's opening if that came first, to the commit, less its own download, compute
-    and upload: the site's measures, from its metrics, where it sent them; may be below
-    0), the time that is counted over, its busy time, and the join to its round's row in
-    the round's last attempt."""
+class _IdleTerms(NamedTuple):
+    """A participation's time in its round as ``ledger.idle_s`` works it out, as SQL."""
+
+    idle: Any  # ``span`` less ``busy`` (may be below 0)
+    span: Any  # from its task, or the round's opening if that came first, to the commit
+    busy: Any  # its own download, compute and upload (its measures, where it sent them)
+    last: Any  # the join to its round's row, in the round's last attempt
+
+
+def _idle_terms(dialect: str) -> _IdleTerms:
+    """``_IdleTerms`` of a participation (each of its measures within [0, bound])."""
     t, r = m.Participation.__table__.c, m.Round.__table__.c
 
     def metric(name: str) -> Any:
@@ -338,7 +343,7 @@ def _idle_terms(dialect: str) -> tuple[Any, Any, Any, Any]:
     start = case((t.assigned_at < r.opened_at, t.assigned_at), else_=r.opened_at)
     span = r.closed_at - start
     last = (r.run_id == t.run_id) & (r.number == t.round_number) & (r.attempt == t.attempt)
-    return span - busy, span, busy, last
+    return _IdleTerms(span - busy, span, busy, last)
 
 
 def _idle_in_last_attempts(run_id: str, numbers: list[int], dialect: str) -> Select[Any]:

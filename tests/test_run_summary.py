@@ -233,7 +233,7 @@ def _assert_same_tallies(got: Iterable[SiteTally], want: Iterable[SiteTally]) ->
     """The same sites with the same figures (the seconds up to the order of their sum)."""
     by_site = {t.site_id: t for t in want}
     got = list(got)
-    assert [t.site_id for t in got] == sorted(by_site)
+    assert sorted(t.site_id for t in got) == sorted(by_site)
     for t in got:
         w = by_site[t.site_id]
         for name in ("busy_s", "idle_s", "counted_s"):
@@ -251,6 +251,7 @@ def test_the_sites_counted_by_the_database_match_their_rows(store: Store, seed: 
     _fill(store, "r2", seed + 100)  # another run's rows count for nothing here
     for failures in (0, 2, 5):
         got = store.read_site_tallies("r1", flag_error=DECLINED, failures=failures)
+        assert [t.site_id for t in got] == sorted(t.site_id for t in got)  # by site id
         _assert_same_tallies(got, _sites_from_rows(store, "r1", failures).values())
     assert any(t.declined for t in got) and any(t.failed for t in got)
     assert any(t.idle_s > 0 for t in got) and any(t.failures for t in got)
