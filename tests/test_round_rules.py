@@ -256,20 +256,18 @@ def test_a_coordinator_that_lost_its_database_refuses_writes_as_unavailable(
 def test_a_round_whose_sites_all_fail_ends_at_once_saying_why(
     coordinator: InProcessCoordinator,
 ) -> None:
-    """Every sampled site reports a failure: the attempt ends then, not at its deadline,
-    its reason names the sites' errors (not a deadline that never passed), and the round
-    the run ended in shows as failed, closed."""
+    """Every sampled site reports a failure before the round driver looks: the attempt
+    ends then, not at its deadline, its reason names the sites' errors (not a deadline
+    that never passed), and the round the run ended in shows as failed, closed."""
     import time
 
     run_id, tasks = start_round_one(coordinator, round_deadline_s=300)
     started = time.monotonic()
-    for site, task in sorted(tasks.items()):
-        coordinator.site.ReportFailure(
-            site_pb2.ReportFailureRequest(
-                site_id=site, task_id=task.task_id, reason=f"ValueError: bad params at {site}"
-            ),
-            timeout=10,
-        )
+    with coordinator.engine._lock:  # both failures land before the driver's next look
+        for site, task in sorted(tasks.items()):
+            coordinator.engine.report_failure(
+                site, task.task_id, f"ValueError: bad params at {site}"
+            )
     for status in coordinator.admin.WatchRun(admin_pb2.WatchRunRequest(run_id=run_id), timeout=60):
         if status.state == "failed":
             break
@@ -284,6 +282,82 @@ def test_a_round_whose_sites_all_fail_ends_at_once_saying_why(
     r1 = round_status(coordinator, run_id, 1)
     assert r1.status == "failed" and r1.closed_unix_s > 0
     assert round_status(coordinator, run_id, 0).status == "committed"
+
+
+def test_an_attempt_that_can_no_longer_reach_its_quorum_ends_at_once(
+    coordinator: InProcessCoordinator,
+) -> None:
+    """Two of two sites required and one fails: the other's update could not make the
+    attempt commit, so the attempt ends at once (not at its 300 s deadline, nor when the
+    other site answers), saying why; the other site hears its task withdrawn at its next
+    heartbeat, and the retry samples afresh."""
+    import time
+
+    run_id, tasks = start_round_one(coordinator, round_deadline_s=300, max_round_attempts=2)
+    a, b = sorted(tasks)
+    started = time.monotonic()
+    coordinator.site.ReportFailure(
+        site_pb2.ReportFailureRequest(site_id=a, task_id=tasks[a].task_id, reason="out of memory"),
+        timeout=10,
+    )
+    retry = wait_round(coordinator, run_id, 1)  # open again: attempt 2
+    while retry.attempt < 2 and time.monotonic() - started < 30:
+        retry = wait_round(coordinator, run_id, 1)
+    assert retry.attempt == 2 and time.monotonic() - started < 30
+    beat = coordinator.site.Heartbeat(
+        site_pb2.HeartbeatRequest(site_id=b, task_id=tasks[b].task_id), timeout=10
+    )
+    assert not beat.task_current  # withdrawn: b need not train for an attempt that failed
+    parts = coordinator.engine._store.list_participations(run_id, 1, 1)
+    assert {p.site_id: p.state for p in parts} == {a: "failed", b: "expired"}
+    expired = next(p for p in parts if p.site_id == b)
+    assert (
+        "round 1 attempt 1: 1 of the 2 sampled sites failed, so at most 1 of the 2 required "
+        f"updates could arrive: ended early; failed: {a}: site reported: out of memory"
+    ) in expired.error, expired.error
+
+
+def test_short_of_quorum_only_when_the_failures_leave_too_few_to_come() -> None:
+    """The rule alone: 2 of 3 sites required. One failure leaves enough to come; two do
+    not, unless nothing is left to wait for, or every failure is a policy's decline (such
+    an attempt waits and does not count). An asynchronous run's tasks carry on instead,
+    and a Poisson-sampled private run commits whatever arrives."""
+    from fedra.coordinator.aggregation import ServerOptimizer
+    from fedra.coordinator.engine.rounds import short_of_quorum
+    from fedra.coordinator.state import ActiveRun, TaskState
+    from fedra.runspec import AsyncSpec, PrivacySpec, RunSpec
+
+    def opened(**spec: object) -> ActiveRun:
+        rs = RunSpec("m:t", 3, sites_per_round=3, **spec).validate()  # type: ignore[arg-type]
+        run = ActiveRun(run_id="r", spec=rs, optimizer=ServerOptimizer(rs))
+        run.set_open(1, 1, {s: f"t-{s}" for s in "abc"}, 0.0, 300.0)
+        return run
+
+    run = opened(min_sites=2)
+    assert short_of_quorum(run) is None
+    run.assignments["a"].move(TaskState.FAILED)
+    assert short_of_quorum(run) is None  # b and c can still make 2
+    run.assignments["b"].move(TaskState.UPLOADING)
+    run.assignments["b"].move(TaskState.FAILED)
+    assert short_of_quorum(run) == (
+        "2 of the 3 sampled sites failed, so at most 1 of the 2 required updates could "
+        "arrive: ended early"
+    )
+    run.declined.update(a=1.0, b=1.0)
+    assert short_of_quorum(run) is None  # declines only: the attempt waits, spared
+    del run.declined["b"]
+    assert short_of_quorum(run) is not None
+    run.assignments["c"].move(TaskState.UPLOADING)
+    run.assignments["c"].move(TaskState.ACCEPTED)
+    assert short_of_quorum(run) is None  # nothing left to wait for: it ends anyway
+    for spec in (
+        {"asynchronous": AsyncSpec(buffer=3)},
+        {"privacy": PrivacySpec(epsilon=50.0, sampling="poisson", population=3)},
+    ):
+        other = opened(**spec)
+        for site in "ab":
+            other.assignments[site].move(TaskState.FAILED)
+        assert short_of_quorum(other) is None, spec
 
 
 def test_waiting_calls_hold_no_thread_and_others_are_served_meanwhile(tmp_path: Path) -> None:

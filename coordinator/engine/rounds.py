@@ -152,6 +152,7 @@ class RoundDriver:
         self.tag = f"run {run.run_id}"
         self._liveness_looked = -float("inf")
         self._silence = SilenceWatch(engine)
+        self._short = ""  # why the open attempt ended early (``short_of_quorum``), if it did
 
     def run(self) -> None:
         """Drive rounds until the run ends or the engine stops. A storage fault (a full
@@ -311,6 +312,8 @@ class RoundDriver:
                 if not 0.0 <= now - self._liveness_looked < _LIVENESS_LOOK_S:
                     self._liveness_looked = now
                     self._fail_silent_sites(now)
+                    if not run.broken and (short := short_of_quorum(run)):
+                        run.broken = self._short = short
                 if not run.broken:
                     self._advance_stages(now)
                 tasks = run.assignments.values()
@@ -402,8 +405,12 @@ class RoundDriver:
                               run.open_round)  # fmt: skip
                 run.broken = f"folding accepted updates failed: {type(exc).__name__}"
         accepted = [a for a in run.assignments.values() if a.state == "accepted"]
+        short, self._short = self._short, ""
         if run.broken:
-            return self._retry_or_fail(len(accepted), run.broken)
+            why = run.broken
+            if why == short and run.open_round is not None:  # which tasks failed, as a
+                why += self._failures(run.open_round, run.attempt)  # short round says
+            return self._retry_or_fail(len(accepted), why)
         if len(accepted) >= run.required_updates:
             return self._commit()
         return self._retry_or_fail(len(accepted))
@@ -782,6 +789,32 @@ def ledger(accepted: list[ParticipationRecord], aggregate_s: float) -> dict[str,
         "transfer_s": max((p.upload_s for p in accepted), default=0.0),
         "aggregate_s": aggregate_s,
     }
+
+
+def short_of_quorum(run: ActiveRun) -> str | None:
+    """Why the open attempt can no longer commit: its failed tasks leave fewer than the
+    required updates to come (None while they can still arrive). The attempt then ends at
+    once instead of at its deadline or its last site's answer: the sites still at work
+    would train for an attempt that fails, and its retry would wait for them. Not for an
+    asynchronous run (its tasks carry on to the next round), nor while every failure is a
+    site's policy declining (``_declined_only``: such an attempt waits for the others and
+    does not count)."""
+    need = run.required_updates
+    if run.spec.asynchronous is not None or need <= 0:
+        return None
+    failed, pending = [], 0
+    for a in run.assignments.values():
+        if a.state is TaskState.FAILED:
+            failed.append(a.site_id)
+        else:
+            pending += a.state is not TaskState.ACCEPTED
+    could = len(run.assignments) - len(failed)
+    if could >= need or not pending or all(site in run.declined for site in failed):
+        return None  # (with none pending, the attempt ends now anyway, saying so)
+    return (
+        f"{len(failed)} of the {len(run.assignments)} sampled sites failed, so at most "
+        f"{could} of the {need} required updates could arrive: ended early"
+    )
 
 
 def _declined_only(parts: list[ParticipationRecord]) -> bool:
