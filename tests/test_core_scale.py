@@ -1184,3 +1184,51 @@ def test_the_operators_presence_reads_while_sites_register_under_collections(
         engine.close()
     assert not errors, errors
     assert reads > 0 and len(ages) >= many
+
+
+def test_a_look_that_finds_a_thousand_sites_silent_fails_them_in_one_transaction(
+    tmp_path: Path,
+) -> None:
+    """A round of thousands opens at one instant, so their liveness runs out at one look
+    when they fall silent together. Failing each in a transaction of its own held the
+    engine's lock for seconds (a synced commit each), stalling every call that needed it;
+    now the look writes them all in one, and each is failed in the database and in memory
+    with its reason."""
+    from sqlalchemy import event
+
+    from fedra.coordinator.aggregation import ServerOptimizer
+    from fedra.coordinator.engine.rounds import RoundDriver
+    from fedra.coordinator.state import ActiveRun, TaskState
+
+    now = [1000.0]
+    engine = _timed_engine(tmp_path, now, 20.0)
+    sites = [f"site-{i:04d}" for i in range(1000)]
+    try:
+        for site in sites:
+            engine.register(site, [TASK], "1")
+        spec = RunSpec(TASK, 1, sites_per_round=len(sites), min_sites=len(sites)).validate()
+        store = engine._store
+        store.create_run("r", "scale", TASK, "{}", now[0])
+        tasks = {s: f"t-{s}" for s in sites}
+        store.open_round("r", 1, 1, tasks, now[0], now[0] + 300.0)
+        run = ActiveRun(run_id="r", spec=spec, optimizer=ServerOptimizer(spec))
+        run.set_open(1, 1, tasks, now[0], now[0] + 300.0)
+        for site in sites:
+            engine.mark_seen_for_recovery(site, now[0], refresh=True)
+        driver = RoundDriver(engine, run)
+        now[0] += 21.0
+        engine.touch(sites[0])  # heard from just now: not silent
+        commits: list[None] = []
+        event.listen(store.engine, "commit", lambda _: commits.append(None))
+        with engine._lock:
+            driver._fail_silent_sites(now[0])
+        assert len(commits) == 1
+        failed = {a.site_id for a in run.assignments.values() if a.state is TaskState.FAILED}
+        assert failed == set(sites[1:])
+        rows = {p.site_id: p for p in store.list_participations("r", 1, 1)}
+        assert rows[sites[0]].state == "assigned"
+        assert {(rows[s].state, rows[s].error) for s in sites[1:]} == {
+            ("failed", "site went silent for more than 20 s")
+        }
+    finally:
+        engine.close()

@@ -626,6 +626,28 @@ def test_fail_participation(run_store: Store) -> None:
         run_store.fail_participation("no-such-task", "x", T0)
 
 
+def test_fail_participations_fails_the_unfinished_of_many_in_one_go(run_store: Store) -> None:
+    """More tasks than one IN list holds: the unfinished ones fail with the reason, the
+    final ones (accepted, failed before) and those not named keep what they had."""
+    sites = [f"s{i:04d}" for i in range(1203)]
+    _open(run_store, 1, 1, sites)
+    run_store.mark_downloaded(_task(1, 1, sites[1]), 10, 0.1)
+    _accept(run_store, _task(1, 1, sites[0]), b"\x05" * 32)
+    run_store.fail_participation(_task(1, 1, sites[2]), "crashed", T0 + 5)
+    named = [_task(1, 1, s) for s in sites[:-1]]  # the last one is left alone
+    run_store.fail_participations(named, "site went silent for more than 20 s", T0 + 30)
+    run_store.fail_participations([], "nothing", T0 + 31)
+    parts = {p.site_id: p for p in run_store.list_participations(RUN, 1)}
+    assert (parts[sites[0]].state, parts[sites[0]].error) == ("accepted", "")
+    assert (parts[sites[2]].state, parts[sites[2]].error) == ("failed", "crashed")
+    assert parts[sites[-1]].state == "assigned"
+    failed = [parts[s] for s in (sites[1], *sites[3:-1])]
+    assert {(p.state, p.error, p.finished_at) for p in failed} == {
+        ("failed", "site went silent for more than 20 s", T0 + 30)
+    }
+    assert len(failed) == 1200
+
+
 def test_expire_attempt_touches_only_unfinished_of_that_attempt(run_store: Store) -> None:
     _open(run_store, 1, 1, ["acc", "asg", "dl", "fail"])
     run_store.mark_downloaded(_task(1, 1, "dl"), 10, 0.1)

@@ -348,14 +348,7 @@ class RoundDriver:
         (lock held)."""
         run = self.run_state
         change = run.aggregator.advance(run.assignments, run.required_updates)
-        for site in change.dropped:
-            a = run.assignments[site]
-            self.engine._store.fail_participation(a.task_id, change.dropped_why, now)
-            a.move(TaskState.FAILED)
-            log.warning(
-                "%s round %s: %s: %s", self.tag, run.open_round, site, change.dropped_why,
-                extra={"site": site},
-            )  # fmt: skip
+        self._fail(change.dropped, change.dropped_why, now)
         if change.broken:
             run.broken = change.broken
         if change.changed:  # wake the sites waiting on the stage
@@ -378,19 +371,29 @@ class RoundDriver:
 
     def _fail_silent_sites(self, now: float) -> None:
         """A sampled site that went silent will not answer: stop waiting for it."""
-        engine, run = self.engine, self.run_state
-        for site in self._silence.silent(run, now):
-            a = run.assignments[site]
-            reason = (
-                "site hung up on its poll (it stopped) and has not come back"
-                if engine.hung_up(site)
-                else f"site went silent for more than {engine.settings.site_timeout_s:g} s"
-            )
-            engine._store.fail_participation(a.task_id, reason, now)
+        engine = self.engine
+        silent: list[str] = []
+        hung_up: list[str] = []
+        for site in self._silence.silent(self.run_state, now):
+            (hung_up if engine.hung_up(site) else silent).append(site)
+        self._fail(hung_up, "site hung up on its poll (it stopped) and has not come back", now)
+        timeout = engine.settings.site_timeout_s
+        self._fail(silent, f"site went silent for more than {timeout:g} s", now)
+
+    def _fail(self, sites: Collection[str], reason: str, now: float) -> None:
+        """Fail the tasks of the open attempt's ``sites``, all for ``reason``, in one
+        transaction (lock held): a round of thousands can find thousands of them silent at
+        one look, and a transaction each held the engine's lock for seconds."""
+        if not sites:
+            return
+        run = self.run_state
+        tasks = [run.assignments[site] for site in sites]
+        self.engine._store.fail_participations([a.task_id for a in tasks], reason, now)
+        for a in tasks:
             a.move(TaskState.FAILED)
             log.warning(
-                "%s round %s: %s: %s", self.tag, run.open_round, site, reason,
-                extra={"site": site},
+                "%s round %s: %s: %s", self.tag, run.open_round, a.site_id, reason,
+                extra={"site": a.site_id},
             )  # fmt: skip
 
     # -- closing -----------------------------------------------------------------
