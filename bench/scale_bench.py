@@ -73,6 +73,7 @@ from types import FrameType
 from typing import Any, NoReturn
 
 import grpc
+import sync_over_aio  # beside this script
 import torch
 
 from fedra.admin import AdminClient
@@ -200,14 +201,19 @@ class WarningCounter(logging.Handler):
         self.tally.add(self.tally.warnings, f"{record.levelname} {record.msg}"[:120])
 
 
-def separate_connections() -> None:
+def separate_connections(transport: str) -> None:
     """Give each channel of this process its own TCP connection, as a site in a process of
     its own has: gRPC otherwise shares one among channels with the same target and options,
-    and an --insecure coordinator bounds calls per connection (--max-calls-per-admin)."""
+    and an --insecure coordinator bounds calls per connection (--max-calls-per-admin).
+    With ``transport`` "aio", each is a ``grpc.aio`` channel on one event loop of this
+    process, offered through the synchronous API (``sync_over_aio``)."""
     plain = grpc.insecure_channel
+    loop = sync_over_aio.Loop() if transport == "aio" else None
 
     def insecure_channel(target: str, options: Any = None, compression: Any = None) -> grpc.Channel:
         own = [*(options or ()), ("grpc.use_local_subchannel_pool", 1)]
+        if loop is not None:
+            return sync_over_aio.Channel(loop, target, own)  # type: ignore[return-value]
         return plain(target, own, compression)
 
     grpc.insecure_channel = insecure_channel
@@ -333,7 +339,7 @@ def worker_main(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     lower_priority(args.site_nice)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
-    separate_connections()
+    separate_connections(args.site_transport)
     fewer_wakeups()
     tally = SiteTally()
     logging.getLogger("fedra.site").addHandler(WarningCounter(tally))
@@ -455,6 +461,7 @@ def start_workers(
         command += ["--timeout-s", f"{timeout_s:.0f}", "--fit-delay-s", str(args.fit_delay_s)]
         command += ["--site-nice", str(args.site_nice), "--site-cpus", args.site_cpus]
         command += ["--site-turns", str(args.site_turns), "--worker-gc", args.worker_gc]
+        command += ["--site-transport", args.site_transport]
         with (root / f"worker-{i}.log").open("ab") as log:
             popen = subprocess.Popen(
                 command,
@@ -1232,6 +1239,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "of their own do not see); on: Python's default",
     )
     parser.add_argument(
+        "--site-transport",
+        choices=("aio", "sync"),
+        default="aio",
+        help="the gRPC under each site's Connection: aio (default), its asyncio channel on "
+        "one event loop a worker, offered through the synchronous API (bench/sync_over_aio.py); "
+        "sync, gRPC's synchronous channel, whose waits wake every 200 ms each",
+    )
+    parser.add_argument(
         "--coordinator-flags",
         default="",
         help="more flags for `fedra coordinator`, e.g. '--workers 8' (default: none, its defaults)",
@@ -1302,7 +1317,11 @@ def main(argv: list[str] | None = None) -> int:
         print("\ninterrupted: everything started was stopped", file=sys.stderr)
     if args.out:
         doc = {"results": results, "interrupted": interrupted, "db": args.db.split("://")[0]}
-        doc["sites_run"] = {"nice": args.site_nice, "cpus": args.site_cpus or "all"}
+        doc["sites_run"] = {
+            "nice": args.site_nice,
+            "cpus": args.site_cpus or "all",
+            "transport": args.site_transport,
+        }
         doc["cpus"], doc["load_average"] = os.cpu_count(), os.getloadavg()[0]
         args.out.write_text(json.dumps(doc, indent=2) + "\n")
     return 130 if interrupted else 0

@@ -30,7 +30,7 @@ def _bench(tmp_path: Path) -> tuple[dict[str, Any], str]:
     done = run_python(*args, env=env, timeout_s=100)
     assert done.returncode == 0, done.stdout + done.stderr
     doc = json.loads(out.read_text())
-    assert doc["sites_run"] == {"nice": 10, "cpus": str(SITE_CPU)}, doc
+    assert doc["sites_run"] == {"nice": 10, "cpus": str(SITE_CPU), "transport": "aio"}, doc
     (result,) = doc["results"]
     return result, done.stdout
 
