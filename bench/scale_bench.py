@@ -73,7 +73,6 @@ from types import FrameType
 from typing import Any, NoReturn
 
 import grpc
-import sync_over_aio  # beside this script
 import torch
 
 from fedra.admin import AdminClient
@@ -207,6 +206,8 @@ def separate_connections(transport: str) -> None:
     and an --insecure coordinator bounds calls per connection (--max-calls-per-admin).
     With ``transport`` "aio", each is a ``grpc.aio`` channel on one event loop of this
     process, offered through the synchronous API (``sync_over_aio``)."""
+    import sync_over_aio  # noqa: PLC0415 - beside this script, on its path when it runs
+
     plain = grpc.insecure_channel
     loop = sync_over_aio.Loop() if transport == "aio" else None
 
