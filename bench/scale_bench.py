@@ -30,16 +30,20 @@ every round; it prints the upstream's CPU per region-round, the regions' per
 site-round, and the sites each level projects to serve at one CPU-second per second.
 
 Each agent's channel has a TCP connection of its own, as a site in a process of its own
-has (``separate_connections``). Training takes milliseconds, so a site heartbeats only
-when its task outlasts the heartbeat interval; ``--fit-delay-s 6`` makes every one do so.
+has (``separate_connections``). Under each ``Connection`` is, by default, a ``grpc.aio``
+channel on one event loop a worker, offered through the synchronous API
+(``sync_over_aio.py``, ``--site-transport aio``): gRPC's synchronous client wakes every
+200 ms for each call waiting, which at 5,000 sites was the workers' largest cost
+(``--site-transport sync`` runs it). Training takes milliseconds, so a site heartbeats
+only when its task outlasts the heartbeat interval; ``--fit-delay-s 6`` makes every one do so.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/scale_bench.py --sites 100,1000 --rounds 3 \\
         --procs 4 --out scale.json
 
 Everything it starts is stopped, and its temporary directories removed, on any exit
-(Ctrl-C and SIGTERM included); each N is bounded by ``--timeout-s``. One file of about
-850 lines on purpose: the same script is the driver and each site-hosting worker, so the
-two never disagree on what a worker is told or writes back.
+(Ctrl-C and SIGTERM included); each N is bounded by ``--timeout-s``. One file on
+purpose: the same script is the driver and each site-hosting worker, so the two never
+disagree on what a worker is told or writes back.
 """
 
 from __future__ import annotations
