@@ -15,10 +15,12 @@ worker's sites share (``Loop``). A caller's thread waits for its call on a
 channel (and a TCP connection) of its own, its calls, deadlines, metadata, status codes
 and cancellation are gRPC's own, and the coordinator sees the same calls as from the
 synchronous client. What a ``Connection`` raises is what it would raise: ``AioRpcError``
-is a ``grpc.RpcError`` with the same ``code()`` and ``details()``, and a cancelled future
-raises ``grpc.FutureCancelledError``. ``Channel.subscribe`` (the watch of the channel's
-state behind ``Connection.wait_reconnected``) is not offered: the bench replaces that
-wait (``plain_backoff``).
+is a ``grpc.RpcError`` with the same ``code()`` and ``details()``; a call its channel's
+closing cut ends CANCELLED, one made on a closed channel raises ValueError, and a future
+its caller cancelled raises ``grpc.FutureCancelledError``, as the synchronous channel's.
+``Channel.subscribe`` (the watch of the channel's state behind
+``Connection.wait_reconnected``) is not offered: the bench replaces that wait
+(``plain_backoff``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import grpc
+from grpc._cython.cygrpc import UsageError
 
 T = TypeVar("T")
 
@@ -46,9 +49,16 @@ class Loop:
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
 
+    def _check_thread(self) -> None:
+        # Waiting for the loop on its own thread would wait forever (a done callback, a
+        # stream's generator finalised there): say so instead.
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("a blocking call on the event loop's own thread")
+
     def submit(self, make: Callable[[], Awaitable[T]]) -> concurrent.futures.Future[T]:
         """Run the awaitable ``make()`` builds on the loop (built there: an aio call binds
         to the loop it is made on)."""
+        self._check_thread()
 
         async def run() -> T:
             return await make()
@@ -57,42 +67,86 @@ class Loop:
 
     def call(self, make: Callable[[], T]) -> T:
         """``make()`` on the loop's thread, waited for."""
+        self._check_thread()
 
         async def run() -> T:
             return make()
 
-        return asyncio.run_coroutine_threadsafe(run(), self.loop).result()
+        return _result(asyncio.run_coroutine_threadsafe(run(), self.loop))
+
+    def soon(self, fn: Callable[[], object]) -> None:
+        """``fn()`` on the loop's thread, not waited for (from any thread, its own too)."""
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(fn)
+
+    def close(self) -> None:
+        """Stop the loop and its thread (the channels on it closed first)."""
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join()
+            self.loop.close()
+
+
+def _converted(exc: BaseException) -> BaseException:
+    """What the synchronous channel raises where the asyncio one raised ``exc``: a call
+    cancelled other than by its caller (its channel closed under it) ends CANCELLED, and
+    a call made on a closed channel is a ValueError."""
+    if isinstance(exc, concurrent.futures.CancelledError | asyncio.CancelledError):
+        return grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED, details="Channel closed!")
+    if isinstance(exc, UsageError):
+        return ValueError("Cannot invoke RPC on closed channel!")
+    return exc
+
+
+def _result(future: concurrent.futures.Future[T], timeout: float | None = None) -> T:
+    """``future``'s result, raising what the synchronous channel would."""
+    try:
+        return future.result(timeout)
+    except concurrent.futures.TimeoutError:
+        raise grpc.FutureTimeoutError() from None
+    except BaseException as exc:  # each converted, or raised as it came
+        converted = _converted(exc)
+        if converted is exc:
+            raise
+        raise converted from None
 
 
 class _Future:
-    """The part of ``grpc.Future`` a heartbeat uses, over a concurrent future."""
+    """The part of ``grpc.Future`` a heartbeat uses, over a concurrent future. Its done
+    callbacks run on the loop's thread: they must not block (fedra's set an event)."""
 
     def __init__(self, inner: concurrent.futures.Future[Any]) -> None:
         self._inner = inner
+        self._cancelled = False  # by its caller (not by its channel closing)
 
     def done(self) -> bool:
         return self._inner.done()
 
     def cancelled(self) -> bool:
-        return self._inner.cancelled()
+        return self._cancelled and self._inner.cancelled()
 
     def running(self) -> bool:
         return not self._inner.done()
 
     def cancel(self) -> bool:
-        return self._inner.cancel()  # cancels the task on the loop, and with it the call
+        self._cancelled = self._inner.cancel()  # cancels the task on the loop, and the call
+        return self._cancelled
 
     def result(self, timeout: float | None = None) -> Any:
-        try:
-            return self._inner.result(timeout)
-        except concurrent.futures.CancelledError:
-            raise grpc.FutureCancelledError() from None
+        if self.cancelled():
+            raise grpc.FutureCancelledError()
+        return _result(self._inner, timeout)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
+        if self.cancelled():
+            raise grpc.FutureCancelledError()
         try:
-            return self._inner.exception(timeout)
-        except concurrent.futures.CancelledError:
-            raise grpc.FutureCancelledError() from None
+            _result(self._inner, timeout)
+        except grpc.FutureTimeoutError:
+            raise
+        except Exception as exc:  # the call's own error is the answer
+            return exc
+        return None
 
     def add_done_callback(self, fn: Callable[[Any], None]) -> None:
         self._inner.add_done_callback(lambda _: fn(self))
@@ -115,7 +169,8 @@ class _UnaryUnary:
     def __call__(
         self, request: Any, timeout: float | None = None, metadata: Any = None, **_: Any
     ) -> Any:
-        return self.future(request, timeout, metadata).result()
+        options = _call_options(timeout, metadata)
+        return _result(self._loop.submit(lambda: self._method(request, **options)))
 
 
 class _UnaryStream:
@@ -129,12 +184,12 @@ class _UnaryStream:
         call = self._loop.call(lambda: self._method(request, **options))
         try:
             while True:
-                message = self._loop.submit(call.read).result()
+                message = _result(self._loop.submit(call.read))
                 if message is grpc.aio.EOF:
                     return
                 yield message
         finally:  # the reader stopped early (or the call failed): nothing more is wanted
-            self._loop.call(call.cancel)
+            self._loop.soon(call.cancel)  # not waited for: this may run on the loop's thread
 
 
 class _StreamUnary:
@@ -154,18 +209,18 @@ class _StreamUnary:
         call = self._loop.call(lambda: self._method(**options))
         try:
             for message in request_iterator:
-                self._loop.submit(lambda m=message: call.write(m)).result()
-            self._loop.submit(call.done_writing).result()
+                _result(self._loop.submit(lambda m=message: call.write(m)))
+            _result(self._loop.submit(call.done_writing))
         except grpc.RpcError:
             raise
-        except Exception:  # a write after the call ended: its status says why
+        except Exception:  # a write after the call ended: its own status says why
             if not self._loop.call(call.done):
-                self._loop.call(call.cancel)
+                self._loop.soon(call.cancel)
                 raise
         except BaseException:
-            self._loop.call(call.cancel)
+            self._loop.soon(call.cancel)
             raise
-        return self._loop.submit(lambda: call).result()
+        return _result(self._loop.submit(lambda: call))
 
 
 class Channel:
@@ -200,4 +255,4 @@ class Channel:
     def close(self) -> None:
         """Close the channel: calls under way end CANCELLED, as a synchronous channel's do."""
         if not self._loop.loop.is_closed():
-            self._loop.submit(self._aio.close).result()
+            _result(self._loop.submit(self._aio.close))

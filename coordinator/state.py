@@ -74,6 +74,7 @@ class Assignment:
     nonce: bytes = b""  # of the accepted update: a retry with the same nonce is answered as done
     issued_round: int = 0  # the round named in the site's task (async: may be an earlier one)
     base_round: int | None = None  # the round whose global model the site downloaded
+    declined: bool = False  # failed because the site's policy declined it (not a failure)
 
     def move(self, to: TaskState) -> None:
         """Move the task to ``to`` (engine lock held); IllegalMove if it may not."""

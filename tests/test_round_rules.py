@@ -317,6 +317,41 @@ def test_an_attempt_that_can_no_longer_reach_its_quorum_ends_at_once(
     ) in expired.error, expired.error
 
 
+def test_a_decline_still_reads_as_one_after_a_restart(tmp_path: Path) -> None:
+    """A site declines its task and the coordinator restarts: the resumed attempt knows
+    the failure for a decline, so it waits for the other site (an attempt lost only to
+    declines does not count) instead of ending early as a failed one."""
+    from fedra.coordinator.engine.rounds import short_of_quorum
+
+    settings = EngineSettings(heartbeat_interval_s=1.0, poll_timeout_s=2.0, site_timeout_s=60.0)
+    state = tmp_path / "state"
+    c = InProcessCoordinator(state, settings)
+    try:
+        run_id, tasks = start_round_one(c, round_deadline_s=300)
+        a, b = sorted(tasks)
+        c.site.ReportFailure(
+            site_pb2.ReportFailureRequest(
+                site_id=a, task_id=tasks[a].task_id, reason="not approved", declined=True
+            ),
+            timeout=10,
+        )
+    finally:
+        c.close()
+    c = InProcessCoordinator(state, settings)
+    try:
+        run = c.engine.runs[run_id]
+        with c.engine._lock:
+            assert run.assignments[a].declined and not run.assignments[b].declined
+            assert short_of_quorum(run) is None
+        assert round_status(c, run_id, 1).status == "open"
+        beat = c.site.Heartbeat(
+            site_pb2.HeartbeatRequest(site_id=b, task_id=tasks[b].task_id), timeout=10
+        )
+        assert beat.task_current  # b's task still counts: the attempt waits for it
+    finally:
+        c.close()
+
+
 def test_short_of_quorum_only_when_the_failures_leave_too_few_to_come() -> None:
     """The rule alone: 2 of 3 sites required. One failure leaves enough to come; two do
     not, unless nothing is left to wait for, or every failure is a policy's decline (such
@@ -343,9 +378,9 @@ def test_short_of_quorum_only_when_the_failures_leave_too_few_to_come() -> None:
         "2 of the 3 sampled sites failed, so at most 1 of the 2 required updates could "
         "arrive: ended early"
     )
-    run.declined.update(a=1.0, b=1.0)
+    run.assignments["a"].declined = run.assignments["b"].declined = True
     assert short_of_quorum(run) is None  # declines only: the attempt waits, spared
-    del run.declined["b"]
+    run.assignments["b"].declined = False
     assert short_of_quorum(run) is not None
     run.assignments["c"].move(TaskState.UPLOADING)
     run.assignments["c"].move(TaskState.ACCEPTED)

@@ -42,12 +42,17 @@ async def join(requests, context):
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "a part said fail")
     return b"+".join(parts)
 
+async def refuse_early(requests, context):
+    async for r in requests:
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no more, thanks")
+
 async def main():
     server = grpc.aio.server()
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("t.T", {
         "Echo": grpc.unary_unary_rpc_method_handler(echo),
         "Count": grpc.unary_stream_rpc_method_handler(count),
         "Join": grpc.stream_unary_rpc_method_handler(join),
+        "RefuseEarly": grpc.stream_unary_rpc_method_handler(refuse_early),
     }),))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
@@ -120,7 +125,61 @@ def test_calls_answer_fail_and_time_out_as_the_synchronous_channel_does(server: 
     with pytest.raises(grpc.RpcError) as failed:
         join(iter([b"a", b"fail"]), timeout=10)
     assert failed.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+    def endless() -> Iterator[bytes]:  # the server refuses after the first: writes fail
+        while True:
+            yield b"x" * 1000
+            time.sleep(0.01)
+
+    with pytest.raises(grpc.RpcError) as early:
+        channel.stream_unary("/t.T/RefuseEarly")(endless(), timeout=10)
+    assert early.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    counting = channel.unary_stream("/t.T/Count")(b"1000000", timeout=10)
+    assert next(counting) == b"0"
+    counting.close()  # a reader that stops early: the call is cancelled, nothing hangs
+    assert echo(b"after", timeout=10) == b"echo:after"
+
+    # The channel closing under a call, and a call on a closed channel.
+    cut = echo.future(b"hold", timeout=30)
+    blocked: list[BaseException] = []
+
+    def blocking() -> None:
+        try:
+            echo(b"hold", timeout=30)
+        except BaseException as exc:
+            blocked.append(exc)
+
+    waiter = threading.Thread(target=blocking)
+    waiter.start()
+    time.sleep(0.3)  # both under way at the server
     channel.close()
+    waiter.join(10)
+    assert [type(e) for e in blocked] and isinstance(blocked[0], grpc.RpcError), blocked
+    assert blocked[0].code() == grpc.StatusCode.CANCELLED
+    assert not cut.cancelled()  # not its caller's doing: an error, as a synchronous one's
+    assert isinstance(cut.exception(), grpc.RpcError)
+    with pytest.raises(grpc.RpcError):
+        cut.result()
+    with pytest.raises(ValueError, match="closed channel"):
+        echo(b"late", timeout=10)
+
+    # A callback run on the loop's own thread that makes a blocking call is refused.
+    other = soa.Channel(loop, server, [("grpc.use_local_subchannel_pool", 1)])
+    again = other.unary_unary("/t.T/Echo")
+    refused_here: list[BaseException] = []
+
+    def blocking_callback(_: object) -> None:
+        try:
+            again(b"x", timeout=5)
+        except RuntimeError as exc:
+            refused_here.append(exc)
+        answered.set()
+
+    answered.clear()
+    again.future(b"y", timeout=10).add_done_callback(blocking_callback)
+    assert answered.wait(10) and len(refused_here) == 1
+    other.close()
+    loop.close()
 
 
 def test_a_connection_over_it_gets_the_coordinators_answers(tmp_path: Path) -> None:
@@ -154,3 +213,4 @@ def test_a_connection_over_it_gets_the_coordinators_answers(tmp_path: Path) -> N
     finally:
         grpc.insecure_channel = plain
         c.close()
+        loop.close()

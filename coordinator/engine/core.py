@@ -752,6 +752,7 @@ class Engine:
             now = self.clock()
             self._store.fail_participation(task_id, stored, now)
             a.move(TaskState.FAILED)
+            a.declined = declined
             if declined:
                 run.declined[site_id] = now
             self.notify()

@@ -22,7 +22,7 @@ from fedra.coordinator.engine.rounds import (
     publish_controls,
     start_aggregate,
 )
-from fedra.coordinator.ledger import PROVENANCE_EVENT
+from fedra.coordinator.ledger import DECLINED, PROVENANCE_EVENT
 from fedra.coordinator.promotion import PromotionState
 from fedra.coordinator.state import ATTEMPT_FAILED, INIT_ROUND, ActiveRun
 from fedra.privacy import PrivacyError
@@ -230,6 +230,7 @@ def _resume_open_round(engine: Engine, run: ActiveRun, number: int, attempt: int
             a.restore(p.state)
         else:
             a.restore("failed")
+            a.declined = p.error.startswith(DECLINED)  # the attempt waits on, as before
     fold_ready(engine, run)  # in the same order as before the restart: the same sum
     log.info(
         "run %s round %d: resumed attempt %d with %d of %d updates already in",

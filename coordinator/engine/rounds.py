@@ -800,22 +800,23 @@ def short_of_quorum(run: ActiveRun) -> str | None:
     once instead of at its deadline or its last site's answer: the sites still at work
     would train for an attempt that fails, and its retry would wait for them. Not for an
     asynchronous run (its tasks carry on to the next round), nor while every failure is a
-    site's policy declining (``_declined_only``: such an attempt waits for the others and
-    does not count)."""
+    site's policy declining (``Assignment.declined``; ``_declined_only``: such an attempt
+    waits for the others and does not count)."""
     need = run.required_updates
     if run.spec.asynchronous is not None or need <= 0:
         return None
-    failed, pending = [], 0
+    failed = declined = pending = 0
     for a in run.assignments.values():
         if a.state is TaskState.FAILED:
-            failed.append(a.site_id)
+            failed += 1
+            declined += a.declined
         else:
             pending += a.state is not TaskState.ACCEPTED
-    could = len(run.assignments) - len(failed)
-    if could >= need or not pending or all(site in run.declined for site in failed):
+    could = len(run.assignments) - failed
+    if could >= need or not pending or declined == failed:
         return None  # (with none pending, the attempt ends now anyway, saying so)
     return (
-        f"{len(failed)} of the {len(run.assignments)} sampled sites failed, so at most "
+        f"{failed} of the {len(run.assignments)} sampled sites failed, so at most "
         f"{could} of the {need} required updates could arrive: ended early"
     )
 
