@@ -156,10 +156,14 @@ def _call_options(timeout: float | None, metadata: Any) -> dict[str, Any]:
     return {"timeout": timeout, "metadata": tuple(metadata) if metadata else None}
 
 
-class _UnaryUnary:
+class _MultiCallable:
+    """One method of a channel: its ``grpc.aio`` multi-callable, called on ``loop``."""
+
     def __init__(self, loop: Loop, method: Any) -> None:
         self._loop, self._method = loop, method
 
+
+class _UnaryUnary(_MultiCallable):
     def future(
         self, request: Any, timeout: float | None = None, metadata: Any = None, **_: Any
     ) -> _Future:
@@ -173,10 +177,7 @@ class _UnaryUnary:
         return _result(self._loop.submit(lambda: self._method(request, **options)))
 
 
-class _UnaryStream:
-    def __init__(self, loop: Loop, method: Any) -> None:
-        self._loop, self._method = loop, method
-
+class _UnaryStream(_MultiCallable):
     def __call__(
         self, request: Any, timeout: float | None = None, metadata: Any = None, **_: Any
     ) -> Iterator[Any]:
@@ -192,10 +193,7 @@ class _UnaryStream:
             self._loop.soon(call.cancel)  # not waited for: this may run on the loop's thread
 
 
-class _StreamUnary:
-    def __init__(self, loop: Loop, method: Any) -> None:
-        self._loop, self._method = loop, method
-
+class _StreamUnary(_MultiCallable):
     def __call__(
         self,
         request_iterator: Iterable[Any],
@@ -234,23 +232,17 @@ class Channel:
     def unary_unary(self, method: str, request_serializer: Any = None,
                     response_deserializer: Any = None, **_: Any) -> _UnaryUnary:  # fmt: skip
         return _UnaryUnary(self._loop, self._aio.unary_unary(
-            method, request_serializer=request_serializer,
-            response_deserializer=response_deserializer,
-        ))  # fmt: skip
+            method, request_serializer, response_deserializer))  # fmt: skip
 
     def unary_stream(self, method: str, request_serializer: Any = None,
                      response_deserializer: Any = None, **_: Any) -> _UnaryStream:  # fmt: skip
         return _UnaryStream(self._loop, self._aio.unary_stream(
-            method, request_serializer=request_serializer,
-            response_deserializer=response_deserializer,
-        ))  # fmt: skip
+            method, request_serializer, response_deserializer))  # fmt: skip
 
     def stream_unary(self, method: str, request_serializer: Any = None,
                      response_deserializer: Any = None, **_: Any) -> _StreamUnary:  # fmt: skip
         return _StreamUnary(self._loop, self._aio.stream_unary(
-            method, request_serializer=request_serializer,
-            response_deserializer=response_deserializer,
-        ))  # fmt: skip
+            method, request_serializer, response_deserializer))  # fmt: skip
 
     def close(self) -> None:
         """Close the channel: calls under way end CANCELLED, as a synchronous channel's do."""
