@@ -352,6 +352,48 @@ def test_a_decline_still_reads_as_one_after_a_restart(tmp_path: Path) -> None:
         c.close()
 
 
+def test_a_failed_attempt_reads_its_own_tasks_once_whatever_its_number(
+    coordinator: InProcessCoordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each failed attempt's close reads that attempt's participations once (its failures,
+    whether only declines lost it, its bytes): not again for each attempt before it, nor
+    the whole round, which at thousands of sites made the gap before a retry tens of
+    seconds. Three attempts fail in a row, and the run fails with the third."""
+    import time
+
+    c = coordinator
+    store = c.engine._store
+    reads: list[tuple[int | None, int | None]] = []
+    original = store.list_participations
+
+    def counted(run_id: str, number: int | None = None, attempt: int | None = None):  # type: ignore[no-untyped-def]
+        reads.append((number, attempt))
+        return original(run_id, number, attempt)
+
+    run_id, tasks = start_round_one(c, round_deadline_s=300, max_round_attempts=3)
+    monkeypatch.setattr(store, "list_participations", counted)
+    for attempt in (1, 2, 3):
+        deadline = time.monotonic() + 30
+        while (r := round_status(c, run_id, 1)).attempt < attempt:
+            assert time.monotonic() < deadline, r
+            time.sleep(0.02)
+        if attempt > 1:
+            tasks = tasks_of_round(c, run_id, 1)
+        site = sorted(tasks)[0]
+        c.site.ReportFailure(
+            site_pb2.ReportFailureRequest(
+                site_id=site, task_id=tasks[site].task_id, reason=f"fails in attempt {attempt}"
+            ),
+            timeout=10,
+        )
+    deadline = time.monotonic() + 30
+    while c.admin.GetRun(admin_pb2.GetRunRequest(run_id=run_id)).state != "failed":
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    # Each attempt once, in turn; the whole round only as the run ends (its spool dropped).
+    assert [r for r in reads if r[0] == 1] == [(1, 1), (1, 2), (1, 3), (1, None)], reads
+
+
 def test_short_of_quorum_only_when_the_failures_leave_too_few_to_come() -> None:
     """The rule alone: 2 of 3 sites required. One failure leaves enough to come; two do
     not, unless nothing is left to wait for, or every failure is a policy's decline (such

@@ -153,6 +153,7 @@ class RoundDriver:
         self._liveness_looked = -float("inf")
         self._silence = SilenceWatch(engine)
         self._short = ""  # why the open attempt ended early (``short_of_quorum``), if it did
+        self._declined: dict[tuple[int, int], bool] = {}  # failed attempts: declines only?
 
     def run(self) -> None:
         """Drive rounds until the run ends or the engine stops. A storage fault (a full
@@ -409,11 +410,8 @@ class RoundDriver:
                 run.broken = f"folding accepted updates failed: {type(exc).__name__}"
         accepted = [a for a in run.assignments.values() if a.state == "accepted"]
         short, self._short = self._short, ""
-        if run.broken:
-            why = run.broken
-            if why == short and run.open_round is not None:  # which tasks failed, as a
-                why += self._failures(run.open_round, run.attempt)  # short round says
-            return self._retry_or_fail(len(accepted), why)
+        if run.broken:  # ended short of its quorum: which tasks failed, as a short round says
+            return self._retry_or_fail(len(accepted), run.broken, listed=run.broken == short)
         if len(accepted) >= run.required_updates:
             return self._commit()
         return self._retry_or_fail(len(accepted))
@@ -604,11 +602,18 @@ class RoundDriver:
             )  # fmt: skip
         return aggregator.finish()
 
-    def _retry_or_fail(self, accepted: int, why: str = "") -> bool:
+    def _retry_or_fail(self, accepted: int, why: str = "", *, listed: bool = False) -> bool:
+        """End the open attempt without a commit: retry the round, or fail the run after
+        ``max_round_attempts``. ``why`` (else the count of updates that arrived), with its
+        failed tasks listed when it is the count or ``listed`` asks for them."""
         run, engine, spec = self.run_state, self.engine, self.run_state.spec
         number, attempt = run.open_round, run.attempt
         assert number is not None
         now = engine.clock()
+        # One read of the attempt's tasks (thousands of them) for its failures, whether
+        # only declines lost it, and its bytes; what the expiry below changes (pending
+        # tasks' state and error) none of those three looks at.
+        parts = engine._store.list_participations(run.run_id, number, attempt)
         if not why:
             failed = [a for a in run.assignments.values() if a.state == "failed"]
             if now < run.deadline_at and len(failed) == len(run.assignments) - accepted:
@@ -621,7 +626,9 @@ class RoundDriver:
                     f"{accepted} of the {run.required_updates} required updates arrived "
                     f"within the {spec.round_deadline_s:g} s deadline"
                 )
-            why += self._failures(number, attempt)
+            listed = True
+        if listed:
+            why += _failures(parts)
         reason = f"round {number} attempt {attempt}: {why}"
         carried = self._carry_on()
         engine._store.expire_attempt(
@@ -631,12 +638,9 @@ class RoundDriver:
         log.warning("%s: %s", self.tag, reason)
         # An attempt lost only to sites whose policy declined it does not count: the run
         # waits for sites that take it (an approval, a site's hours) instead of failing.
-        spared = sum(
-            _declined_only(engine._store.list_participations(run.run_id, number, k))
-            for k in range(1, attempt + 1)
-        )
+        self._declined[(number, attempt)] = _declined_only(parts)
+        spared = sum(self._spared(number, k) for k in range(1, attempt + 1))
         gives_up = attempt - spared >= spec.max_round_attempts
-        parts = engine._store.list_participations(run.run_id, number, attempt)
         engine.observers.round_ended(_ended(
             run.run_id, number, attempt, "failed" if gives_up else "retried", run.opened_at,
             now, parts, carried, reason=reason,
@@ -647,22 +651,25 @@ class RoundDriver:
         with engine._lock:
             run.set_closed(next_round=number, next_attempt=attempt + 1)
             engine.notify()
-        self._drop_round_updates(number)  # after set_closed: nothing of ours refers to them
+        # After set_closed: nothing of ours refers to them. The attempts before dropped
+        # theirs when they failed (what a crash left, the round's end drops).
+        self._drop_round_updates(number, parts)
         return True
 
-    def _failures(self, number: int, attempt: int, shown: int = 3) -> str:
-        """'; failed: site: error, ...' for the attempt's failed tasks, the first few of
-        them, each error cut short: why a round came up short, in its own reason."""
-        parts = self.engine._store.list_participations(self.run_state.run_id, number, attempt)
-        failed = [p for p in parts if p.state == "failed"]
-        if not failed:
-            return ""
-        listed = "; ".join(f"{p.site_id}: {_shorten(p.error)}" for p in failed[:shown])
-        more = f" (and {len(failed) - shown} more)" if len(failed) > shown else ""
-        return f"; failed: {listed}{more}"
+    def _spared(self, number: int, attempt: int) -> bool:
+        """Whether only declines lost that failed attempt, which then does not count
+        towards ``max_round_attempts`` (kept: a failed attempt's tasks change no more)."""
+        if (number, attempt) not in self._declined:
+            parts = self.engine._store.list_participations(self.run_state.run_id, number, attempt)
+            self._declined[(number, attempt)] = _declined_only(parts)
+        return self._declined[(number, attempt)]
 
-    def _drop_round_updates(self, number: int) -> None:
-        parts = self.engine._store.list_participations(self.run_state.run_id, number)
+    def _drop_round_updates(
+        self, number: int, parts: list[ParticipationRecord] | None = None
+    ) -> None:
+        """Drop the spooled updates of the round's tasks (of ``parts`` alone, if given)."""
+        if parts is None:
+            parts = self.engine._store.list_participations(self.run_state.run_id, number)
         with self.engine._lock:  # this run's round is closed: only other runs can still hold one
             kept = self.engine.spool_kept()
             for p in parts:
@@ -819,6 +826,17 @@ def short_of_quorum(run: ActiveRun) -> str | None:
         f"{failed} of the {len(run.assignments)} sampled sites failed, so at most "
         f"{could} of the {need} required updates could arrive: ended early"
     )
+
+
+def _failures(parts: list[ParticipationRecord], shown: int = 3) -> str:
+    """'; failed: site: error, ...' for the failed tasks among an attempt's ``parts``, the
+    first few of them, each error cut short: why a round came up short, in its reason."""
+    failed = [p for p in parts if p.state == "failed"]
+    if not failed:
+        return ""
+    listed = "; ".join(f"{p.site_id}: {_shorten(p.error)}" for p in failed[:shown])
+    more = f" (and {len(failed) - shown} more)" if len(failed) > shown else ""
+    return f"; failed: {listed}{more}"
 
 
 def _declined_only(parts: list[ParticipationRecord]) -> bool:
