@@ -177,7 +177,9 @@ class SiteTally:
             except Exception as exc:  # e.g. a model whose SHA-256 does not match
                 self.add(self.calls, f"{name} {type(exc).__name__}")
                 raise
-            self.add(self.calls, f"{name} OK")
+            # An update held as the site's next poll may bring its next task back with it.
+            with_task = name == "upload" and getattr(result, "next_task", None) is not None
+            self.add(self.calls, f"{name}+next-task OK" if with_task else f"{name} OK")
             return result
 
         return counted
@@ -264,21 +266,41 @@ class GcPauses:
 
 
 def take_turns(agent: SiteAgent, turns: threading.BoundedSemaphore) -> None:
-    """The agent's work on a task (download, training, upload) waits for one of its
-    worker's ``turns``; its heartbeats, started before, do not. A site on a machine of its
-    own answers its heartbeat whatever its training does. A worker's 1,250 sites whose
-    round opens at one instant would instead all be runnable at once in one interpreter:
-    each torch call or gRPC event hands the interpreter lock to the next of 1,250 threads,
-    a heartbeat waits its turn behind all of them, and at 5,000 sites thousands of sites
-    went silent for 20 s with their updates still to come (docs/scale.md). With turns,
-    a site waiting for one is a slow site that answers, as a real slow site is."""
-    work = agent._train_and_upload
+    """The agent's work on a task (download, training, building its update) waits for one
+    of its worker's ``turns``; its heartbeats, started before, do not. A site on a machine
+    of its own answers its heartbeat whatever its training does. A worker's 1,250 sites
+    whose round opens at one instant would instead all be runnable at once in one
+    interpreter: each torch call or gRPC event hands the interpreter lock to the next of
+    1,250 threads, a heartbeat waits its turn behind all of them, and at 5,000 sites
+    thousands of sites went silent for 20 s with their updates still to come
+    (docs/scale.md). With turns, a site waiting for one is a slow site that answers, as a
+    real slow site is.
+
+    The turn ends as the upload call begins: the call is held as the site's next poll once
+    its update is accepted (docs/rounds.md), a wait for the round, and its thread sleeps
+    on a future meanwhile."""
+    work, upload = agent._train_and_upload, agent.conn.upload
+    mine = [False]  # this agent holds a turn
+
+    def give_back() -> None:
+        if mine[0]:
+            mine[0] = False
+            turns.release()
 
     def in_turn(*args: Any, **kwargs: Any) -> None:
-        with turns:
+        turns.acquire()
+        mine[0] = True
+        try:
             work(*args, **kwargs)
+        finally:
+            give_back()
+
+    def upload_after_turn(*args: Any, **kwargs: Any) -> Any:
+        give_back()
+        return upload(*args, **kwargs)
 
     agent._train_and_upload = in_turn  # type: ignore[method-assign]
+    agent.conn.upload = upload_after_turn  # type: ignore[method-assign]
 
 
 def lower_priority(nice: int) -> None:

@@ -129,6 +129,8 @@ class _Future:
         return not self._inner.done()
 
     def cancel(self) -> bool:
+        # Said before: the done callbacks run inside the inner cancel, and must see it.
+        self._cancelled = True
         self._cancelled = self._inner.cancel()  # cancels the task on the loop, and the call
         return self._cancelled
 

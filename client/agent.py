@@ -23,7 +23,14 @@ from fedra import __version__, logformat, pki
 from fedra.audit import AUDIT_FILE, AuditLog
 from fedra.client import provenance
 from fedra.client.config import SiteConfig
-from fedra.client.connection import TRANSIENT, Assignment, Connection, Session, new_nonce
+from fedra.client.connection import (
+    TRANSIENT,
+    Assignment,
+    Connection,
+    Sent,
+    Session,
+    new_nonce,
+)
 from fedra.client.executor import Executor, LocalExecutor, WorldBroken
 from fedra.client.inner import KeepState, Rebase
 from fedra.client.metrics import RoundMeasures, SiteMetrics, world_restarts, write_site_file
@@ -104,6 +111,8 @@ class SiteAgent:
         self._models: dict[tuple[str, str], torch.nn.Module] = {}
         # [train] overlap: the run's next round, training while this one's update goes.
         self._ahead: Ahead | None = None
+        # The next task, when it came with the answer to an upload (then_poll_s).
+        self._next: Assignment | None = None
         tls = None
         if config.tls_dir is not None:
             try:
@@ -136,7 +145,8 @@ class SiteAgent:
         """
         self.stop.set()
         task = self.current
-        if task is not None and reason:
+        # An upload held as the next poll has (almost always) been accepted: nothing to report.
+        if task is not None and reason and not self.conn.holding():
             self._report(task, reason)
         self.conn.close()
 
@@ -204,7 +214,9 @@ class SiteAgent:
 
     def _serve(self, session: Session) -> None:
         while not self.stop.is_set():
-            task = self.conn.poll(session.poll_timeout_s)
+            task, self._next = self._next, None
+            if task is None:
+                task = self.conn.poll(session.poll_timeout_s)
             if task is not None:
                 self._run_task(task, session)
 
@@ -315,7 +327,7 @@ class SiteAgent:
             upload_s = time.monotonic() - sending
             crash_point("after_upload", task.round)
             self._secagg_reveal(task, masker)
-            self._round_done(task, num_samples, metrics, sent, upload_s)
+            self._round_done(task, num_samples, metrics, sent.bytes_received, upload_s)
             log.info("%s: masked update accepted and unmasking shares revealed", tag)
             return
         compressor = self._compressor(task)
@@ -330,9 +342,11 @@ class SiteAgent:
         if topk or (_stages_state(task) and not task.init):  # on disk first; _settle
             self._pending.hold(PendingUpdate(task, nonce, num_samples, dict(metrics), wire, after))
         sending = time.monotonic()
-        sent = self._upload(task, wire, num_samples, metrics, nonce)
+        # Held as the next poll once accepted: the next task comes with the answer.
+        sent = self._upload(task, wire, num_samples, metrics, nonce, session.poll_timeout_s)
+        upload_s = max(0.0, time.monotonic() - sending - sent.held_s)
         crash_point("after_upload", task.round)  # accepted, nothing of it kept here yet
-        self._round_done(task, num_samples, metrics, sent, time.monotonic() - sending)
+        self._round_done(task, num_samples, metrics, sent.bytes_received, upload_s)
         if not topk:  # accepted is all a staged state waits for; a residual waits on
             self._pending.drop(task.run_id)
         log.info(
@@ -668,21 +682,24 @@ class SiteAgent:
         num_samples: int,
         metrics: dict[str, float],
         nonce: bytes,
+        then_poll_s: float = 0.0,
         header_only: bool = False,
-    ) -> int:
-        """Send an update, retrying transient failures; the bytes the coordinator received.
-        What left the site is audited: the payload's digest and size."""
+    ) -> Sent:
+        """Send an update, retrying transient failures; what the coordinator said. What
+        left the site is audited: the payload's digest and size. With ``then_poll_s``, a
+        next task that came with the answer is the one served next."""
         retry = Backoff(cap_s=self.config.reconnect_max_s)
         while True:
             try:
                 sent = self.conn.upload(
-                    task, payload, num_samples, metrics, nonce, 600.0, header_only
+                    task, payload, num_samples, metrics, nonce, 600.0, header_only, then_poll_s
                 )
                 self._audit(
                     "update.sent", task, update_sha256=sent.sha256, num_samples=num_samples,
                     payload_bytes=sent.payload_bytes, bytes_received=sent.bytes_received,
                 )  # fmt: skip
-                return sent.bytes_received
+                self._next = sent.next_task
+                return sent
             except grpc.RpcError as exc:
                 if exc.code() not in TRANSIENT or self.stop.is_set():
                     raise

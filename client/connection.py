@@ -67,11 +67,15 @@ def reconnect_options(reconnect_max_s: float) -> list[tuple[str, int]]:
 @dataclass(frozen=True)
 class Sent:
     """An upload's outcome: the bytes the coordinator says it received, and the digest
-    and size of the payload that left the site (0 for a header alone)."""
+    and size of the payload that left the site (0 for a header alone); with
+    ``then_poll_s``, the next task if one came with the answer, and how long the
+    coordinator held the call after accepting the update."""
 
     bytes_received: int
     sha256: str
     payload_bytes: int
+    next_task: Assignment | None = None
+    held_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -153,6 +157,7 @@ class Connection:
         self._small_uploads = True  # until a coordinator answers that it has no such call
         self.closed = False
         self._transfers = 0  # downloads and uploads under way
+        self._held = 0  # of them, uploads held as the site's next poll (then_poll_s)
         self._transfers_lock = threading.Lock()
         self._moved_at = 0.0  # when one of them last moved a chunk (time.monotonic)
 
@@ -162,21 +167,31 @@ class Connection:
 
     def moved_within(self, seconds: float) -> bool:
         """Whether a download or upload of this site's is under way and moved a chunk in
-        the last ``seconds``: the coordinator hears the site through it, so a heartbeat
-        then tells it nothing. (An upload whose next chunk is long in coming, on a slow
-        link, still needs them: they keep it from being taken for a silent site's.)"""
+        the last ``seconds``, or an upload that the coordinator holds as the site's next
+        poll is open: the coordinator hears the site through it, so a heartbeat then
+        tells it nothing. (An upload whose next chunk is long in coming, on a slow link,
+        still needs them: they keep it from being taken for a silent site's.)"""
+        if self.holding():
+            return True
         return self._transfers > 0 and time.monotonic() - self._moved_at <= seconds
 
+    def holding(self) -> bool:
+        """Whether an upload of this site's is open that the coordinator holds, once its
+        update is accepted, as the site's next poll (``upload``'s ``then_poll_s``)."""
+        return self._held > 0
+
     @contextmanager
-    def _transfer(self) -> Iterator[None]:
+    def _transfer(self, held: bool = False) -> Iterator[None]:
         with self._transfers_lock:
             self._transfers += 1
+            self._held += held
             self._moved_at = time.monotonic()
         try:
             yield
         finally:
             with self._transfers_lock:
                 self._transfers -= 1
+                self._held -= held
 
     def wait_reconnected(self, timeout_s: float, stop: threading.Event) -> bool:
         """Wait out a backoff delay of ``timeout_s``, ending early (True) once the channel,
@@ -299,13 +314,20 @@ class Connection:
         nonce: bytes,
         timeout_s: float,
         header_only: bool = False,
+        then_poll_s: float = 0.0,
     ) -> Sent:
         """Send an update up: a header with the payload's SHA-256, and the payload, in one
         call if it fits (UploadSmallUpdate) or else streamed in chunks; what the
         coordinator received, and the payload's digest and size.
 
         ``header_only``: ask whether an update sent before counted; the coordinator
-        answers that from the header alone (fedra.client.pending)."""
+        answers that from the header alone (fedra.client.pending).
+
+        ``then_poll_s`` > 0: a payload that goes in one call asks the coordinator to hold
+        it, once the update is accepted, up to that long for the site's next task
+        (``Sent.next_task``), the poll the site would make next; ``timeout_s`` is then
+        the upload's own, the hold comes on top. The site is heard through the call
+        while it is open, so no heartbeat goes meanwhile (``moved_within``)."""
         # The header carries the payload's SHA-256, so hash first (from tensor memory, no
         # copies), then stream.
         sha256, size = digest_and_size(tensors)
@@ -331,11 +353,18 @@ class Connection:
         )
 
         if not header_only and size <= wire.SMALL_UPLOAD_MAX_BYTES and self._small_uploads:
-            request = site_pb2.UploadSmallUpdateRequest(header=header, payload=encode(tensors))
+            request = site_pb2.UploadSmallUpdateRequest(
+                header=header, payload=encode(tensors), then_poll_s=then_poll_s
+            )
             try:
-                with self._transfer():
-                    small = self.stub.UploadSmallUpdate(request, timeout=timeout_s)
-                return Sent(int(small.bytes_received), sha256, size)
+                with self._transfer(held=then_poll_s > 0):
+                    small = self.stub.UploadSmallUpdate(request, timeout=timeout_s + then_poll_s)
+                t = small.next.task if small.next.HasField("task") else None
+                return Sent(
+                    int(small.bytes_received), sha256, size,
+                    next_task=None if t is None else _assignment(t, small.next.model),
+                    held_s=max(0.0, small.held_s),
+                )  # fmt: skip
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
                     raise

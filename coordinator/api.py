@@ -30,7 +30,14 @@ from typing import Any, TypeVar, cast
 
 from fedra.coordinator.engine import Engine, EngineSettings, TaskView, secure, uploads
 from fedra.coordinator.errors import FedraError
-from fedra.coordinator.wakeups import LoopInbox, Ticket, run_key, site_key, stage_key
+from fedra.coordinator.wakeups import (
+    LoopInbox,
+    Ticket,
+    opened_key,
+    run_key,
+    site_key,
+    stage_key,
+)
 from fedra.faults import crash_point
 from fedra.protos.codec import Buffer, transfer_chunk_bytes
 from fedra.protos.serde import Provenance
@@ -175,26 +182,41 @@ class CoordinatorAPI:
         return current
 
     async def poll(
-        self, site_id: str, timeout_s: float, hung_up: Callable[[], bool] = lambda: True
+        self,
+        site_id: str,
+        timeout_s: float,
+        hung_up: Callable[[], bool] = lambda: True,
+        after: tuple[str, str] | None = None,
     ) -> TaskView | None:
         """The site's task, waiting up to ``timeout_s`` for one. A caller that hangs up
         (the call is cancelled, and ``hung_up`` says so) is offline at once, not when its
-        poll would have ended; a poll that ran out of time is not a site hanging up."""
+        poll would have ended; a poll that ran out of time is not a site hanging up.
+
+        ``after`` (run id, task id): the poll follows that task's accepted update, and
+        ends without a task as soon as the run opens an attempt without the site, or
+        ends (``Engine.task_after``)."""
         engine = self.engine
         deadline = time.monotonic() + max(0.0, min(timeout_s, engine.settings.poll_timeout_s))
-        ticket = engine.wakeups.ticket(site_key(site_id))
+        keys = [site_key(site_id)] if after is None else [site_key(site_id), opened_key(after[0])]
+        ticket = engine.wakeups.ticket(*keys)
         try:
             began, view = await self._look(ticket, engine.poll_begin, site_id)
         except asyncio.CancelledError:  # poll_begin ran to its end (``call``): undo it
             self.soon(engine.poll_end, site_id, -math.inf, True)
             raise
         try:
-            while view is None and not engine.stopping:
+            waits = True
+            if view is None and after is not None:
+                view, waits = await self._look(ticket, engine.task_after, site_id, *after)
+            while view is None and waits and not engine.stopping:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not await ticket.wait(remaining):
                     break
-                ticket = engine.wakeups.ticket(site_key(site_id))
-                view = await self._look(ticket, engine.task_for, site_id)
+                ticket = engine.wakeups.ticket(*keys)
+                if after is None:
+                    view = await self._look(ticket, engine.task_for, site_id)
+                else:
+                    view, waits = await self._look(ticket, engine.task_after, site_id, *after)
             ticket.discard()
         except BaseException:  # cancelled: the caller hung up (or the daemon is stopping)
             ticket.discard()

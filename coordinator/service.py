@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +18,7 @@ from fedra.coordinator.api import CoordinatorAPI
 from fedra.coordinator.auth import Guard
 from fedra.coordinator.edge import _status, mapped, mapped_stream
 from fedra.coordinator.engine import TaskView, uploads
-from fedra.coordinator.errors import InvalidArgument
+from fedra.coordinator.errors import FedraError, InvalidArgument
 from fedra.protos import wire
 from fedra.protos.codec import Buffer
 from fedra.protos.serde import (
@@ -134,16 +135,21 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
     ) -> site_pb2.PollTaskResponse:
         self.guard.site(context, request.site_id)
         self.api.touch(request.site_id, wire.queued_s(context))
+        return await self._poll(request.site_id, self.api.settings.poll_timeout_s, context)
+
+    async def _poll(
+        self, site_id: str, wait_s: float, context: Any, after: tuple[str, str] | None = None
+    ) -> site_pb2.PollTaskResponse:
+        """The caller's next task, waiting up to ``wait_s`` (and the poll timeout) for one;
+        ``after``: see ``CoordinatorAPI.poll``."""
         # Leave a margin inside the caller's own deadline so the reply gets back in time.
-        timeout = _long_poll_s(self.api.settings.poll_timeout_s, context)
-        task = await self.api.poll(
-            request.site_id, timeout, lambda: not wire.past_deadline(context)
-        )
+        timeout = _long_poll_s(min(wait_s, self.api.settings.poll_timeout_s), context)
+        task = await self.api.poll(site_id, timeout, lambda: not wire.past_deadline(context), after)
         if task is None:
             return site_pb2.PollTaskResponse()
         # Checked again: a certificate revoked while its poll waited gets no task (nor
         # the model that goes with it).
-        self.guard.site(context, request.site_id)
+        self.guard.site(context, site_id)
         return site_pb2.PollTaskResponse(task=_task_to_proto(task), model=task.model)
 
     @mapped_stream
@@ -187,6 +193,11 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
         self.guard.any_site(context)
         if not request.HasField("header"):
             raise InvalidArgument("an upload must carry its header")
+        then_poll_s = request.then_poll_s
+        if not then_poll_s >= 0.0:  # negative, or not a number
+            raise InvalidArgument(
+                f"then_poll_s must be a number of seconds >= 0, not {then_poll_s}"
+            )
         payload = request.payload
         if len(payload) > wire.SMALL_UPLOAD_MAX_BYTES:
             raise InvalidArgument(
@@ -199,7 +210,20 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
                 yield payload
 
         size = await self._upload(request.header, chunks(), context)
-        return site_pb2.UploadSmallUpdateResponse(bytes_received=size)
+        reply = site_pb2.UploadSmallUpdateResponse(bytes_received=size)
+        if then_poll_s > 0:
+            accepted, h = time.monotonic(), request.header
+            try:
+                polled = await self._poll(h.site_id, then_poll_s, context, (h.run_id, h.task_id))
+                reply.next.CopyFrom(polled)
+            except FedraError as exc:  # the update is in whatever the poll meets: say so,
+                # and leave the poll's refusal to the PollTask the site makes next
+                log.info(
+                    "site %s: the poll after its accepted update is left to PollTask: %s",
+                    h.site_id, exc, extra={"site": h.site_id},
+                )  # fmt: skip
+            reply.held_s = time.monotonic() - accepted
+        return reply
 
     async def _upload(
         self,

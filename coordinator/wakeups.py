@@ -36,6 +36,12 @@ def stage_key(run_id: str) -> tuple[str, str]:
     return ("stage", run_id)
 
 
+def opened_key(run_id: str) -> tuple[str, str]:
+    """An attempt of the run opened, or the run ended (an upload held as its site's next
+    poll waits on it: not on the round's close before)."""
+    return ("opened", run_id)
+
+
 class Ticket:
     """One waiter's claim on a key: set by a wake from any thread, awaited on its loop."""
 

@@ -66,7 +66,13 @@ def base_messages(arena: Arena, rpc: Rpc) -> list[Message]:
     if rpc.name == "UploadSmallUpdate":
         payload = encode(delta(0.5))
         (first, *_) = arena.upload_messages(ATTACKER, task_a, payload, key_of=ATTACKER)
-        return [site_pb2.UploadSmallUpdateRequest(header=first.header, payload=payload)]
+        return [
+            site_pb2.UploadSmallUpdateRequest(header=first.header, payload=payload),
+            # held as the next poll once accepted: a mutated hold must not outlast the test
+            site_pb2.UploadSmallUpdateRequest(
+                header=first.header, payload=payload, then_poll_s=1.0
+            ),
+        ]
     out = []
     for site_id in (ATTACKER, "site-a"):
         message = rpc.request()

@@ -63,7 +63,12 @@ def test_scale_bench_reports_every_figure(tmp_path: Path) -> None:
     sites = r["site_calls"]
     assert sites["errors_by_code"] == {} and sites["agents_crashed"] == {}, sites
     assert sites["calls"]["register OK"] == SITES, sites
-    assert sites["calls"]["upload OK"] >= SITES * ROUNDS, sites  # and round 0's model
+    calls = sites["calls"]
+    with_task = calls.get("upload+next-task OK", 0)
+    assert calls.get("upload OK", 0) + with_task >= SITES * ROUNDS, sites  # and round 0's model
+    # Each update is held as its site's next poll: from round 2 on, every site's task
+    # comes back with its update before (a site's first task is its only poll's).
+    assert with_task >= SITES * (ROUNDS - 1) and calls["poll OK"] <= 2 * SITES, sites
     assert sites["rounds_done"] >= SITES * ROUNDS and sites["workers_missing_figures"] == 0
     assert [a["aim"] for a in r["aims"]] == ["first_attempt", "cpu", "admin_p99", "rss"]
     assert all(a["value"] is not None for a in r["aims"]), r["aims"]

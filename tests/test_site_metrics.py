@@ -247,9 +247,11 @@ def test_a_round_s_own_measures_are_what_the_agent_records() -> None:
         nonce: bytes,
         timeout_s: float,
         header_only: bool = False,
+        then_poll_s: float = 0.0,
     ) -> Sent:
-        sent.update(metrics)
-        return Sent(4321, "0" * 64, 4000)
+        sent.update(metrics, then_poll_s=then_poll_s)
+        # Held far longer than the call took: the upload's own seconds leave the hold out.
+        return Sent(4321, "0" * 64, 4000, held_s=1e6)
 
     agent.conn.download = download  # type: ignore[method-assign]
     agent.conn.upload = upload  # type: ignore[method-assign]
@@ -266,6 +268,10 @@ def test_a_round_s_own_measures_are_what_the_agent_records() -> None:
     compute_s = value(s, "fedra_site_compute_seconds_total", run="r1")
     assert compute_s == pytest.approx(sent["compute_s"]) and compute_s > 0
     assert value(s, "fedra_site_samples_total", run="r1") == sent["samples_seen"] == 3 * 8
+    # The upload asks to be held as the next poll, up to the session's poll timeout; the
+    # seconds it was held are no upload time.
+    assert sent["then_poll_s"] == 5.0
+    assert value(s, "fedra_site_transfer_seconds_total", run="r1", direction="up") == 0.0
     agent.conn.close()
 
 

@@ -113,8 +113,11 @@ def test_calls_answer_fail_and_time_out_as_the_synchronous_channel_does(server: 
     assert answered.wait(10) and seen == [future]
     assert future.done() and future.result() == b"echo:later" and future.exception() is None
     held = echo.future(b"hold", timeout=30)
+    told: list[bool] = []  # what its callback sees: cancelled by its caller, no error
+    held.add_done_callback(lambda f: told.append(f.cancelled()))
     time.sleep(0.2)  # under way at the server
     assert held.cancel() and held.cancelled()
+    assert told == [True]
     with pytest.raises(grpc.FutureCancelledError):
         held.result()
 

@@ -48,7 +48,7 @@ from fedra.coordinator.state import (
     Assignment,
     TaskState,
 )
-from fedra.coordinator.wakeups import Wakeups, run_key, site_key, stage_key
+from fedra.coordinator.wakeups import Wakeups, opened_key, run_key, site_key, stage_key
 from fedra.faults import crash_point
 from fedra.protos.codec import DEFAULT_CHUNK_BYTES, all_finite, decode_chunks, encode_chunks
 from fedra.protos.serde import Provenance, SecAggRound
@@ -369,10 +369,12 @@ class Engine:
                 keys.append(stage_key(run.run_id))
                 if last is None or last[:2] != opened:  # a round opened: its sites' tasks
                     keys.extend(site_key(site) for site in run.assignments)
+                    if run.open_round is not None:
+                        keys.append(opened_key(run.run_id))
         for gone in [r for r in self._issued if r not in self.runs]:  # the run ended
             del self._issued[gone]
             self.run_changes.pop(gone, None)
-            keys += [run_key(gone), stage_key(gone)]
+            keys += [run_key(gone), stage_key(gone), opened_key(gone)]
         if self.stopping:
             self.wakeups.close()
         elif keys:
@@ -580,6 +582,22 @@ class Engine:
         """The site's task in an open round, if it has one now."""
         with self._lock:
             return None if self.stopping else self._task_for(site_id)
+
+    def task_after(self, site_id: str, run_id: str, task_id: str) -> tuple[TaskView | None, bool]:
+        """For a poll held after the site's update for ``task_id`` of ``run_id`` counted
+        (``UploadSmallUpdate``'s then_poll_s): the site's task if it has one now, and
+        whether a poll that found none waits on. It does while that update's attempt is
+        open, and between its round's close and the next attempt's opening; once the run
+        has opened an attempt without the site, or ended, the hold ends, and the site's
+        next poll is a call of its own."""
+        with self._lock:
+            view = self.task_for(site_id)
+            if view is not None or self.stopping:
+                return view, False
+            run = self.runs.get(run_id)
+            if run is None:
+                return None, False
+            return None, run.open_round is None or run.by_task(task_id) is not None
 
     def poll_end(self, site_id: str, began: float, gone: bool) -> None:
         """The poll ended; ``gone``: its caller hung up (it stopped), and is offline at

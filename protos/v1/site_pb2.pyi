@@ -498,7 +498,15 @@ class UploadSmallUpdateRequest(_message.Message):
 
     HEADER_FIELD_NUMBER: _builtins.int
     PAYLOAD_FIELD_NUMBER: _builtins.int
+    THEN_POLL_S_FIELD_NUMBER: _builtins.int
     payload: _builtins.bytes
+    then_poll_s: _builtins.float
+    """> 0: once the update is accepted, hold the call up to this long (at most the
+    coordinator's poll timeout) for the site's next task, as PollTask would, and answer
+    with both: a round is one call a site instead of two. bytes_received acknowledges
+    the update either way; a call cut while held is sent again, and a retry of an
+    accepted update is answered as accepted.
+    """
     @_builtins.property
     def header(self) -> Global___UpdateHeader:
         """header.payload_bytes == len(payload)"""
@@ -508,10 +516,11 @@ class UploadSmallUpdateRequest(_message.Message):
         *,
         header: Global___UpdateHeader | None = ...,
         payload: _builtins.bytes = ...,
+        then_poll_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["header", b"header", "payload", b"payload"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["header", b"header", "payload", b"payload", "then_poll_s", b"then_poll_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -522,15 +531,27 @@ class UploadSmallUpdateResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     BYTES_RECEIVED_FIELD_NUMBER: _builtins.int
+    NEXT_FIELD_NUMBER: _builtins.int
+    HELD_S_FIELD_NUMBER: _builtins.int
     bytes_received: _builtins.int
+    held_s: _builtins.float
+    """how long the call was held after the update was accepted"""
+    @_builtins.property
+    def next(self) -> Global___PollTaskResponse:
+        """With then_poll_s: what the poll after the accept found (its task unset: none came
+        in time, or the poll could not be taken here: call PollTask).
+        """
+
     def __init__(
         self,
         *,
         bytes_received: _builtins.int = ...,
+        next: Global___PollTaskResponse | None = ...,
+        held_s: _builtins.float = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["next", b"next"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_received", b"bytes_received"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_received", b"bytes_received", "held_s", b"held_s", "next", b"next"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
