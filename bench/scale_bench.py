@@ -1254,7 +1254,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         default=None,
         help="how many of a worker's sites work on their task at once (download, training, "
-        "upload), the others waiting their turn while they heartbeat; 0: all at once "
+        "until the upload begins), the others waiting their turn while they heartbeat; "
+        "0: all at once "
         "(default 16, and 0 with --fit-delay-s, whose sleep would hold a turn)",
     )
     parser.add_argument(
