@@ -1417,6 +1417,22 @@ class Store:
         values = _event_values(run_id, round_number, now, (kind, message), data)
         return StatementWrite(_ADD_EVENT, values)
 
+    def failed_since(self, run_id: str, error_prefix: str, since: float) -> dict[str, float]:
+        """The run's sites with a task failed for an error starting ``error_prefix`` at or
+        after ``since``, each with its latest such failure's time (the engine's clock)."""
+        with self._read() as s:
+            q = (
+                select(m.Participation.site_id, func.max(m.Participation.finished_at))
+                .where(
+                    m.Participation.run_id == run_id,
+                    m.Participation.state == "failed",
+                    m.Participation.error.startswith(error_prefix, autoescape=True),
+                    m.Participation.finished_at >= since,
+                )
+                .group_by(m.Participation.site_id)
+            )
+            return {site: float(at) for site, at in s.execute(q) if at is not None}
+
     def failed_attempt(self, run_id: str, number: int, attempt: int, kind: str) -> bool:
         """Whether the ledger holds an event ``kind`` closing that attempt of that round."""
         with self._read() as s:

@@ -320,7 +320,8 @@ def test_an_attempt_that_can_no_longer_reach_its_quorum_ends_at_once(
 def test_a_decline_still_reads_as_one_after_a_restart(tmp_path: Path) -> None:
     """A site declines its task and the coordinator restarts: the resumed attempt knows
     the failure for a decline, so it waits for the other site (an attempt lost only to
-    declines does not count) instead of ending early as a failed one."""
+    declines does not count) instead of ending early as a failed one; and the site stays
+    out of the run's sampling for the rest of its hold, as without the restart."""
     from fedra.coordinator.engine.rounds import short_of_quorum
 
     settings = EngineSettings(heartbeat_interval_s=1.0, poll_timeout_s=2.0, site_timeout_s=60.0)
@@ -343,6 +344,10 @@ def test_a_decline_still_reads_as_one_after_a_restart(tmp_path: Path) -> None:
         with c.engine._lock:
             assert run.assignments[a].declined and not run.assignments[b].declined
             assert short_of_quorum(run) is None
+            now = c.engine.clock()
+            assert set(run.declined) == {a} and now - 30 < run.declined[a] <= now
+            eligible = c.engine.eligible_sites(run, now)
+            assert a not in eligible and b in eligible
         assert round_status(c, run_id, 1).status == "open"
         beat = c.site.Heartbeat(
             site_pb2.HeartbeatRequest(site_id=b, task_id=tasks[b].task_id), timeout=10

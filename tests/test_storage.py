@@ -648,6 +648,25 @@ def test_fail_participations_fails_the_unfinished_of_many_in_one_go(run_store: S
     assert len(failed) == 1200
 
 
+def test_failed_since_finds_each_site_s_latest_failure_of_one_kind(run_store: Store) -> None:
+    """What a restart reads back to hold declined sites out of sampling: per site its
+    latest failure of that kind since a time; other kinds, older ones, other states and a
+    prefix's own wildcard characters do not count."""
+    _open(run_store, 1, 1, ["a", "b", "c", "d", "e"])
+    declined = "site declined: "
+    run_store.fail_participation(_task(1, 1, "a"), declined + "not approved", T0 + 10)
+    run_store.fail_participation(_task(1, 1, "b"), declined + "cohort too small", T0 + 2)
+    run_store.fail_participation(_task(1, 1, "c"), "site reported: disk full", T0 + 10)
+    run_store.fail_participation(_task(1, 1, "d"), "site declined_ 100% sure", T0 + 10)
+    _open(run_store, 2, 1, ["a"], at=T0 + 20)
+    run_store.fail_participation(_task(2, 1, "a"), declined + "not approved", T0 + 25)
+    assert run_store.failed_since(RUN, declined, T0 + 5) == {"a": T0 + 25}
+    assert run_store.failed_since(RUN, declined, T0) == {"a": T0 + 25, "b": T0 + 2}
+    assert run_store.failed_since(RUN, "site declined_ 100%", T0) == {"d": T0 + 10}
+    assert run_store.failed_since(RUN, "site declined_", T0) == {"d": T0 + 10}  # _ as itself
+    assert run_store.failed_since("another-run", declined, T0) == {}
+
+
 def test_expire_attempt_touches_only_unfinished_of_that_attempt(run_store: Store) -> None:
     _open(run_store, 1, 1, ["acc", "asg", "dl", "fail"])
     run_store.mark_downloaded(_task(1, 1, "dl"), 10, 0.1)

@@ -84,6 +84,10 @@ def restore_run(engine: Engine, record: RunRecord) -> ActiveRun | None:
             if previous is not None:
                 run.base_sha256, run.delta_sha256 = previous.model_sha256, ckpt.delta_sha256
                 run.delta_bytes = engine.models.size(ckpt.delta_sha256)
+    # Sites whose policy declined the run's task lately stay out of its sampling for what
+    # is left of their hold, as they would have without the restart.
+    hold_s = engine.settings.decline_hold_s
+    run.declined.update(engine._store.failed_since(record.id, DECLINED, engine.clock() - hold_s))
     # Async: tasks a crash left between a commit and the next round's opening are lost.
     reason = "the coordinator restarted before this task joined the next round"
     engine._store.expire_unfinished_before(record.id, run.next_round, reason, engine.clock())
