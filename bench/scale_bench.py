@@ -276,9 +276,9 @@ def take_turns(agent: SiteAgent, turns: threading.BoundedSemaphore) -> None:
     (docs/scale.md). With turns, a site waiting for one is a slow site that answers, as a
     real slow site is.
 
-    The turn ends as the upload call begins: the call is held as the site's next poll once
-    its update is accepted (docs/rounds.md), a wait for the round, and its thread sleeps
-    on a future meanwhile."""
+    The turn ends as an upload held as the next poll begins: once its update is accepted
+    the call waits for the round (docs/rounds.md), and its thread sleeps on a future
+    meanwhile."""
     work, upload = agent._train_and_upload, agent.conn.upload
     mine = [False]  # this agent holds a turn
 
@@ -296,7 +296,9 @@ def take_turns(agent: SiteAgent, turns: threading.BoundedSemaphore) -> None:
             give_back()
 
     def upload_after_turn(*args: Any, **kwargs: Any) -> Any:
-        give_back()
+        # then_poll_s, the eighth: a held upload (not _settle's header, nor a masked one)
+        if kwargs.get("then_poll_s", args[7] if len(args) > 7 else 0.0) > 0:
+            give_back()
         return upload(*args, **kwargs)
 
     agent._train_and_upload = in_turn  # type: ignore[method-assign]

@@ -41,7 +41,7 @@ from fedra.client.policy import Policy
 from fedra.client.scaffold import ControlStates, ScaffoldRound
 from fedra.client.task import FitSettings, ParallelTask, Task, load_task
 from fedra.config import ConfigError
-from fedra.faults import attack, crash_point
+from fedra.faults import armed, attack, crash_point
 from fedra.privacy import add_secure_gaussian_, clip_factor
 from fedra.protos.codec import CodecError, all_finite, digest_and_size, sole_owners
 from fedra.protos.compression import (
@@ -144,9 +144,11 @@ class SiteAgent:
         Safe from a signal handler.
         """
         self.stop.set()
-        task = self.current
-        # An upload held as the next poll has (almost always) been accepted: nothing to report.
-        if task is not None and reason and not self.conn.holding():
+        # A task that came back with an upload's answer and is not yet served; else the one
+        # in hand, unless its upload is held as the next poll: it was (almost always)
+        # accepted, and there is nothing to report.
+        task = self._next or (None if self.conn.holding() else self.current)
+        if task is not None and reason:
             self._report(task, reason)
         self.conn.close()
 
@@ -342,8 +344,10 @@ class SiteAgent:
         if topk or (_stages_state(task) and not task.init):  # on disk first; _settle
             self._pending.hold(PendingUpdate(task, nonce, num_samples, dict(metrics), wire, after))
         sending = time.monotonic()
-        # Held as the next poll once accepted: the next task comes with the answer.
-        sent = self._upload(task, wire, num_samples, metrics, nonce, session.poll_timeout_s)
+        # Held as the next poll once accepted: the next task comes with the answer. (Not
+        # when a crash is injected right after the accept: it must come at once.)
+        hold_s = 0.0 if armed("after_upload", task.round) else session.poll_timeout_s
+        sent = self._upload(task, wire, num_samples, metrics, nonce, hold_s)
         upload_s = max(0.0, time.monotonic() - sending - sent.held_s)
         crash_point("after_upload", task.round)  # accepted, nothing of it kept here yet
         self._round_done(task, num_samples, metrics, sent.bytes_received, upload_s)

@@ -222,6 +222,11 @@ class SiteService(site_pb2_grpc.SiteServiceServicer):
                     "site %s: the poll after its accepted update is left to PollTask: %s",
                     h.site_id, exc, extra={"site": h.site_id},
                 )  # fmt: skip
+            except Exception:  # the same for what nothing expected (a cancel is not caught)
+                log.exception(
+                    "site %s: the poll after its accepted update failed; the site polls anew",
+                    h.site_id, extra={"site": h.site_id},
+                )  # fmt: skip
             reply.held_s = time.monotonic() - accepted
         return reply
 

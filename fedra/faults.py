@@ -49,9 +49,14 @@ COORDINATOR_POINTS = (
 
 def crash_point(name: str, round_number: int) -> None:
     """SIGKILL this process if ``FEDRA_FAULT_CRASH`` names this point and round."""
-    if os.environ.get(ENV) == f"{name}:{round_number}":
+    if armed(name, round_number):
         log.error("fault injection: killing the process at %s of round %d", name, round_number)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def armed(name: str, round_number: int) -> bool:
+    """Whether ``FEDRA_FAULT_CRASH`` names this point and round (``crash_point`` will kill)."""
+    return os.environ.get(ENV) == f"{name}:{round_number}"
 
 
 def attack(delta: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

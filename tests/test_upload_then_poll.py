@@ -131,32 +131,33 @@ def test_a_held_update_answers_without_a_task_once_the_run_ends(
 def test_a_held_update_answers_without_a_task_when_the_next_attempt_leaves_the_site_out(
     patient: InProcessCoordinator,
 ) -> None:
-    """Round 1 needs all three sites; one fails, so the attempt ends early and a retry
-    opens. The held site is answered when it opens, with the retry's task if it was
-    sampled and without one if not: not at its timeout."""
+    """The other two sites fail, so round 1's attempt ends and a retry opens; the held
+    site now serves another task only (it registered again), so the retry cannot sample
+    it. Its held upload is answered as the retry opens (the run's ``opened`` wake), with
+    no task: not at the poll timeout, and not at the attempt's close before."""
     c = patient
-    run_id, tasks = start_round_one(c, sites_per_round=3, min_sites=3, max_round_attempts=3)
-    (s1, t1), (s2, t2), _ = sorted(tasks.items())
+    run_id, tasks = start_round_one(c, sites_per_round=3, min_sites=2, max_round_attempts=3)
+    (s1, t1), (s2, t2), (s3, t3) = sorted(tasks.items())
     with ThreadPoolExecutor(1) as pool:
         call = pool.submit(
             c.site.UploadSmallUpdate, held_request(t1, s1, delta_payload(), 60.0), 60
         )
         wait_held(c, s1)
-        failed = time.monotonic()
-        c.site.ReportFailure(
-            site_pb2.ReportFailureRequest(site_id=s2, task_id=t2.task_id, reason="disk full"),
+        c.site.Register(
+            site_pb2.RegisterRequest(site_id=s1, tasks=["elsewhere.tasks:other"], version="t"),
             timeout=10,
         )
+        failed = time.monotonic()
+        for site, task in ((s2, t2), (s3, t3)):
+            c.site.ReportFailure(
+                site_pb2.ReportFailureRequest(site_id=site, task_id=task.task_id, reason="oom"),
+                timeout=10,
+            )
         reply = call.result(timeout=WOKEN_S)
         assert time.monotonic() - failed < WOKEN_S
-    assert reply.bytes_received > 0
+    assert reply.bytes_received > 0 and not reply.next.HasField("task")
     retry = wait_round(c, run_id, 1)
-    assert retry.attempt == 2
-    if reply.next.HasField("task"):  # sampled into the retry: its task came with the answer
-        assert reply.next.task.round == 1 and reply.next.task.task_id != t1.task_id
-        assert s1 in retry.sampled_sites
-    else:
-        assert s1 not in retry.sampled_sites
+    assert retry.attempt == 2 and sorted(retry.sampled_sites) == [s2, s3]
 
 
 def test_a_held_update_cut_by_its_site_is_counted_once_when_sent_again(
@@ -264,3 +265,20 @@ def test_a_site_agent_serves_a_run_with_one_call_a_round(
     # The first poll waited for round 0's task, and one more began once the run had ended:
     # every other task came with the answer to the update before it (4 polls before).
     assert polls <= 2, polls
+
+
+def test_a_site_stopping_reports_the_task_that_came_back_with_its_update(
+    patient: InProcessCoordinator,
+) -> None:
+    """A task that came with an upload's answer and is not yet served is the one a stop
+    reports, so the round need not wait for the site's silence."""
+    c = patient
+    run_id, tasks = start_round_one(c, sites_per_round=3, min_sites=3)
+    site, task = sorted(tasks.items())[0]
+    config = SiteConfig(site, c.address, (TASK,), insecure=True)
+    data = {TASK: synthetic_task.load_data({"samples": 16, "seed": 1})}
+    agent = SiteAgent(config, executor=LocalExecutor(), tasks={TASK: synthetic_task}, data=data)
+    agent._next = _assignment(task)  # as the answer to its last upload left it
+    agent.shutdown("the site is stopping")
+    mine = {p.site_id: p for p in round_status(c, run_id, 1).participations}[site]
+    assert mine.status == "failed" and "the site is stopping" in mine.error
