@@ -64,6 +64,13 @@ def held_request(
     )
 
 
+def synthetic_agent(c: InProcessCoordinator, site: str) -> SiteAgent:
+    """A real site agent of ``site`` for ``c`` (plaintext), serving the synthetic task."""
+    config = SiteConfig(site, c.address, (TASK,), insecure=True)
+    data = {TASK: synthetic_task.load_data({"samples": 64, "seed": 1})}
+    return SiteAgent(config, executor=LocalExecutor(), tasks={TASK: synthetic_task}, data=data)
+
+
 def wait_held(c: InProcessCoordinator, site: str) -> None:
     """Until the site's upload is accepted and its call waits as a poll."""
     deadline = time.monotonic() + WOKEN_S
@@ -229,9 +236,7 @@ def test_a_site_agent_serves_a_run_with_one_call_a_round(
     """A real agent: its updates are held as its next polls, so after its first poll every
     task comes with the answer to the update before it."""
     c = patient
-    config = SiteConfig("site-a", c.address, (TASK,), insecure=True)
-    data = {TASK: synthetic_task.load_data({"samples": 64, "seed": 1})}
-    agent = SiteAgent(config, executor=LocalExecutor(), tasks={TASK: synthetic_task}, data=data)
+    agent = synthetic_agent(c, "site-a")
     polls = 0
     real_poll = agent.conn.poll
 
@@ -275,9 +280,7 @@ def test_a_site_stopping_reports_the_task_that_came_back_with_its_update(
     c = patient
     run_id, tasks = start_round_one(c, sites_per_round=3, min_sites=3)
     site, task = sorted(tasks.items())[0]
-    config = SiteConfig(site, c.address, (TASK,), insecure=True)
-    data = {TASK: synthetic_task.load_data({"samples": 16, "seed": 1})}
-    agent = SiteAgent(config, executor=LocalExecutor(), tasks={TASK: synthetic_task}, data=data)
+    agent = synthetic_agent(c, site)
     agent._next = _assignment(task)  # as the answer to its last upload left it
     agent.shutdown("the site is stopping")
     mine = {p.site_id: p for p in round_status(c, run_id, 1).participations}[site]
