@@ -30,6 +30,7 @@ from typing import Any, TypeVar, cast
 
 from fedra.coordinator.engine import Engine, EngineSettings, TaskView, secure, uploads
 from fedra.coordinator.errors import FedraError
+from fedra.coordinator.steps import LockedSteps
 from fedra.coordinator.wakeups import (
     LoopInbox,
     Ticket,
@@ -63,16 +64,31 @@ class CoordinatorAPI:
         # Operators' reads (status, watch, site lists) have threads of their own: they
         # never queue behind a round's thousands of steps, nor hold those up.
         self.readers = ThreadPoolExecutor(READERS, thread_name_prefix="fedra-read")
+        # Short steps that found the engine's lock taken (quick, soon): started with the
+        # first of them.
+        self._locked_steps: LockedSteps | None = None
+        self._closed = False
         # Small models sent with their tasks, by digest, newest last (on the loop only).
         self._small_models: dict[str, asyncio.Future[bytes]] = {}
         # What each pool's steps hand back to a loop (see call).
-        self._inboxes: dict[tuple[asyncio.AbstractEventLoop, ThreadPoolExecutor], LoopInbox] = {}
+        self._inboxes: dict[tuple[asyncio.AbstractEventLoop, object], LoopInbox] = {}
 
     @property
     def settings(self) -> EngineSettings:
         return self.engine.settings
 
+    @property
+    def _steps(self) -> LockedSteps:
+        if self._locked_steps is None:
+            if self._closed:
+                raise RuntimeError("the front door is closed")
+            self._locked_steps = LockedSteps(self.engine.locked)
+        return self._locked_steps
+
     def close(self) -> None:
+        self._closed = True
+        if self._locked_steps is not None:
+            self._locked_steps.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.readers.shutdown(wait=False, cancel_futures=True)
 
@@ -83,18 +99,30 @@ class CoordinatorAPI:
     async def quick(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)``, a short step under the engine's lock that neither waits nor does
         I/O: run here on the loop if the lock is free this instant (no thread hand-off),
-        else in the executor. The loop never waits for the lock."""
+        else queued for the engine's step thread, which runs the steps queued in one
+        turn of the lock (``steps``). The loop never waits for the lock. Once begun the
+        step runs to its end, as in ``call``."""
         ran, out = self.engine.if_free(fn, *args)
         if ran:
             return cast(T, out)
-        return await self.call(fn, *args)
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[T] = loop.create_future()
+        try:
+            self._steps.put(fn, args, done, self._inbox(loop, self._steps))
+        except RuntimeError:  # closed: the daemon is stopping
+            return await self.call(fn, *args)
+        return await _outcome(done)
 
     def soon(self, fn: Callable[..., object], *args: Any) -> None:
-        """``quick`` not waited for: now if the engine's lock is free, else in the
-        executor (a clean-up that must not wait, nor be lost to a cancellation)."""
+        """``quick`` not waited for: now if the engine's lock is free, else queued for
+        the engine's step thread (a clean-up that must not wait, nor be lost to a
+        cancellation)."""
         ran, _ = self.engine.if_free(fn, *args)
         if not ran:
-            self.later(self.engine.locked, fn, *args)
+            try:
+                self._steps.put(fn, args)
+            except RuntimeError:  # closed: the daemon is stopping
+                self.later(self.engine.locked, fn, *args)
 
     async def call(
         self, fn: Callable[..., T], *args: Any, executor: ThreadPoolExecutor | None = None
@@ -194,38 +222,75 @@ class CoordinatorAPI:
 
         ``after`` (run id, task id): the poll follows that task's accepted update, and
         ends without a task as soon as the run opens an attempt without the site, or
-        ends (``Engine.task_after``)."""
+        ends (``Engine.task_after``).
+
+        Three engine steps at most, whatever the wait: the poll's start and first look
+        are one, each wake-up's look one, and the poll's end with a small model's
+        download (``_hand_out``) one: at thousands of sites a round, each step is a turn
+        of the engine's lock, and a hand-off to a thread whenever it is taken."""
         engine = self.engine
         deadline = time.monotonic() + max(0.0, min(timeout_s, engine.settings.poll_timeout_s))
         keys = [site_key(site_id)] if after is None else [site_key(site_id), opened_key(after[0])]
+
+        def begin() -> tuple[float, TaskView | None, bool]:
+            began, view = engine.poll_begin(site_id)
+            if view is None and after is not None:
+                return (began, *engine.task_after(site_id, *after))
+            return began, view, True
+
+        def look() -> tuple[TaskView | None, bool]:
+            if after is None:
+                return engine.task_for(site_id), True
+            return engine.task_after(site_id, *after)
+
         ticket = engine.wakeups.ticket(*keys)
         try:
-            began, view = await self._look(ticket, engine.poll_begin, site_id)
-        except asyncio.CancelledError:  # poll_begin ran to its end (``call``): undo it
+            began, view, waits = await self._look(ticket, begin)
+        except asyncio.CancelledError:  # begin ran to its end (``call``): undo it
             self.soon(engine.poll_end, site_id, -math.inf, True)
             raise
         try:
-            waits = True
-            if view is None and after is not None:
-                view, waits = await self._look(ticket, engine.task_after, site_id, *after)
             while view is None and waits and not engine.stopping:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not await ticket.wait(remaining):
                     break
                 ticket = engine.wakeups.ticket(*keys)
-                if after is None:
-                    view = await self._look(ticket, engine.task_for, site_id)
-                else:
-                    view, waits = await self._look(ticket, engine.task_after, site_id, *after)
+                view, waits = await self._look(ticket, look)
             ticket.discard()
+            model = b""
+            if view is not None and self._inlined(view):
+                model = await self._small_model(view)
         except BaseException:  # cancelled: the caller hung up (or the daemon is stopping)
             ticket.discard()
             self.later(engine.poll_end, site_id, began, hung_up())
             raise
-        await self.quick(engine.poll_end, site_id, began, False)
-        if view is not None and self._inlined(view):
-            view = await self._with_model(site_id, view)
-        return view
+        return await self.quick(self._hand_out, site_id, began, view, model)
+
+    def _hand_out(
+        self, site_id: str, began: float, view: TaskView | None, model: bytes
+    ) -> TaskView | None:
+        """The poll's end, and the task with ``model`` (its small model, read and checked,
+        or b"": the site downloads it) counted as a finished download of it, in one
+        step (a site whose reply is lost polls again and gets both again). A model
+        that cannot go this way (the round moved on meanwhile) goes the usual one: the
+        site's download meets what is wrong."""
+        engine = self.engine
+        engine.poll_end(site_id, began, False)
+        if view is None or not model:
+            return view
+        try:
+            digest, size, base = engine.open_download(site_id, view.task_id, False)
+        except FedraError:
+            return view
+        if digest != view.model_sha256 or size != len(model):
+            engine.downloads.abandoned(view.task_id)
+            log.warning(
+                "the model %s did not go out with task %s (the round's is %s now): the site "
+                "downloads it", view.model_sha256, view.task_id, digest,
+            )  # fmt: skip
+            return view
+        engine.record_download(view.task_id, size, 0.0, base)
+        return dataclasses.replace(view, model=model)
 
     def _inlined(self, view: TaskView) -> bool:
         """Whether the task's model goes out with it: a small one (one chunk at most) that
@@ -236,40 +301,17 @@ class CoordinatorAPI:
         cheaper = view.round <= 1 or bool(view.delta_sha256)
         return view.kind == "train" and 0 < view.model_bytes <= limit and not cheaper
 
-    async def _with_model(self, site_id: str, view: TaskView) -> TaskView:
-        """The task with its model, counted as a finished download of it (a site whose
-        reply is lost polls again and gets both again). A model that cannot be sent this
-        way goes the usual one: the site's download meets what is wrong."""
-        engine = self.engine
-        opened: list[bool] = []  # open_download counted the download as under way
-
-        def open_it() -> tuple[str, int, int]:
-            found = engine.open_download(site_id, view.task_id, False)
-            opened.append(True)
-            return found
-
+    async def _small_model(self, view: TaskView) -> bytes:
+        """The task's small model, whole and checked, or b"" if it cannot be read (the
+        site downloads it then, and meets what is wrong)."""
         try:
-            digest, size, base = await self.quick(open_it)
-        except FedraError:  # the round moved on meanwhile: the site's download says so
-            return view
-        except asyncio.CancelledError:  # the site hung up; open_download ran to its end
-            if opened:
-                engine.downloads.abandoned(view.task_id)
-            raise
-        try:
-            if digest != view.model_sha256:
-                raise ValueError(f"the round's model is {digest} now")
-            model = await self._model_bytes(digest, size)
-        except asyncio.CancelledError:  # the site hung up: nothing went out
-            engine.downloads.abandoned(view.task_id)
+            return await self._model_bytes(view.model_sha256, view.model_bytes)
+        except asyncio.CancelledError:
             raise
         except Exception as exc:
-            engine.downloads.abandoned(view.task_id)
             log.warning("the model %s did not go out with task %s (%s): the site downloads it",
                         view.model_sha256, view.task_id, exc)  # fmt: skip
-            return view
-        await self.quick(engine.record_download, view.task_id, size, 0.0, base)
-        return dataclasses.replace(view, model=model)
+            return b""
 
     async def _model_bytes(self, digest: str, size: int) -> bytes:
         """A small stored model, whole and checked: read once for all the polls that
@@ -382,11 +424,11 @@ class CoordinatorAPI:
             return done.nbytes
         except BaseException as exc:
             if held.ticket is not None:  # begun, then cancelled
+                self.soon(engine.transfer, header.site_id, False)
                 engine.downloads.ended(header.task_id)
                 await self._undo(held, exc, small)
             raise
         started()  # pending in the downloads ledger until it ends (_receive)
-        await self.quick(engine.transfer, header.site_id, True)  # online while it lasts
         try:
             return await self._receive(held, chunks, header.payload_bytes, closed)
         finally:
@@ -522,9 +564,10 @@ class CoordinatorAPI:
 
         durable.add_done_callback(hand_over)
 
-    def _inbox(self, loop: asyncio.AbstractEventLoop, pool: ThreadPoolExecutor) -> LoopInbox:
-        """The inbox of what ``pool``'s steps hand back to ``loop``: one a pool, so that
-        operators' reads never queue behind a round's accepts on their way back."""
+    def _inbox(self, loop: asyncio.AbstractEventLoop, pool: object) -> LoopInbox:
+        """The inbox of what ``pool``'s steps (an executor's, or the engine's step
+        thread's) hand back to ``loop``: one a pool, so that operators' reads never
+        queue behind a round's accepts on their way back."""
         inbox = self._inboxes.get((loop, pool))
         if inbox is None:
             inbox = self._inboxes.setdefault((loop, pool), LoopInbox(loop))
@@ -632,6 +675,8 @@ class _Held:
     ) -> None:
         check()
         self.ticket = uploads.begin_upload(engine, header)
+        # Online while it lasts (the upload's end ends it), in the same step.
+        engine.transfer(header.site_id, True)
         self.receiver = uploads.Receiver(engine, self.ticket)
 
     def feed(self, data: Buffer) -> None:

@@ -432,5 +432,8 @@ def add_service(
     for method, change in overrides.items():
         handlers[method] = _with_wire(handlers[method], **change)
     handlers = {method: _tolerant_handler(h) for method, h in handlers.items()}
+    # Generic handlers only, not also registered ones as the generated code adds: gRPC's
+    # asyncio server keeps a request outstanding for each registered method and waits on
+    # all of them (``asyncio.wait``) for every call it takes in, which at twenty-odd
+    # methods cost about 8% of a small call's server CPU (docs/scale.md).
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
-    server.add_registered_method_handlers(service, handlers)

@@ -1408,33 +1408,26 @@ def test_a_stop_waits_for_what_is_left_on_its_loop_instead_of_cancelling_it(
 
 
 def test_stopping_with_no_grace_while_calls_wait_for_the_engine_logs_no_traceback(
-    coordinator: InProcessCoordinator,
-    caplog: pytest.LogCaptureFixture,
-    monkeypatch: pytest.MonkeyPatch,
+    coordinator: InProcessCoordinator, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Calls whose step is under way in the executor when a stop with no grace cuts them
-    (a lost database: the group commit holds the engine) end once their step has: the
-    stop waits for them instead of cancelling gRPC's own task for each call, which made
-    gRPC log an unhandled CancelledError with a traceback."""
+    """Calls whose step waits for the engine's lock when a stop with no grace cuts them
+    (a lost database: the group commit holds the engine) end once their step has, or is
+    dropped unbegun: the stop waits for them instead of cancelling gRPC's own task for
+    each call, which made gRPC log an unhandled CancelledError with a traceback."""
     _, tasks = start_round_one(coordinator)
     engine = coordinator.engine
-    entered = threading.Semaphore(0)
-    beat = engine.heartbeat
-
-    def counted(*args: Any) -> Any:  # in the executor: the test holds the engine's lock
-        entered.release()
-        return beat(*args)
-
-    monkeypatch.setattr(engine, "heartbeat", counted)
     beats = [
         site_pb2.HeartbeatRequest(site_id=site, task_id=task.task_id)
         for site, task in tasks.items()
     ] * 5
+    steps = coordinator.server.api._steps  # where a step that finds the lock taken waits for it
     with caplog.at_level(logging.DEBUG, logger="grpc"):
         with engine._lock:
             calls = [coordinator.site.Heartbeat.future(b, timeout=30) for b in beats]
-            for _ in calls:
-                assert entered.acquire(timeout=10), "a heartbeat never reached the engine"
+            deadline = time.monotonic() + 10
+            while steps.pending < len(beats):  # every heartbeat's step waits for the lock
+                assert time.monotonic() < deadline, "a heartbeat never reached the engine"
+                time.sleep(0.01)
             stopping = threading.Thread(target=coordinator.server.stop, args=(0,))
             stopping.start()
             for call in calls:  # cut by the stop while their steps wait for the lock
