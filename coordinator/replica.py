@@ -653,6 +653,7 @@ def _server(
         admin,
         wire.ADMIN_SERVICE,
         {"ExportModel": {"response": bytes}},
+        registered=(),
     )
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     return server

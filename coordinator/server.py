@@ -58,6 +58,13 @@ from fedra.storage import BlobStore, Store
 from fedra.storage.store import InUseError
 
 log = logging.getLogger("fedra.coordinator")
+# The site calls of every site and round: each has a request of its own outstanding in
+# gRPC's core, so that none queues behind the others' while the loop is busy. The rest
+# (secure aggregation's stages, failure reports, every operator's call) share one: each
+# method registered costs every call taken in a look (``wire.add_service``).
+ROUND_METHODS = (
+    "Register", "Heartbeat", "PollTask", "DownloadModel", "UploadUpdate", "UploadSmallUpdate",
+)  # fmt: skip
 DENY_LIST = "revoked.json"  # `fedra revoke` writes it; read on every call
 STATE_LOCK_FILE = "coordinator.lock"  # held by the daemon serving the state directory
 CLAIM_CHECK_S = 10.0  # how often the daemon checks it still holds its database
@@ -336,6 +343,7 @@ async def _build(
             "DownloadModel": {"response": wire.serialize},
             "UploadUpdate": {"request": wire.parse_update_chunk},
         },
+        registered=ROUND_METHODS,
     )
     wire.add_service(
         server,
@@ -343,6 +351,7 @@ async def _build(
         handle.admin,
         wire.ADMIN_SERVICE,
         {"ExportModel": {"response": wire.serialize}},
+        registered=(),
     )
     health_servicer = health.aio.HealthServicer()
     for name in ("", *SERVICE_NAMES):
@@ -371,6 +380,7 @@ async def _build_forwarded(
         AdminService(handle.api, guard),
         wire.ADMIN_SERVICE,
         {"ExportModel": {"response": wire.serialize}},
+        registered=(),
     )
     socket.unlink(missing_ok=True)  # a crashed daemon's
     if server.add_insecure_port(f"unix:{socket}") == 0:

@@ -20,7 +20,7 @@ import inspect
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator
 from typing import Any
 
 import grpc
@@ -420,20 +420,32 @@ def add_service(
     servicer: Any,
     service: str,
     overrides: dict[str, dict[str, Any]],
+    registered: Collection[str] | None = None,
 ) -> None:
     """Register ``servicer`` as the generated ``add_generated`` would, with some methods'
     (de)serializers replaced (``overrides[method] = {"request": f, "response": g}``), and
-    every method refusing a request that does not parse with INVALID_ARGUMENT."""
+    every method refusing a request that does not parse with INVALID_ARGUMENT.
+
+    ``registered``: the methods gRPC's core takes calls of with a request of their own
+    (every one if None, as the generated code does); the rest are found by name. gRPC's
+    asyncio server keeps one request outstanding in its core per registered method, and
+    one for all the others, and waits on all of them (``asyncio.wait``) for every call it
+    takes in: at twenty-odd methods that cost about 8% of a small call's server CPU
+    (docs/scale.md). A method of its own keeps its calls from queueing behind the
+    others' while the server's loop is busy (``bench/accept_rate.py``): the calls every
+    site makes every round want one, the rare ones do not."""
     capture = _Capture()
     add_generated(servicer, capture)
     if not capture.handlers:
         raise RuntimeError(f"{service}: the generated code registered no handlers")
     handlers = capture.handlers
+    unknown = set(registered or ()) - set(handlers)
+    if unknown:
+        raise ValueError(f"{service} has no method {', '.join(sorted(unknown))}")
     for method, change in overrides.items():
         handlers[method] = _with_wire(handlers[method], **change)
     handlers = {method: _tolerant_handler(h) for method, h in handlers.items()}
-    # Generic handlers only, not also registered ones as the generated code adds: gRPC's
-    # asyncio server keeps a request outstanding for each registered method and waits on
-    # all of them (``asyncio.wait``) for every call it takes in, which at twenty-odd
-    # methods cost about 8% of a small call's server CPU (docs/scale.md).
+    if registered is None or registered:
+        own = handlers if registered is None else {m: handlers[m] for m in registered}
+        server.add_registered_method_handlers(service, own)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))

@@ -248,3 +248,47 @@ def test_a_site_uploads_in_chunks_sized_to_its_update(elements: int, limit: int)
         assert sizes == [64 * 1024, len(payload) - 64 * 1024]
     else:
         assert chunk == (len(payload) // 16 if limit == 1 << 20 else limit)
+
+
+class _Recorder:
+    """Records what a service registers with a server (gRPC's server API)."""
+
+    def __init__(self) -> None:
+        self.generic: list[Any] = []
+        self.registered: dict[str, list[str]] = {}
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        self.generic.extend(handlers)
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+        self.registered[service] = sorted(handlers)
+
+
+def _site_service(registered: Any) -> _Recorder:
+    from fedra.protos.v1 import site_pb2_grpc
+
+    server = _Recorder()
+    servicer = site_pb2_grpc.SiteServiceServicer()
+    add = site_pb2_grpc.add_SiteServiceServicer_to_server
+    wire.add_service(server, add, servicer, wire.SITE_SERVICE, {}, registered=registered)
+    return server
+
+
+def test_only_the_methods_named_are_registered_and_every_method_is_served() -> None:
+    from fedra.coordinator.server import ROUND_METHODS
+
+    everything = _site_service(None)
+    methods = everything.registered[wire.SITE_SERVICE]
+    assert "ReportFailure" in methods and set(ROUND_METHODS) < set(methods)
+    hot = _site_service(ROUND_METHODS)
+    assert hot.registered == {wire.SITE_SERVICE: sorted(ROUND_METHODS)}
+    assert _site_service(()).registered == {}
+    for server in (everything, hot):
+        [generic] = server.generic  # found by name: the methods not registered too
+        call = SimpleNamespace(method=f"/{wire.SITE_SERVICE}/ReportFailure")
+        assert generic.service(call) is not None
+
+
+def test_registering_a_method_the_service_lacks_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"no method Upload$"):
+        _site_service(("PollTask", "Upload"))
