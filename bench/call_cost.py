@@ -9,7 +9,9 @@ the same client threads, and each server's CPU (user + system, from /proc) is di
 by the calls it answered. The ratio is what fedra's edge, engine and bookkeeping add.
 The bare server also answers a client-streaming call of one message (the shape of a
 small update's upload): against the unary call, what the streaming shape costs in gRPC
-alone.
+alone. And the bare unary call again with its server's methods registered with gRPC's
+core (all of them, as generated code does, or the six of a round, as the coordinator
+does): each registered method is one more request the server waits on for every call.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/call_cost.py --seconds 8
 """
@@ -90,6 +92,10 @@ def measure_fedra(sites: int, threads: int, seconds: float) -> dict[str, float]:
     return out
 
 
+# A bare server with as many methods as the coordinator's site port serves (the site
+# and admin services: 22), found by name (generic), all registered with gRPC's core as
+# generated code does (``all``), or the six a site calls every round (``round``,
+# ``coordinator.server.ROUND_METHODS``).
 _BARE_SERVER = """
 import asyncio, sys
 import grpc
@@ -102,13 +108,18 @@ async def main():
         async for _ in requests:
             pass
         return b""
-    handler = grpc.method_handlers_generic_handler(
-        "bench.Bare", {
-            "Call": grpc.unary_unary_rpc_method_handler(call),
-            "Stream": grpc.stream_unary_rpc_method_handler(stream),
-        }
-    )
-    server.add_generic_rpc_handlers((handler,))
+    methods = {
+        "Call": grpc.unary_unary_rpc_method_handler(call),
+        "Stream": grpc.stream_unary_rpc_method_handler(stream),
+        **{f"Other{i}": grpc.unary_unary_rpc_method_handler(call) for i in range(20)},
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bench.Bare", methods),))
+    mode = sys.argv[1]
+    if mode == "all":
+        server.add_registered_method_handlers("bench.Bare", methods)
+    elif mode == "round":
+        hot = ["Call", "Stream", "Other0", "Other1", "Other2", "Other3"]
+        server.add_registered_method_handlers("bench.Bare", {m: methods[m] for m in hot})
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     print(port, flush=True)
@@ -125,10 +136,13 @@ def _one_message_stream(
     return lambda: method(iter((request,)), timeout=10.0)
 
 
-def measure_bare(sites: int, threads: int, seconds: float) -> dict[str, float]:
+def measure_bare(
+    sites: int, threads: int, seconds: float, mode: str = "generic", stream: bool = True
+) -> dict[str, float]:
+    """The bare server's CPU per call; ``mode``: how its methods are registered (above)."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", _BARE_SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        text=True,
+        [sys.executable, "-c", _BARE_SERVER, mode], stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
         assert proc.stdout is not None
@@ -138,7 +152,8 @@ def measure_bare(sites: int, threads: int, seconds: float) -> dict[str, float]:
         unary = [functools.partial(ch.unary_unary(_BARE), request, timeout=10.0) for ch in channels]
         streams = [_one_message_stream(ch.stream_unary(_BARE_STREAM), request) for ch in channels]
         figures: dict[str, float] = {}
-        for name, calls in (("Bare", unary), ("BareStream", streams)):
+        kinds = [("Bare", unary), ("BareStream", streams)] if stream else [("Bare", unary)]
+        for name, calls in kinds:
             hammer(calls, threads, 1.0)  # warm up
             before = cpu_s(proc.pid)
             n = hammer(calls, threads, seconds)
@@ -165,10 +180,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, help="write the figures here as JSON")
     args = parser.parse_args(argv)
     figures = measure_bare(args.sites, args.threads, args.seconds)
+    for mode in ("all", "round"):
+        once = measure_bare(args.sites, args.threads, args.seconds, mode, stream=False)
+        figures[f"Bare_registered_{mode}"] = once["Bare"]
+        figures[f"Bare_registered_{mode}_per_s"] = once["Bare_per_s"]
     figures.update(measure_fedra(args.sites, args.threads, args.seconds))
     bare = figures["Bare"]
     print(f"bare grpc.aio unary call: {bare:.0f} us of server CPU per call "
-          f"({figures['Bare_per_s']:.0f} calls/s)")  # fmt: skip
+          f"({figures['Bare_per_s']:.0f} calls/s), its 22 methods found by name")  # fmt: skip
+    for mode, what in (("all", "all 22"), ("round", "the 6 of a round")):
+        cost = figures[f"Bare_registered_{mode}"]
+        print(f"  the same, {what} registered with gRPC's core: {cost:.0f} us "
+              f"({figures[f'Bare_registered_{mode}_per_s']:.0f} calls/s), "
+              f"{cost / bare:.2f}x")  # fmt: skip
     stream = figures["BareStream"]
     print(
         f"bare grpc.aio client stream of one message: {stream:.0f} us of server CPU per call "

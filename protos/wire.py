@@ -430,8 +430,8 @@ def add_service(
     (every one if None, as the generated code does); the rest are found by name. gRPC's
     asyncio server keeps one request outstanding in its core per registered method, and
     one for all the others, and waits on all of them (``asyncio.wait``) for every call it
-    takes in: at twenty-odd methods that cost about 8% of a small call's server CPU
-    (docs/scale.md). A method of its own keeps its calls from queueing behind the
+    takes in: at twenty-odd methods that cost 5-8% of a small call's server CPU
+    (``bench/call_cost.py``). A method of its own keeps its calls from queueing behind the
     others' while the server's loop is busy (``bench/accept_rate.py``): the calls every
     site makes every round want one, the rare ones do not."""
     capture = _Capture()
