@@ -64,10 +64,8 @@ class CoordinatorAPI:
         # Operators' reads (status, watch, site lists) have threads of their own: they
         # never queue behind a round's thousands of steps, nor hold those up.
         self.readers = ThreadPoolExecutor(READERS, thread_name_prefix="fedra-read")
-        # Short steps that found the engine's lock taken (quick, soon): started with the
-        # first of them.
-        self._locked_steps: LockedSteps | None = None
-        self._closed = False
+        # Short steps that found the engine's lock taken (quick, soon).
+        self._steps = LockedSteps(self._locked)
         # Small models sent with their tasks, by digest, newest last (on the loop only).
         self._small_models: dict[str, asyncio.Future[bytes]] = {}
         # What each pool's steps hand back to a loop (see call).
@@ -77,18 +75,11 @@ class CoordinatorAPI:
     def settings(self) -> EngineSettings:
         return self.engine.settings
 
-    @property
-    def _steps(self) -> LockedSteps:
-        if self._locked_steps is None:
-            if self._closed:
-                raise RuntimeError("the front door is closed")
-            self._locked_steps = LockedSteps(self.engine.locked)
-        return self._locked_steps
+    def _locked(self, fn: Callable[..., T], *args: Any) -> T:
+        return self.engine.locked(fn, *args)
 
     def close(self) -> None:
-        self._closed = True
-        if self._locked_steps is not None:
-            self._locked_steps.close()
+        self._steps.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.readers.shutdown(wait=False, cancel_futures=True)
 
@@ -264,7 +255,19 @@ class CoordinatorAPI:
             ticket.discard()
             self.later(engine.poll_end, site_id, began, hung_up())
             raise
-        return await self.quick(self._hand_out, site_id, began, view, model)
+        handed: TaskView | None = await self._step(view)(
+            self._hand_out, site_id, began, view, model
+        )
+        return handed
+
+    def _step(self, view: TaskView | None) -> Callable[..., Awaitable[Any]]:
+        """How a step on ``view``'s task runs: ``quick``, or in the executor for a task of
+        an asynchronous run, whose look at it may wait for the run's next round
+        (``Engine.await_carried``): never on the loop, nor holding up the steps queued
+        behind it on the step thread."""
+        if view is not None and self.engine.is_async_task(view.task_id):
+            return self.call
+        return self.quick
 
     def _hand_out(
         self, site_id: str, began: float, view: TaskView | None, model: bytes
@@ -351,9 +354,9 @@ class CoordinatorAPI:
         """The task's model (or compressed step, or SCAFFOLD's c), each chunk led by
         ``frame(len)``."""
         engine = self.engine
-        digest, size, base = await self.quick(
-            engine.open_download, site_id, task_id, delta, controls
-        )
+        # An async run's task may wait for its next round here (see _step).
+        step = self.call if engine.is_async_task(task_id) else self.quick
+        digest, size, base = await step(engine.open_download, site_id, task_id, delta, controls)
         started, sent = time.monotonic(), 0  # sent: handed to gRPC, frames included
         await self.quick(engine.transfer, site_id, True)
         try:

@@ -133,14 +133,18 @@ def _hand_back(turn: list[_Step], outcomes: list[tuple[bool, Any]]) -> None:
 
 
 def _settle_all(settled: list[tuple[asyncio.Future[Any], bool, Any]]) -> None:
-    """On the futures' loop."""
+    """On the futures' loop; each on its own: one that cannot take its outcome (an
+    asyncio future refuses a StopIteration) leaves none of the others waiting."""
     for future, ok, value in settled:
         if future.done():
             continue
-        if ok:
-            future.set_result(value)
-        else:
-            future.set_exception(value)
+        try:
+            if ok:
+                future.set_result(value)
+            else:
+                future.set_exception(value)
+        except Exception as exc:
+            future.set_exception(RuntimeError(f"an engine step's outcome was refused: {exc}"))
 
 
 def _cancel(future: asyncio.Future[Any]) -> None:

@@ -59,8 +59,9 @@ def test_steps_queued_behind_the_lock_run_in_one_turn_in_order() -> None:
     try:
         assert asyncio.run(main()) == [i * i for i in range(10)]
         assert ran == list(range(10))
+        _wait_until(lambda: steps.pending == 0, "the runner never counted its turns")
         # The first step may have been taken alone before the rest were queued.
-        assert steps.steps == 10 and steps.turns <= 2 and steps.pending == 0
+        assert steps.steps == 10 and steps.turns <= 2
     finally:
         steps.close()
 
@@ -68,6 +69,11 @@ def test_steps_queued_behind_the_lock_run_in_one_turn_in_order() -> None:
 def test_a_failing_step_fails_its_own_caller_only() -> None:
     lock = _Lock()
     steps = LockedSteps(lock.locked)
+    began, release = threading.Event(), threading.Event()
+
+    def blocker() -> None:  # holds the runner until both steps below are queued
+        began.set()
+        release.wait(10)
 
     def fails() -> None:
         raise ValueError("this step's own refusal")
@@ -75,10 +81,13 @@ def test_a_failing_step_fails_its_own_caller_only() -> None:
     async def main() -> tuple[BaseException | None, str]:
         loop = asyncio.get_running_loop()
         inbox = LoopInbox(loop)
-        bad, good = loop.create_future(), loop.create_future()
-        with lock.lock:
-            steps.put(fails, (), bad, inbox)
-            steps.put(lambda: "after it", (), good, inbox)
+        first, bad, good = loop.create_future(), loop.create_future(), loop.create_future()
+        steps.put(blocker, (), first, inbox)
+        await asyncio.to_thread(began.wait, 10)
+        steps.put(fails, (), bad, inbox)
+        steps.put(lambda: "after it", (), good, inbox)
+        release.set()  # the two run in one turn now
+        await first
         try:
             await bad
             refused = None
@@ -90,6 +99,8 @@ def test_a_failing_step_fails_its_own_caller_only() -> None:
         refused, after = asyncio.run(main())
         assert isinstance(refused, ValueError) and "own refusal" in str(refused)
         assert after == "after it"
+        _wait_until(lambda: steps.pending == 0, "the runner never counted its turns")
+        assert steps.turns == 2 and steps.steps == 3  # the failure did not end its turn
     finally:
         steps.close()
 
@@ -110,6 +121,7 @@ def test_turns_are_bounded() -> None:
 
     try:
         asyncio.run(main())
+        _wait_until(lambda: steps.pending == 0, "the runner never counted its turns")
         assert steps.steps == n and steps.turns >= 3  # none longer than MAX_TURN
     finally:
         steps.close()
@@ -144,7 +156,7 @@ def test_closing_cancels_what_is_queued_and_refuses_more() -> None:
         return await asyncio.wait_for(first, 5), cancelled
 
     assert asyncio.run(main()) == ("done", True)
-    assert steps.pending == 0
+    _wait_until(lambda: steps.pending == 0, "the runner never counted the step under way")
 
 
 def test_a_step_nobody_waits_for_is_logged_when_it_fails(
@@ -204,3 +216,38 @@ def test_quick_runs_a_step_the_loop_finds_locked_on_the_step_thread(
         release.set()
         holder.join()
     assert threads == ["engine-steps"]
+
+
+def test_an_outcome_a_future_refuses_leaves_no_other_caller_waiting() -> None:
+    lock = _Lock()
+    steps = LockedSteps(lock.locked)
+    began, release = threading.Event(), threading.Event()
+
+    def blocker() -> None:
+        began.set()
+        release.wait(10)
+
+    def stops() -> None:
+        raise StopIteration  # an asyncio future refuses to take it
+
+    async def main() -> tuple[str, str]:
+        loop = asyncio.get_running_loop()
+        inbox = LoopInbox(loop)
+        first, odd, good = loop.create_future(), loop.create_future(), loop.create_future()
+        steps.put(blocker, (), first, inbox)
+        await asyncio.to_thread(began.wait, 10)
+        steps.put(stops, (), odd, inbox)
+        steps.put(lambda: "settled", (), good, inbox)  # in the same turn, after it
+        release.set()
+        try:
+            await asyncio.wait_for(odd, 5)
+            said = ""
+        except RuntimeError as exc:
+            said = str(exc)
+        return said, await asyncio.wait_for(good, 5)
+
+    try:
+        said, after = asyncio.run(main())
+        assert "outcome was refused" in said and after == "settled"
+    finally:
+        steps.close()

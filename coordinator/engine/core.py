@@ -503,13 +503,14 @@ class Engine:
         """A download or upload of the site's began (or ended): while one is under way the
         site is online, however long a busy coordinator takes to move its bytes. (One
         that stalls is ended by the edge's watchdog, one whose site died by gRPC.)"""
-        if began:
-            self._moving[site_id] += 1
-            return
-        self._moving[site_id] -= 1
-        if self._moving[site_id] <= 0:
-            del self._moving[site_id]
-        self._last_seen[site_id] = max(self._last_seen.get(site_id, 0.0), self.clock())
+        with self._lock:  # its callers' steps may run on any thread (held already: cheap)
+            if began:
+                self._moving[site_id] += 1
+                return
+            self._moving[site_id] -= 1
+            if self._moving[site_id] <= 0:
+                del self._moving[site_id]
+            self._last_seen[site_id] = max(self._last_seen.get(site_id, 0.0), self.clock())
 
     def site_heard(self, site_id: str) -> bool:
         """Whether the site polled, or was heard from, within its liveness timeout (its
