@@ -29,6 +29,19 @@ class _Lock:
             return fn(*args)
 
 
+class _Blocker:
+    """A step that holds the runner's thread until released: what is put meanwhile
+    queues, and runs in the next turn, together."""
+
+    def __init__(self) -> None:
+        self.began, self.release = threading.Event(), threading.Event()
+
+    def __call__(self) -> str:
+        self.began.set()
+        self.release.wait(10)
+        return "done"
+
+
 def _wait_until(check: Callable[[], bool], what: str) -> None:
     deadline = time.monotonic() + 10
     while not check():
@@ -69,11 +82,7 @@ def test_steps_queued_behind_the_lock_run_in_one_turn_in_order() -> None:
 def test_a_failing_step_fails_its_own_caller_only() -> None:
     lock = _Lock()
     steps = LockedSteps(lock.locked)
-    began, release = threading.Event(), threading.Event()
-
-    def blocker() -> None:  # holds the runner until both steps below are queued
-        began.set()
-        release.wait(10)
+    blocker = _Blocker()
 
     def fails() -> None:
         raise ValueError("this step's own refusal")
@@ -83,10 +92,10 @@ def test_a_failing_step_fails_its_own_caller_only() -> None:
         inbox = LoopInbox(loop)
         first, bad, good = loop.create_future(), loop.create_future(), loop.create_future()
         steps.put(blocker, (), first, inbox)
-        await asyncio.to_thread(began.wait, 10)
+        await asyncio.to_thread(blocker.began.wait, 10)
         steps.put(fails, (), bad, inbox)
         steps.put(lambda: "after it", (), good, inbox)
-        release.set()  # the two run in one turn now
+        blocker.release.set()  # the two run in one turn now
         await first
         try:
             await bad
@@ -130,22 +139,17 @@ def test_turns_are_bounded() -> None:
 def test_closing_cancels_what_is_queued_and_refuses_more() -> None:
     lock = _Lock()
     steps = LockedSteps(lock.locked)
-    began, release = threading.Event(), threading.Event()
-
-    def busy() -> str:
-        began.set()
-        release.wait(10)
-        return "done"
+    busy = _Blocker()
 
     async def main() -> tuple[str, bool]:
         loop = asyncio.get_running_loop()
         inbox = LoopInbox(loop)
         first, queued = loop.create_future(), loop.create_future()
         steps.put(busy, (), first, inbox)
-        await asyncio.to_thread(began.wait, 10)  # under way: it runs to its end
+        await asyncio.to_thread(busy.began.wait, 10)  # under way: it runs to its end
         steps.put(lambda: "never begun", (), queued, inbox)
         steps.close()
-        release.set()
+        busy.release.set()
         with pytest.raises(RuntimeError):
             steps.put(lambda: None, ())
         try:
@@ -221,11 +225,7 @@ def test_quick_runs_a_step_the_loop_finds_locked_on_the_step_thread(
 def test_an_outcome_a_future_refuses_leaves_no_other_caller_waiting() -> None:
     lock = _Lock()
     steps = LockedSteps(lock.locked)
-    began, release = threading.Event(), threading.Event()
-
-    def blocker() -> None:
-        began.set()
-        release.wait(10)
+    blocker = _Blocker()
 
     def stops() -> None:
         raise StopIteration  # an asyncio future refuses to take it
@@ -235,10 +235,10 @@ def test_an_outcome_a_future_refuses_leaves_no_other_caller_waiting() -> None:
         inbox = LoopInbox(loop)
         first, odd, good = loop.create_future(), loop.create_future(), loop.create_future()
         steps.put(blocker, (), first, inbox)
-        await asyncio.to_thread(began.wait, 10)
+        await asyncio.to_thread(blocker.began.wait, 10)
         steps.put(stops, (), odd, inbox)
         steps.put(lambda: "settled", (), good, inbox)  # in the same turn, after it
-        release.set()
+        blocker.release.set()
         try:
             await asyncio.wait_for(odd, 5)
             said = ""
