@@ -447,17 +447,21 @@ def test_a_scaffold_run_across_processes_through_a_site_sigkill(cluster: LocalCl
             assert p.metrics["scaffold_steps"] == steps
             assert p.metrics["scaffold_from_round"] == r.number - 1, (p.site_id, r.number)
     for site_id in ids:
-        # Promoted once the site hears its update was accepted: a moment after the commit.
+        # Promoted once the site hears its update was accepted: a moment after the commit,
+        # and its pending copy dropped a moment after that.
         path = _controls_file(cluster, site_id, run_id)
+        pending = path.parent / f"pending-{run_id}.safetensors"
         deadline = time.monotonic() + 30
-        while (kept := load_file(path)).after_round < 4 and time.monotonic() < deadline:
-            time.sleep(0.1)  # polling the site's file, with a deadline
+        while (
+            (kept := load_file(path)).after_round < 4 or pending.exists()
+        ) and time.monotonic() < deadline:
+            time.sleep(0.1)  # polling the site's files, with a deadline
         assert kept.after_round == 4, (site_id, kept.after_round)
         prev = load_file(path.with_name(f"scaffold-{run_id}.prev.safetensors"))
         assert prev.after_round == 3
         assert not torch.equal(_first(kept), _first(prev))  # c_i moved in its last round
         assert not path.with_name(f"scaffold-{run_id}.staged.safetensors").exists()
-        assert not (path.parent / f"pending-{run_id}.safetensors").exists()
+        assert not pending.exists()
     cs = [_server_c(cluster, run_id, n) for n in (1, 4)]
     assert cs[0] and sorted(cs[0]) == sorted(cs[1])
     assert any(not torch.equal(cs[0][k], cs[1][k]) for k in cs[0])
