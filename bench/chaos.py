@@ -472,6 +472,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--settle-rounds: must be at least 1")
     if args.configs:
         configs = [tuple(c.split("+", 1)) for c in args.configs.split(",")]
+        for config in configs:
+            if len(config) != 2 or config[0] not in STRATEGIES or config[1] not in CODECS:
+                parser.error(
+                    f"--configs: {'+'.join(config)!r} is not strategy+codec, a strategy of "
+                    f"{', '.join(STRATEGIES)} and a codec of {', '.join(CODECS)}"
+                )
     elif args.quick:
         configs = QUICK
     else:

@@ -215,10 +215,10 @@ class CoordinatorAPI:
         ends without a task as soon as the run opens an attempt without the site, or
         ends (``Engine.task_after``).
 
-        Three engine steps at most, whatever the wait: the poll's start and first look
-        are one, each wake-up's look one, and the poll's end with a small model's
-        download (``_hand_out``) one: at thousands of sites a round, each step is a turn
-        of the engine's lock, and a hand-off to a thread whenever it is taken."""
+        Its engine steps are few: the poll's start and first look are one, each
+        wake-up's look one, and the poll's end with a small model's download
+        (``_hand_out``) one. At thousands of sites a round each step is a turn of the
+        engine's lock, and a hand-off to a thread whenever it is taken."""
         engine = self.engine
         deadline = time.monotonic() + max(0.0, min(timeout_s, engine.settings.poll_timeout_s))
         keys = [site_key(site_id)] if after is None else [site_key(site_id), opened_key(after[0])]
@@ -255,17 +255,16 @@ class CoordinatorAPI:
             ticket.discard()
             self.later(engine.poll_end, site_id, began, hung_up())
             raise
-        handed: TaskView | None = await self._step(view)(
-            self._hand_out, site_id, began, view, model
-        )
+        step = self._step(view.task_id if view is not None else None)
+        handed: TaskView | None = await step(self._hand_out, site_id, began, view, model)
         return handed
 
-    def _step(self, view: TaskView | None) -> Callable[..., Awaitable[Any]]:
-        """How a step on ``view``'s task runs: ``quick``, or in the executor for a task of
-        an asynchronous run, whose look at it may wait for the run's next round
+    def _step(self, task_id: str | None) -> Callable[..., Awaitable[Any]]:
+        """How a step on the task ``task_id`` runs: ``quick``, or in the executor for a
+        task of an asynchronous run, whose look at it may wait for the run's next round
         (``Engine.await_carried``): never on the loop, nor holding up the steps queued
         behind it on the step thread."""
-        if view is not None and self.engine.is_async_task(view.task_id):
+        if task_id is not None and self.engine.is_async_task(task_id):
             return self.call
         return self.quick
 
@@ -354,8 +353,7 @@ class CoordinatorAPI:
         """The task's model (or compressed step, or SCAFFOLD's c), each chunk led by
         ``frame(len)``."""
         engine = self.engine
-        # An async run's task may wait for its next round here (see _step).
-        step = self.call if engine.is_async_task(task_id) else self.quick
+        step = self._step(task_id)  # an async run's task may wait for its next round here
         digest, size, base = await step(engine.open_download, site_id, task_id, delta, controls)
         started, sent = time.monotonic(), 0  # sent: handed to gRPC, frames included
         await self.quick(engine.transfer, site_id, True)
