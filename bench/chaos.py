@@ -34,6 +34,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import FrameType
+from typing import NoReturn
 
 import torch
 from sqlalchemy import create_engine, text
@@ -453,7 +455,12 @@ def report(tallies: list[Tally]) -> str:
     return "\n".join(lines)
 
 
+def _interrupted(signum: int, frame: FrameType | None) -> NoReturn:
+    raise KeyboardInterrupt  # SIGTERM stops the federation's processes as Ctrl-C does
+
+
 def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _interrupted)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the bounded version CI runs")
     parser.add_argument(
