@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import random
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -32,6 +31,7 @@ from fedra.client.connection import (
     new_nonce,
 )
 from fedra.client.executor import Executor, LocalExecutor, WorldBroken
+from fedra.client.heartbeat import Heartbeat
 from fedra.client.inner import KeepState, Rebase
 from fedra.client.metrics import RoundMeasures, SiteMetrics, world_restarts, write_site_file
 from fedra.client.optstate import OptimizerStates
@@ -245,7 +245,7 @@ class SiteAgent:
             self.conn.report_failure(task.task_id, declined, declined=True)
             return
         self._audit("task.accept", task)
-        beat = _Heartbeat(
+        beat = Heartbeat(
             self.conn, task.task_id, session.heartbeat_interval_s, session.poll_timeout_s
         )
         self.current = task
@@ -281,7 +281,7 @@ class SiteAgent:
             log.warning("%s: could not report the failure: %s", self.tag, exc.code().name)
 
     def _train_and_upload(
-        self, task: Assignment, session: Session, tag: str, beat: _Heartbeat
+        self, task: Assignment, session: Session, tag: str, beat: Heartbeat
     ) -> None:
         impl = self.tasks[task.entry_point]
         params = task.train.params
@@ -812,93 +812,6 @@ def _fit_seed(seed: int, round_number: int, site_id: str) -> int:
     # Not keyed by the run id: the same spec on the same data trains the same way.
     key = f"{seed}:{round_number}:{site_id}".encode()
     return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1
-
-
-FIRST_BEAT = (0.5, 1.0)  # where in its interval a task's first heartbeat falls, drawn
-# Its own generator: a task that seeds ``random`` for its training keeps what it drew.
-_BEATS = random.Random()
-
-
-def first_beat_s(interval_s: float, rng: random.Random | None = None) -> float:
-    """When a task's first heartbeat is due: at a point drawn in the second half of the
-    interval, the next ones an interval apart. A round's sites get their tasks at one
-    instant; beating at the interval's end, they would all beat at one instant every
-    interval (thousands of calls at once at the coordinator, every 5 s). Never later than
-    the interval, so the coordinator hears a site as often as before; a task shorter than
-    half an interval still sends none."""
-    low, high = FIRST_BEAT
-    return interval_s * (rng or _BEATS).uniform(low, high)
-
-
-BEAT_TIMEOUT_MIN_S = 2.0  # a heartbeat call waits at least this long for its answer
-
-
-def beat_timeout_s(interval_s: float) -> float:
-    """How long a heartbeat call waits for its answer beyond its hold: two intervals. A
-    beat that waits in a busy coordinator's queue still counts when its handler starts,
-    so it is not given up after one interval (a coordinator whose queue held every call
-    longer would hear no beat at all) (``_Heartbeat``)."""
-    return max(2 * interval_s, BEAT_TIMEOUT_MIN_S)
-
-
-class _Heartbeat:
-    """Beats while a task runs; notices when the coordinator withdraws the task.
-
-    Each beat asks the coordinator to hold it open up to ``hold_s`` while the task counts
-    (the site is online while it is held, so one call stands for many beats), and it
-    answers at once when the task stops counting. A coordinator that does not hold calls
-    answers each at once, and the beats go an interval apart. Either way each is due an
-    interval after the one before was due, not after its answer came (a beat whose time
-    passed while the one before was open goes as soon as that one is answered), and one
-    is in flight at a time: a coordinator behind on its calls is not sent more of them.
-    Each waits two intervals beyond its hold for its answer (``beat_timeout_s``)."""
-
-    def __init__(
-        self, conn: Connection, task_id: str, interval_s: float, hold_s: float = 0.0
-    ) -> None:
-        self.conn, self.task_id, self.interval_s = conn, task_id, interval_s
-        self.hold_s = max(0.0, hold_s)
-        self.done = threading.Event()
-        self.withdrawn = threading.Event()
-        self._answered = threading.Event()  # set by an answer, and by the task's end
-        self.thread = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
-
-    def _beat(self) -> None:
-        due = time.monotonic() + first_beat_s(self.interval_s)
-        timeout_s = self.hold_s + beat_timeout_s(self.interval_s)
-        while not self.done.wait(max(0.0, due - time.monotonic())):
-            if not self.conn.moved_within(self.interval_s):  # else heard through it
-                try:
-                    beat = self.conn.heartbeat_future(self.task_id, timeout_s, self.hold_s)
-                except ValueError:  # the site is stopping: it closed its channel under us
-                    return
-                beat.add_done_callback(lambda _: self._answered.set())
-                while not beat.done() and not self.done.is_set():
-                    self._answered.wait()
-                    self._answered.clear()
-                if not beat.done():  # the task is over: what it would say is moot
-                    beat.cancel()
-                    return
-                try:
-                    if not beat.result().task_current:
-                        self.withdrawn.set()
-                except grpc.RpcError:
-                    pass  # the coordinator may be restarting; the upload path retries
-                except (grpc.FutureCancelledError, ValueError):  # the site is stopping
-                    return
-            # The next an interval after this one was due; once that has passed (a held
-            # or slow answer, the process stopped), now, and the cadence goes on from
-            # there: the beats missed are not sent in a burst.
-            due = max(due + self.interval_s, time.monotonic())
-
-    def __enter__(self) -> _Heartbeat:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.done.set()
-        self._answered.set()
-        self.thread.join()
 
 
 def _stages_state(task: Assignment) -> bool:

@@ -7,7 +7,9 @@ import logging
 import socket
 import threading
 from collections.abc import Mapping
+from concurrent.futures import Future
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from fedra.client.config import SiteConfig
 from fedra.client.connection import Assignment
 from fedra.client.executor import LocalExecutor
 from fedra.examples.synthetic import SyntheticTask
+from fedra.protos.v1 import site_pb2
 from fedra.runspec import CodecSpec, TrainSpec
 
 EP = "fedra.examples.synthetic:task"
@@ -128,26 +131,43 @@ def test_a_task_given_again_for_a_model_held_already_downloads_nothing() -> None
 
 
 def test_a_heartbeat_after_the_site_closed_its_channel_ends_quietly() -> None:
-    """A site stopping mid-task closes its channel under the task's heartbeat thread:
-    the thread ends, with no traceback in the site's log."""
-    import threading
-
-    from fedra.client.agent import _Heartbeat
+    """A site stopping mid-task closes its channel under the task's heartbeat: its beats
+    end, with no traceback in the site's log, and the process's beat clock goes on
+    serving the other tasks' beats."""
     from fedra.client.connection import Connection
+    from fedra.client.heartbeat import BeatClock, Heartbeat
 
     conn = Connection("127.0.0.1:1", "site-a")
     conn.close()
     errors: list[BaseException | None] = []
     previous = threading.excepthook
     threading.excepthook = lambda args: errors.append(args.exc_value)
+    clock = BeatClock()
     try:
-        beat = _Heartbeat(conn, "task-1", interval_s=0.01)
-        beat.thread.start()
-        beat.thread.join(timeout=10)
-        assert not beat.thread.is_alive()
+        with Heartbeat(conn, "task-1", interval_s=0.01, clock=clock) as beat:
+            assert beat.ended.wait(10)
+        other = _Sent()
+        with Heartbeat(other, "task-2", interval_s=0.01, clock=clock) as beat:
+            assert other.beat.wait(10)  # the clock's thread lives on
     finally:
         threading.excepthook = previous
     assert errors == []
+
+
+class _Sent:
+    """A connection whose heartbeats are noted and answered at once."""
+
+    def __init__(self) -> None:
+        self.beat = threading.Event()
+
+    def moved_within(self, seconds: float) -> bool:
+        return False
+
+    def heartbeat_future(self, task_id: str, timeout_s: float = 10.0, hold_s: float = 0.0) -> Any:
+        self.beat.set()
+        answer: Future[Any] = Future()
+        answer.set_result(site_pb2.HeartbeatResponse(task_current=True))
+        return answer
 
 
 def test_the_update_is_computed_in_the_trained_model_s_own_memory() -> None:

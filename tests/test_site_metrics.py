@@ -23,10 +23,11 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from fedra import __version__
-from fedra.client.agent import SiteAgent, _Heartbeat
+from fedra.client.agent import SiteAgent
 from fedra.client.config import MetricsConfig, SiteConfig
 from fedra.client.connection import Assignment, Sent, Session
 from fedra.client.executor import LocalExecutor
+from fedra.client.heartbeat import Heartbeat
 from fedra.client.metrics import MAX_RUNS, SITE_FILE, RoundMeasures, SiteMetrics
 from fedra.config import ConfigError
 from fedra.examples.synthetic import SyntheticTask
@@ -256,7 +257,7 @@ def test_a_round_s_own_measures_are_what_the_agent_records() -> None:
     agent.conn.download = download  # type: ignore[method-assign]
     agent.conn.upload = upload  # type: ignore[method-assign]
     task = _assignment(model_bytes=1234)
-    beat = _Heartbeat(agent.conn, task.task_id, 60.0)  # never started: nothing to beat
+    beat = Heartbeat(agent.conn, task.task_id, 60.0)  # never started: nothing to beat
     agent._train_and_upload(task, Session(60.0, 5.0, 1 << 20), "test", beat)
     s = parsed(agent.metrics.exposition().decode())
     assert agent.rounds_done == 1

@@ -20,10 +20,12 @@ import pytest
 import torch
 from sqlalchemy import text
 
-from fedra.client.agent import FIRST_BEAT, SiteAgent, _Heartbeat, first_beat_s
+from fedra.client import heartbeat as heartbeat_mod
+from fedra.client.agent import SiteAgent
 from fedra.client.config import SiteConfig
 from fedra.client.connection import Assignment, Connection
 from fedra.client.executor import LocalExecutor
+from fedra.client.heartbeat import FIRST_BEAT, Heartbeat, first_beat_s
 from fedra.coordinator.engine import EngineSettings
 from fedra.examples.synthetic import task as synthetic_task
 from fedra.protos.codec import CodecError, decode, encode
@@ -243,14 +245,14 @@ def test_a_heartbeat_is_skipped_while_a_transfer_moves_bytes() -> None:
         assert not b.conn.moved_within(10.0)
         with b.conn._transfer():
             assert b.conn.moved_within(10.0)
-            with _Heartbeat(b.conn, "t", 0.05):
+            with Heartbeat(b.conn, "t", 0.05):
                 end = time.monotonic() + 0.4
                 while time.monotonic() < end:  # a chunk every 10 ms
                     b.conn._moved_at = time.monotonic()
                     time.sleep(0.01)
             assert b.beats == 0
             # Its next chunk long in coming (a slow link): heartbeats again.
-            with _Heartbeat(b.conn, "t", 0.05):
+            with Heartbeat(b.conn, "t", 0.05):
                 deadline = time.monotonic() + 10
                 while b.beats == 0 and time.monotonic() < deadline:
                     time.sleep(0.02)
@@ -278,13 +280,12 @@ def test_a_round_s_first_heartbeats_are_spread_over_the_second_half_of_the_inter
 def test_a_heartbeat_beats_first_when_drawn_then_an_interval_apart(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from fedra.client import agent as agent_mod
 
-    monkeypatch.setattr(agent_mod, "first_beat_s", lambda interval_s: 0.05)
+    monkeypatch.setattr(heartbeat_mod, "first_beat_s", lambda interval_s: 0.05)
     b = _Beating()
     try:
         started = time.monotonic()
-        with _Heartbeat(b.conn, "t", 0.5):
+        with Heartbeat(b.conn, "t", 0.5):
             b.until(3)
         times = b.times
         assert len(times) >= 3
@@ -302,13 +303,12 @@ def test_a_slow_heartbeat_answer_does_not_hold_back_the_beats_after_it(
     """Each beat is due an interval after the one before was due: a beat answered late
     (a busy coordinator) is followed by the next as soon as it is answered, not an
     interval after; one is in flight at a time; each waits two intervals for its answer."""
-    from fedra.client import agent as agent_mod
 
-    monkeypatch.setattr(agent_mod, "first_beat_s", lambda interval_s: 0.05)
+    monkeypatch.setattr(heartbeat_mod, "first_beat_s", lambda interval_s: 0.05)
     interval_s = 0.3
     b = _Beating(lambda n: _Answer(after_s=2.5 * interval_s if n == 2 else 0.0))
     try:
-        with _Heartbeat(b.conn, "t", interval_s):
+        with Heartbeat(b.conn, "t", interval_s):
             b.until(5)
         times = b.times
         assert len(times) >= 5
@@ -316,9 +316,9 @@ def test_a_slow_heartbeat_answer_does_not_hold_back_the_beats_after_it(
         assert slow_answered <= times[2] < slow_answered + 0.5 * interval_s
         gaps = [later - earlier for earlier, later in itertools.pairwise(times[2:])]
         assert all(g >= 0.9 * interval_s for g in gaps), gaps  # then the cadence, no burst
-        assert set(b.timeouts) == {agent_mod.beat_timeout_s(interval_s)}
-        assert agent_mod.beat_timeout_s(interval_s) == agent_mod.BEAT_TIMEOUT_MIN_S
-        assert agent_mod.beat_timeout_s(5.0) == 10.0  # two intervals
+        assert set(b.timeouts) == {heartbeat_mod.beat_timeout_s(interval_s)}
+        assert heartbeat_mod.beat_timeout_s(interval_s) == heartbeat_mod.BEAT_TIMEOUT_MIN_S
+        assert heartbeat_mod.beat_timeout_s(5.0) == 10.0  # two intervals
     finally:
         b.conn.close()
 
@@ -329,20 +329,19 @@ def test_a_held_heartbeat_is_asked_for_and_cancelled_when_the_task_ends(
     """With a hold, each beat asks the coordinator to keep it open that long (its timeout
     covers the hold); the next goes as soon as a held one is answered, and one still held
     when the task ends is cancelled at once: ending the task does not wait for it."""
-    from fedra.client import agent as agent_mod
 
-    monkeypatch.setattr(agent_mod, "first_beat_s", lambda interval_s: 0.02)
+    monkeypatch.setattr(heartbeat_mod, "first_beat_s", lambda interval_s: 0.02)
     # The first is held past its interval, the second on until the task ends.
     b = _Beating(lambda n: _Answer(after_s=1.3 if n == 1 else None))
     try:
-        with _Heartbeat(b.conn, "t", 1.0, hold_s=30.0):
+        with Heartbeat(b.conn, "t", 1.0, hold_s=30.0):
             b.until(2)
             started = time.monotonic()
         assert time.monotonic() - started < 5.0  # the held beat did not hold the task's end
         assert b.beats == 2
         assert 1.3 <= b.times[1] - b.times[0] < 1.8  # right after the first was answered
         assert set(b.holds) == {30.0}
-        assert set(b.timeouts) == {30.0 + agent_mod.beat_timeout_s(1.0)}
+        assert set(b.timeouts) == {30.0 + heartbeat_mod.beat_timeout_s(1.0)}
         assert b.answers[1].cancelled()
     finally:
         b.conn.close()
@@ -351,7 +350,7 @@ def test_a_held_heartbeat_is_asked_for_and_cancelled_when_the_task_ends(
 def test_a_heartbeat_still_tells_a_site_its_task_was_withdrawn() -> None:
     b = _Beating(lambda n: _Answer(current=False))
     try:
-        with _Heartbeat(b.conn, "t", 0.02) as beat:
+        with Heartbeat(b.conn, "t", 0.02) as beat:
             assert beat.withdrawn.wait(10)
     finally:
         b.conn.close()
@@ -366,10 +365,9 @@ def test_a_task_withdrawn_before_its_training_is_neither_trained_nor_uploaded(
     not fetch the model for it, nor, once the model is in, train on it. Before, it
     trained to the end and then did not upload: time a site then spent late for the
     task given next (the retry of a round, at thousands of sites)."""
-    from fedra.client import agent as agent_mod
     from fedra.client.connection import Session
 
-    monkeypatch.setattr(agent_mod, "first_beat_s", lambda interval_s: 0.02)
+    monkeypatch.setattr(heartbeat_mod, "first_beat_s", lambda interval_s: 0.02)
     made = _coordinator(tmp_path)
     c = next(made)
     agent: SiteAgent | None = None
@@ -383,7 +381,7 @@ def test_a_task_withdrawn_before_its_training_is_neither_trained_nor_uploaded(
         assert task is not None and task.round == 1
         fetched, trained = [], []
         real_model, real_train = agent._global_model, agent.executor.train
-        beat = _Heartbeat(agent.conn, task.task_id, 1.0, hold_s=2.0)
+        beat = Heartbeat(agent.conn, task.task_id, 1.0, hold_s=2.0)
 
         def withdraw() -> None:
             c.admin.CancelRun(admin_pb2.CancelRunRequest(run_id=run_id), timeout=10)
