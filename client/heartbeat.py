@@ -12,6 +12,7 @@ nothing waits on a thread meanwhile.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import logging
@@ -19,6 +20,7 @@ import os
 import random
 import threading
 import time
+from concurrent.futures import CancelledError
 from typing import Protocol
 
 import grpc
@@ -145,8 +147,8 @@ class Heartbeat:
                 self.withdrawn.set()
         except grpc.RpcError:
             pass  # the coordinator may be restarting; the upload path retries
-        except (grpc.FutureCancelledError, ValueError):  # the task ended, the site stopped
-            pass
+        except (grpc.FutureCancelledError, CancelledError, ValueError):  # the task ended,
+            pass  # or the site stopped
         except Exception:  # never the end of this task's beats
             log.exception("a heartbeat of task %s: its answer could not be read", self.task_id)
         with self._lock:
@@ -177,12 +179,25 @@ class BeatClock:
         with self._changed:
             heapq.heappush(self._due, (heart.due, next(self._order), heart))
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-                self._thread.start()
+                self._start()
             if self._due[0][2] is heart:  # earlier than what the thread sleeps for
                 self._changed.notify()
 
+    def _start(self) -> None:  # under ``_changed``
+        self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+        self._thread.start()
+
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:  # it serves as long as the process; ended anyway, its beats go on
+            with self._changed:
+                self._thread = None
+                if self._due:
+                    with contextlib.suppress(RuntimeError):  # the interpreter is ending
+                        self._start()
+
+    def _serve(self) -> None:
         while True:
             with self._changed:
                 now = time.monotonic()
@@ -197,7 +212,8 @@ class BeatClock:
                     heart.beat(self, now)
                 except Exception:  # one task's failure stops its beats, not the others'
                     log.exception("a heartbeat of task %s could not be sent", heart.task_id)
-                    heart.stop()
+                    with contextlib.suppress(Exception):
+                        heart.stop()
 
 
 _SHARED = BeatClock()  # its thread starts with the first beat scheduled
