@@ -7,9 +7,7 @@ import logging
 import socket
 import threading
 from collections.abc import Mapping
-from concurrent.futures import Future
 from dataclasses import replace
-from typing import Any
 
 import pytest
 import torch
@@ -20,8 +18,8 @@ from fedra.client.config import SiteConfig
 from fedra.client.connection import Assignment
 from fedra.client.executor import LocalExecutor
 from fedra.examples.synthetic import SyntheticTask
-from fedra.protos.v1 import site_pb2
 from fedra.runspec import CodecSpec, TrainSpec
+from tests.test_heartbeat import _Site
 
 EP = "fedra.examples.synthetic:task"
 
@@ -146,28 +144,12 @@ def test_a_heartbeat_after_the_site_closed_its_channel_ends_quietly() -> None:
     try:
         with Heartbeat(conn, "task-1", interval_s=0.01, clock=clock) as beat:
             assert beat.ended.wait(10)
-        other = _Sent()
-        with Heartbeat(other, "task-2", interval_s=0.01, clock=clock) as beat:
-            assert other.beat.wait(10)  # the clock's thread lives on
+        other = _Site()
+        with Heartbeat(other, "task-2", interval_s=0.01, clock=clock):
+            assert other.sent.wait(10)  # the clock's thread lives on
     finally:
         threading.excepthook = previous
     assert errors == []
-
-
-class _Sent:
-    """A connection whose heartbeats are noted and answered at once."""
-
-    def __init__(self) -> None:
-        self.beat = threading.Event()
-
-    def moved_within(self, seconds: float) -> bool:
-        return False
-
-    def heartbeat_future(self, task_id: str, timeout_s: float = 10.0, hold_s: float = 0.0) -> Any:
-        self.beat.set()
-        answer: Future[Any] = Future()
-        answer.set_result(site_pb2.HeartbeatResponse(task_current=True))
-        return answer
 
 
 def test_the_update_is_computed_in_the_trained_model_s_own_memory() -> None:
