@@ -19,6 +19,9 @@ synthetic task (9 parameters) and uploads, in a run of ``--rounds`` rounds of Fe
 - latency p50/p99 of ListSites and GetRun, called ``--admin-hz`` times a second each by a
   thread of this process on its own channel while the rounds run (GetRun as `fedra run
   status` asks for it, a summary, or with ``--status-probe pages`` a page of rows);
+- meanwhile, how late a process that only sleeps 5 ms at a time wakes (``WakeProbe``: a
+  session of its own at this script's priority, as the operators' read process is): the
+  machine's floor under those latencies;
 - errors by gRPC status code: what each agent's ``Connection`` calls raised (counted by
   wrapping the methods of each agent's own Connection object), the agents' own warnings
   by message, and the admin caller's failed calls.
@@ -95,6 +98,8 @@ ADMIN_CALL_TIMEOUT_S = 10.0
 SLOWEST_KEPT = 5  # the slowest admin calls reported, each with when it was sent
 SAMPLE_S = 0.25  # how often the coordinator's /proc figures are read
 STOP_GRACE_S = 15.0  # for a worker to stop its agents and write its figures
+READY_TIMEOUT_S = 60.0  # for the wake probe to start
+WAKE_PROBE_S = 0.005  # the wake probe's sleep: it measures how late it wakes from each
 # The aims: (key, text, the N it is stated for, or None for every N).
 AIMS = (
     ("first_attempt", "every round commits on its first attempt", 5000),
@@ -639,6 +644,67 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
+def wake_probe_main() -> None:
+    """The wake probe's process: sleep ``WAKE_PROBE_S`` again and again until stdin closes
+    (or says anything), then print how late each wake-up was, as JSON. It does no work,
+    so its lateness is the machine's alone: how long a process at the coordinator's
+    priority, in a session of its own as the operators' read process is, waited for a
+    CPU while the run went on."""
+    late_ms: list[float] = []
+    print("ready", flush=True)
+    with selectors.DefaultSelector() as selector:
+        selector.register(sys.stdin, selectors.EVENT_READ)
+        while True:
+            began = time.monotonic()
+            if selector.select(WAKE_PROBE_S):
+                break
+            late_ms.append(max(0.0, (time.monotonic() - began - WAKE_PROBE_S) * 1000))
+    print(json.dumps(wake_figures(late_ms)))
+
+
+def wake_figures(late_ms: list[float]) -> dict[str, Any]:
+    return {
+        "wakes": len(late_ms),
+        "p50_ms": percentile(late_ms, 0.5),
+        "p99_ms": percentile(late_ms, 0.99),
+        "max_ms": max(late_ms, default=None),
+        "over_50_ms": sum(x > 50 for x in late_ms),
+    }
+
+
+class WakeProbe(AbstractContextManager["WakeProbe"]):
+    """The wake probe (``--wake-probe``) as a process of its own in a session of its own,
+    at this process's priority, for as long as the ``with`` block: what an idle process
+    on this machine waits to be run is the floor under every admin call's latency."""
+
+    def __init__(self) -> None:
+        self.figures: dict[str, Any] = {}
+        self._popen = subprocess.Popen(
+            [sys.executable, __file__, "--wake-probe"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            start_new_session=True,
+        )
+
+    def __enter__(self) -> WakeProbe:
+        """Once the probe is ready (it imports what this script does)."""
+        assert self._popen.stdout is not None
+        with selectors.DefaultSelector() as selector:
+            selector.register(self._popen.stdout, selectors.EVENT_READ)
+            if not selector.select(READY_TIMEOUT_S) or self._popen.stdout.readline() != b"ready\n":
+                self.__exit__()
+                raise ClusterError("the wake probe did not start")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            out, _ = self._popen.communicate(b"stop\n", timeout=STOP_GRACE_S)
+            self.figures = {**json.loads(out), "pid": self._popen.pid}
+        except (subprocess.TimeoutExpired, ValueError):
+            self._popen.kill()
+            self._popen.wait()
+
+
 def make_spec(n: int, rounds: int, deadline_s: float) -> RunSpec:
     return RunSpec(
         task=TASK,
@@ -738,17 +804,18 @@ def probe_admin(
     # operator's CLI uses it; else the site port (--coordinator-flags '--admin-port none').
     address = cluster.admin_address or cluster.address
     probes = {name: AdminProbe(address, name, call, hz) for name, call in calls.items()}
-    for probe in probes.values():
-        probe.start()
-    try:
-        finished = wait_finished(probes["GetRun"], cluster.coordinator, deadline)
-    finally:
+    with WakeProbe() as wake:
         for probe in probes.values():
-            probe.stop()
+            probe.start()
+        try:
+            finished = wait_finished(probes["GetRun"], cluster.coordinator, deadline)
+        finally:
+            for probe in probes.values():
+                probe.stop()
     errors: Counter[str] = Counter()
     for probe in probes.values():
         errors.update(probe.errors)
-    figures = {"admin": {name: p.figures() for name, p in probes.items()}}
+    figures = {"admin": {name: p.figures() for name, p in probes.items()}, "wake": wake.figures}
     return finished, {**figures, "admin_errors": dict(errors), "status_probe": status}
 
 
@@ -1156,6 +1223,11 @@ def print_result(r: dict[str, Any]) -> None:
             slow = _when(a.get("slowest", []), opened)
             print(f"  admin {name} ({port}): p50 {_ms(a['p50_ms'])}, p99 {_ms(a['p99_ms'])}, "
                   f"{a['calls']} calls; slowest: {slow}")  # fmt: skip
+        if wake := run.get("wake"):
+            print(f"  an idle process at the coordinator's priority woke late by: p50 "
+                  f"{_ms(wake['p50_ms'])}, p99 {_ms(wake['p99_ms'])}, max {_ms(wake['max_ms'])} "
+                  f"({wake['over_50_ms']} times over 50 ms in {wake['wakes']} wake-ups): the "
+                  f"machine's floor under the admin calls' latency")  # fmt: skip
         for problem, count in sorted(run["participation_problems"].items())[:5]:
             print(f"  participations {problem}: {count}")
     if r.get("regions"):  # the sites' coordinator is a region; the peak is the upstream's
@@ -1240,10 +1312,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--site-nice",
         type=int,
-        default=10,
+        default=19,
         help="the worker processes' niceness, of their threads and of their sessions' "
-        "scheduling groups: lower priority than the coordinator's, so that thousands of site "
-        "threads do not starve it of CPU (real sites have machines of their own); 0: the same",
+        "scheduling groups (default: 19, the lowest priority): real sites have machines of "
+        "their own, and at 10 (the default until 2026-12-06) an idle process at the "
+        "coordinator's priority waited up to 180 ms for a CPU while they ran; 0: the same",
     )
     parser.add_argument(
         "--site-cpus",
@@ -1291,12 +1364,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     # The worker's own flags: not for people.
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--wake-probe", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--address", help=argparse.SUPPRESS)
     parser.add_argument("--first", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--count", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--stats", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if not args.worker:
+    if not (args.worker or args.wake_probe):
         args.sizes = [int(s) for s in args.sites.split(",") if s.strip()]
         if not args.sizes or min(args.sizes) < 1 or args.rounds < 1 or args.procs < 1:
             parser.error("--sites, --rounds and --procs must be positive")
@@ -1331,6 +1405,9 @@ def _interrupted(signum: int, frame: FrameType | None) -> NoReturn:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.wake_probe:
+        wake_probe_main()
+        return 0
     if args.worker:
         worker_main(args)
         return 0

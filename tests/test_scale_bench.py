@@ -30,7 +30,7 @@ def _bench(tmp_path: Path) -> tuple[dict[str, Any], str]:
     done = run_python(*args, env=env, timeout_s=100)
     assert done.returncode == 0, done.stdout + done.stderr
     doc = json.loads(out.read_text())
-    assert doc["sites_run"] == {"nice": 10, "cpus": str(SITE_CPU), "transport": "aio"}, doc
+    assert doc["sites_run"] == {"nice": 19, "cpus": str(SITE_CPU), "transport": "aio"}, doc
     (result,) = doc["results"]
     return result, done.stdout
 
@@ -59,6 +59,9 @@ def test_scale_bench_reports_every_figure(tmp_path: Path) -> None:
         admin = run["admin"][name]
         assert admin["calls"] >= 1 and 0 < admin["p50_ms"] <= admin["p99_ms"], admin
     assert run["admin_errors"] == {}, run
+    wake = run["wake"]  # the machine's floor under those calls, from a process of its own
+    assert wake["wakes"] > 0 and 0 <= wake["p50_ms"] <= wake["p99_ms"] <= wake["max_ms"], wake
+    assert "an idle process at the coordinator's priority woke late by" in printed, printed
     assert run["status_probe"] == "summary", run
     sites = r["site_calls"]
     assert sites["errors_by_code"] == {} and sites["agents_crashed"] == {}, sites
@@ -75,7 +78,7 @@ def test_scale_bench_reports_every_figure(tmp_path: Path) -> None:
     assert printed.count("aim: ") == 4, printed
     assert list((tmp_path / "tmp").iterdir()) == []  # removed
     assert len(r["pids"]) == 3  # the coordinator and two workers: all gone
-    for pid in r["pids"]:
+    for pid in [*r["pids"], wake["pid"]]:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
 
@@ -103,7 +106,7 @@ def test_scale_bench_runs_the_sites_under_regions(tmp_path: Path) -> None:
     assert "in 2 regions under one upstream" in done.stdout, done.stdout
     assert r["site_calls"]["calls"]["register OK"] == SITES, r["site_calls"]
     assert len(r["pids"]) == 5  # the upstream, two regions, two workers: all gone
-    for pid in r["pids"]:
+    for pid in [*r["pids"], run["wake"]["pid"]]:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
 
