@@ -79,16 +79,35 @@ def _status(exc: BaseException, peer: str) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, "internal coordinator error (see the coordinator log)"
 
 
-async def refuse(
-    context: grpc.aio.ServicerContext[Any, Any], exc: Exception, told: Observers | None = None
-) -> None:
-    """End the call with the status ``exc`` maps to (it raises, as context.abort does);
-    also for checks made before a handler runs (fedra.coordinator.limits). ``told``
-    hear of the refusal (metrics count them by status)."""
+def _refusal(
+    context: grpc.aio.ServicerContext[Any, Any], exc: Exception, told: Observers | None
+) -> tuple[grpc.StatusCode, str]:
     code, message = _status(exc, context.peer())
     if told is not None:
         told.refused(code.name)
-    await context.abort(code, message)
+    return code, message
+
+
+async def refuse(
+    context: grpc.aio.ServicerContext[Any, Any], exc: Exception, told: Observers | None = None
+) -> None:
+    """End the call with the status ``exc`` maps to, raising as context.abort does: for
+    checks made before a handler runs, which must stop it (fedra.coordinator.limits).
+    ``told`` hear of the refusal (metrics count them by status)."""
+    await context.abort(*_refusal(context, exc, told))
+
+
+def decline(
+    context: grpc.aio.ServicerContext[Any, Any], exc: Exception, told: Observers | None = None
+) -> None:
+    """Set the status ``exc`` maps to, for a handler that then returns: gRPC ends the call
+    with it (and no message), as after ``refuse``. Not raising matters at scale: gRPC keeps
+    an abort's exception with the call's state, a reference cycle that holds the handler's
+    frames and all they hold until the collector finds it, and a failed attempt at
+    thousands of sites refuses thousands of calls."""
+    code, message = _refusal(context, exc, told)
+    context.set_code(code)
+    context.set_details(message)
 
 
 def mapped(method: F) -> F:
@@ -102,7 +121,8 @@ def mapped(method: F) -> F:
         except Exception as exc:
             if _aborted(exc):
                 raise
-            await refuse(context, exc, getattr(self, "observers", None))
+            decline(context, exc, getattr(self, "observers", None))
+            return None
 
     return wrapper  # type: ignore[return-value]
 
@@ -118,7 +138,7 @@ def mapped_stream(method: F) -> F:
         except Exception as exc:
             if _aborted(exc):
                 raise
-            await refuse(context, exc, getattr(self, "observers", None))
+            decline(context, exc, getattr(self, "observers", None))
 
     return wrapper  # type: ignore[return-value]
 

@@ -214,19 +214,24 @@ def test_an_ended_call_frees_its_slot_and_leaves_no_cycle_for_the_collector(
             _wait_for(lambda: limiter.in_flight() == 0, "the slots freed")
             for _ in range(5):  # the server's loop finishes the cancelled call meanwhile
                 stub.Heartbeat(site_pb2.HeartbeatRequest(site_id="site-a"), timeout=5)
+            for _ in range(50):  # refused by the servicer: its status set, nothing raised
+                with pytest.raises(grpc.RpcError) as info:
+                    bad = site_pb2.HeartbeatRequest(site_id="site-a", hold_s=-1)
+                    stub.Heartbeat(bad, timeout=5)
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "hold_s" in (info.value.details() or ""), info.value.details()
+            del info
+            _wait_for(lambda: limiter.in_flight() == 0, "the refused calls' slots freed")
             gc.collect()
             left = collections.Counter(type(o).__name__ for o in gc.garbage)
         finally:
             gc.set_debug(0)
             gc.garbage.clear()
-        with pytest.raises(grpc.RpcError) as info:  # refused by the servicer (gRPC keeps
-            # the abort's exception with the call's state: a cycle, but refusals are few)
-            stub.Heartbeat(site_pb2.HeartbeatRequest(site_id="site-a", hold_s=-1), timeout=5)
-        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        _wait_for(lambda: limiter.in_flight() == 0, "the refused call's slot freed")
-        # Each of the 51 calls left one of each before; a few may be another test's, whose
-        # objects became garbage meanwhile.
-        kinds = ("_Call", "_Caller", "RPCState", "_ServicerContext")
+        # Each of the 51 calls left one of each before, and each of the 50 refusals its
+        # exception's traceback and frames too (an abort's exception, kept by gRPC with
+        # the call's state); a few may be another test's, whose objects became garbage
+        # meanwhile.
+        kinds = ("_Call", "_Caller", "RPCState", "_ServicerContext", "traceback", "frame")
         cycles = {k: left[k] for k in kinds if left[k]}
         assert max(cycles.values(), default=0) < 10, f"calls left in cycles: {cycles} ({left})"
     finally:
