@@ -1316,7 +1316,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the worker processes' niceness, of their threads and of their sessions' "
         "scheduling groups (default: 19, the lowest priority): real sites have machines of "
         "their own, and at 10 (the default until 2026-12-06) an idle process at the "
-        "coordinator's priority waited up to 180 ms for a CPU while they ran; 0: the same",
+        "coordinator's priority waited up to 180 ms for a CPU while they ran; where the sites "
+        "need most of the machine (10,000 on two cores) they starve at 19: give 10; 0: the same",
     )
     parser.add_argument(
         "--site-cpus",
