@@ -1,0 +1,43 @@
+"""The round benchmark's smoke run (``bench/round_bench.py`` at ``--quick``'s sizes, two
+models): a real coordinator and two sites, and every configuration judged against a
+checked ceiling measured beside it, before and after, since this machine's speed drifts
+within minutes."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_python
+
+pytestmark = pytest.mark.multiprocess
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "round_bench.py"
+
+
+@pytest.mark.timeout(150)
+def test_each_configuration_is_judged_against_the_ceiling_measured_beside_it(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "round.json"
+    args = [str(BENCH), "--sites", "2", "--params", "10000", "20000", "--rounds", "2"]
+    args += ["--raw-mib", "32", "--raw-repeats", "1", "--json", str(out)]  # --quick's sizes
+    done = run_python(*args, env={"OMP_NUM_THREADS": "1"}, timeout_s=140)
+    assert done.returncode == 0, done.stdout + done.stderr
+    doc = json.loads(out.read_text())
+    configs, beside = doc["configs"], doc["checked_beside_mixed_bps"]
+    assert [c["params"] for c in configs] == [10_000, 20_000], configs
+    assert len(beside) == len(configs) + 1 and all(b > 0 for b in beside), beside
+    for i, c in enumerate(configs):  # the faster of the one before and the one after
+        assert c["checked_bps"] == max(beside[i], beside[i + 1]), (i, c["checked_bps"], beside)
+        assert c["fedra_bps"] > 0 and math.isfinite(c["checked_bps"]), c
+    assert doc["checked"]["mixed_bps"] == max(beside)  # the context line's: the fastest
+    judged = doc["targets"]["checked_fraction"]
+    fractions = [c["fedra_bps"] / c["checked_bps"] for c in configs]
+    assert list(judged["values"].values()) == [round(f, 3) for f in fractions], judged
+    assert judged["met"] == all(f >= 0.9 for f in fractions) and judged["measured"], judged
+    assert "at least 0.9 of a checked transfer measured beside it" in done.stdout, done.stdout
+    assert done.stdout.count("checked gRPC after N=2") == 2, done.stdout
