@@ -79,33 +79,20 @@ def _status(exc: BaseException, peer: str) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, "internal coordinator error (see the coordinator log)"
 
 
-def _refusal(
-    context: grpc.aio.ServicerContext[Any, Any], exc: Exception, told: Observers | None
-) -> tuple[grpc.StatusCode, str]:
-    code, message = _status(exc, context.peer())
-    if told is not None:
-        told.refused(code.name)
-    return code, message
-
-
-async def refuse(
-    context: grpc.aio.ServicerContext[Any, Any], exc: Exception, told: Observers | None = None
-) -> None:
-    """End the call with the status ``exc`` maps to, raising as context.abort does: for
-    checks made before a handler runs, which must stop it (fedra.coordinator.limits).
-    ``told`` hear of the refusal (metrics count them by status)."""
-    await context.abort(*_refusal(context, exc, told))
-
-
 def decline(
     context: grpc.aio.ServicerContext[Any, Any], exc: Exception, told: Observers | None = None
 ) -> None:
     """Set the status ``exc`` maps to, for a handler that then returns: gRPC ends the call
-    with it (and no message), as after ``refuse``. Not raising matters at scale: gRPC keeps
-    an abort's exception with the call's state, a reference cycle that holds the handler's
-    frames and all they hold until the collector finds it, and a failed attempt at
-    thousands of sites refuses thousands of calls."""
-    code, message = _refusal(context, exc, told)
+    with it (and no message). ``told`` hear of the refusal (metrics count them by status).
+
+    Not raising, as ``context.abort`` does, matters at scale: gRPC keeps an abort's
+    exception with the call's state, a reference cycle that holds the handler's frames and
+    all they hold until the collector finds it, and a failed attempt at thousands of sites
+    refuses thousands of calls (as a caller flooding the coordinator has each of its calls
+    past its bound refused: fedra.coordinator.limits)."""
+    code, message = _status(exc, context.peer())
+    if told is not None:
+        told.refused(code.name)
     context.set_code(code)
     context.set_details(message)
 

@@ -43,7 +43,7 @@ DEFAULT_STREAM_IDLE_S = 60.0
 _MAX_TICK_S = 1.0  # the watchdog looks at least this often
 _MIN_TICK_S = 0.05
 
-Refuse = Callable[[Any, Exception], Awaitable[None]]
+Refuse = Callable[[Any, Exception], None]  # sets the call's status (edge.decline)
 
 
 @dataclass(frozen=True)
@@ -174,18 +174,19 @@ class CallLimiter(grpc.aio.ServerInterceptor):
             return None
         return _bounded(self, handler, handler_call_details.method)
 
-    async def enter(
+    def enter(
         self, context: Any, method: str, streaming: bool, response_streaming: bool = True
-    ) -> _Call:
-        """Admit a call (or refuse it: context.abort raises) before it reads anything.
-        The caller frees its slot (``leave``) when the handler ends; a response stream's
-        slot is also freed when the call ends, as gRPC may drop the stream's generator
-        without closing it."""
+    ) -> _Call | None:
+        """Admit a call before it reads anything, or refuse it: None, its status set (the
+        handler then returns at once, and gRPC ends the call with that status). The caller
+        frees its slot (``leave``) when the handler ends; a response stream's slot is also
+        freed when the call ends, as gRPC may drop the stream's generator without closing
+        it."""
         try:
             caller = self._caller(context)
         except Exception as exc:  # revoked, no certificate, deny list unreadable
-            await self.refuse(context, exc)
-            raise  # not reached: refuse aborts the call
+            self.refuse(context, exc)
+            return None
         call = _Call(caller, context, method)
         with self._lock:
             full = self._in_flight[caller.key] >= caller.limit
@@ -195,13 +196,14 @@ class CallLimiter(grpc.aio.ServerInterceptor):
                     self._streams[context] = call
                     self._start_watchdog()
         if full:
-            await self.refuse(
+            self.refuse(
                 context,
                 Unavailable(
                     f"{caller.who} already has {caller.limit} calls in progress, the most "
                     f"this coordinator allows ({caller.flag}): retry once one has ended"
                 ),
             )
+            return None
         if response_streaming:
             # Not for every call: grpc.aio keeps a done callback in a reference cycle
             # with the call's state (and, through ``call``, so does this one), which
@@ -309,14 +311,18 @@ def _bounded(
     )
 
     async def unary_out(request: Any, context: Any) -> Any:
-        call = await limiter.enter(context, method, streaming, response_streaming=False)
+        call = limiter.enter(context, method, streaming, response_streaming=False)
+        if call is None:
+            return None  # refused: its status is set
         try:
             return await behavior(call.requests(request) if streaming else request, context)
         finally:
             limiter.leave(call)
 
     async def stream_out(request: Any, context: Any) -> AsyncIterator[Any]:
-        call = await limiter.enter(context, method, streaming)
+        call = limiter.enter(context, method, streaming)
+        if call is None:
+            return  # refused: its status is set
         try:
             async for item in behavior(call.requests(request) if streaming else request, context):
                 yield item

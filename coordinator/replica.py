@@ -58,7 +58,7 @@ from fedra.audit import AUDIT_FILE, AuditLog
 from fedra.coordinator.admin_reads import AdminReads, SiteRow
 from fedra.coordinator.audit import AuditTrail
 from fedra.coordinator.auth import Guard
-from fedra.coordinator.edge import mapped, mapped_stream, refuse
+from fedra.coordinator.edge import decline, mapped, mapped_stream
 from fedra.coordinator.errors import PermissionDenied
 from fedra.coordinator.gctune import quieter_gc
 from fedra.coordinator.ledger import page_limit
@@ -669,7 +669,7 @@ async def _serve(spec: ReplicaSpec) -> None:
     observers.add(tally)
     # calls_per_site: a site's certificate is refused by every admin method anyway.
     limits = EdgeLimits(calls_per_admin=spec.calls_per_admin, stream_idle_s=spec.stream_idle_s)
-    limiter = CallLimiter(guard, limits, functools.partial(refuse, told=observers))
+    limiter = CallLimiter(guard, limits, functools.partial(decline, told=observers))
     store = Store(spec.db_url, migrate=False)
     readers = ThreadPoolExecutor(READER_THREADS, thread_name_prefix="reads")
     replica = Replica(store, folder / SNAPSHOT_FILE, readers, spec.parent_pid)

@@ -29,7 +29,7 @@ from fedra.config import READY_FILE, ConfigError
 from fedra.coordinator.api import CoordinatorAPI
 from fedra.coordinator.audit import AuditTrail
 from fedra.coordinator.auth import Guard
-from fedra.coordinator.edge import refuse
+from fedra.coordinator.edge import decline
 from fedra.coordinator.engine import Engine, EngineSettings
 from fedra.coordinator.gctune import quieter_gc
 from fedra.coordinator.limits import CallLimiter, EdgeLimits
@@ -325,7 +325,7 @@ async def _build(
 ) -> int:
     api = handle.api = CoordinatorAPI(engine, max_workers)
     handle.admin = AdminService(api, guard)
-    told = functools.partial(refuse, told=engine.observers)  # refusals are counted
+    told = functools.partial(decline, told=engine.observers)  # refusals are counted
     limiter = CallLimiter(
         guard, limits or EdgeLimits(), told, engine.settings.site_timeout_s, engine.site_heard
     )

@@ -5,6 +5,7 @@ cannot share a port in use."""
 from __future__ import annotations
 
 import collections
+import gc
 import logging
 import subprocess
 import sys
@@ -194,8 +195,6 @@ def test_an_ended_call_frees_its_slot_and_leaves_no_cycle_for_the_collector(
     limiter's, nor gRPC's call state, for the collector: at thousands of sites, calls
     held in reference cycles were most of the daemon's young garbage, and its
     collections half its CPU."""
-    import gc
-
     c = _Coordinator(tmp_path, EdgeLimits(calls_per_admin=8, stream_idle_s=30), tls=False)
     (limiter,) = limiters
     try:
@@ -251,6 +250,25 @@ def test_insecure_mode_bounds_each_connection(tmp_path: Path, limiters: list[Cal
             c.admin().ListRuns(admin_pb2.ListRunsRequest(), timeout=5)  # the same connection
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "connection ipv" in (info.value.details() or "")
+        del info
+        # A caller past its bound is refused without an abort's exception: a flood of
+        # refused calls leaves nothing in reference cycles for the collector.
+        gc.collect()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            for _ in range(30):
+                with pytest.raises(grpc.RpcError) as info:
+                    c.admin().ListRuns(admin_pb2.ListRunsRequest(), timeout=5)
+                assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            del info
+            gc.collect()
+            left = collections.Counter(type(o).__name__ for o in gc.garbage)
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+        kinds = ("RPCState", "_ServicerContext", "AbortError", "traceback", "frame")
+        cycles = {k: left[k] for k in kinds if left[k]}
+        assert max(cycles.values(), default=0) < 10, f"refusals left in cycles: {cycles} ({left})"
         release.set()  # the streams end (empty: refused), and the connection may call again
         for call in held:
             assert call.exception(timeout=10) is not None
