@@ -382,6 +382,17 @@ def _checkpoints_between(run_id: str, since: int, until: int | None) -> Select[m
     return q.order_by(c.round_number)
 
 
+def _set_run_state(s: Session, run_id: str, state: str, reason: str, now: float) -> None:
+    row = s.get(m.Run, run_id)
+    if row is None:
+        raise NotFoundError(run_id)
+    row.state, row.reason, row.updated_at = state, reason, now
+    if state in ENDED_ROUND_STATES:
+        r = m.Round
+        ended = update(r).where(r.run_id == run_id, r.state == "open")
+        s.execute(ended.values(state=state, closed_at=now))
+
+
 def _event_values(
     run_id: str,
     round_number: int | None,
@@ -750,17 +761,17 @@ class Store:
         """Set the run's state; a run that ends failed or cancelled ends its open round
         too (the round then shows that state, closed now), in the same transaction."""
         with self._tx() as s:
-            row = s.get(m.Run, run_id)
-            if row is None:
-                raise NotFoundError(run_id)
-            row.state, row.reason, row.updated_at = state, reason, now
-            if state in ENDED_ROUND_STATES:
-                r = m.Round
-                s.execute(
-                    update(r)
-                    .where(r.run_id == run_id, r.state == "open")
-                    .values(state=state, closed_at=now)
-                )
+            _set_run_state(s, run_id, state, reason, now)
+
+    def end_run(
+        self, run_id: str, state: str, reason: str, now: float, round_number: int | None
+    ) -> None:
+        """End the run in ``state`` (as ``set_run_state``) and record the event of that
+        name with ``reason``, in one transaction: whoever sees the run ended sees why, and
+        a crash leaves both or neither."""
+        with self._tx() as s:
+            _set_run_state(s, run_id, state, reason, now)
+            self.add_event_op(run_id, state, reason, now, round_number)(s)
 
     # -- rounds and participations -------------------------------------------
 

@@ -395,6 +395,10 @@ def test_a_failed_attempt_reads_its_own_tasks_once_whatever_its_number(
     while c.admin.GetRun(admin_pb2.GetRunRequest(run_id=run_id)).state != "failed":
         assert time.monotonic() < deadline
         time.sleep(0.02)
+    # The run's spool is dropped just after it shows failed (nothing refers to it then).
+    while (1, None) not in reads:
+        assert time.monotonic() < deadline, reads
+        time.sleep(0.02)
     # Each attempt once, in turn; the whole round only as the run ends (its spool dropped).
     assert [r for r in reads if r[0] == 1] == [(1, 1), (1, 2), (1, 3), (1, None)], reads
 

@@ -1174,6 +1174,43 @@ def test_a_run_that_ends_failed_or_cancelled_ends_its_open_round(run_store: Stor
     assert (cancelled.state, cancelled.closed_at) == ("cancelled", T0 + 3)
 
 
+def test_a_run_ends_with_its_event_in_one_transaction(
+    run_store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``end_run``: the run's end state, its open round's end and the event that says why
+    are one commit. Whoever reads the run ended reads the event too; an event that cannot
+    be written leaves the run as it was."""
+    _open(run_store, 1, 1, ["a"])
+    run_store.set_run_state(RUN, "running", "", T0 + 1)
+
+    def broken(*_: object, **__: object) -> object:
+        def write(_s: object) -> None:
+            raise RuntimeError("event write failed")
+
+        return write
+
+    with monkeypatch.context() as patch:
+        patch.setattr(run_store, "add_event_op", broken)
+        with pytest.raises(RuntimeError, match="event write failed"):
+            run_store.end_run(RUN, "failed", "round 1 attempt 1: no quorum", T0 + 5, 1)
+    run = run_store.get_run(RUN)
+    assert run is not None and (run.state, run.reason) == ("running", "")
+    assert [r.state for r in run_store.list_rounds(RUN)] == ["open"]
+    assert not [e for e in run_store.list_events(RUN) if e.kind == "failed"]
+
+    run_store.end_run(RUN, "failed", "round 1 attempt 1: no quorum", T0 + 5, 1)
+    run = run_store.get_run(RUN)
+    assert run is not None and (run.state, run.reason) == ("failed", "round 1 attempt 1: no quorum")
+    assert [(r.state, r.closed_at) for r in run_store.list_rounds(RUN)] == [("failed", T0 + 5)]
+    [event] = [e for e in run_store.list_events(RUN) if e.kind == "failed"]
+    assert (event.message, event.round_number, event.created_at) == (
+        "round 1 attempt 1: no quorum", 1, T0 + 5,
+    )  # fmt: skip
+    with pytest.raises(NotFoundError):
+        run_store.end_run("ghost", "failed", "never ran", T0, None)
+    assert run_store.get_run("ghost") is None
+
+
 def test_a_refused_coordinator_leaves_the_schema_alone(db_url: str, tmp_path: Path) -> None:
     """The daemon claims its database before it migrates: a second coordinator (a newer
     fedra, say) refused on a live database has changed nothing in it."""

@@ -106,8 +106,7 @@ def _fail(engine: Engine, record: RunRecord, reason: str, number: int) -> None:
     open_round = engine._store.get_open_round(record.id)
     if open_round is not None:
         engine._store.expire_attempt(record.id, open_round.number, open_round.attempt, reason, now)
-    engine._store.set_run_state(record.id, "failed", reason, now)
-    engine._store.add_event(record.id, "failed", reason, now, number)
+    engine._store.end_run(record.id, "failed", reason, now, number)
     log.error("run %s: %s", record.id, reason)
 
 
@@ -162,8 +161,7 @@ def _unmasked_before(engine: Engine, run: ActiveRun, number: int, attempt: int) 
         "ends here (submit it again to go on)"
     )
     engine._store.expire_attempt(run.run_id, number, attempt, reason, now)
-    engine._store.set_run_state(run.run_id, "failed", reason, now)
-    engine._store.add_event(run.run_id, "failed", reason, now, number)
+    engine._store.end_run(run.run_id, "failed", reason, now, number)
     log.error("run %s: %s", run.run_id, reason)
     return True
 
@@ -190,8 +188,7 @@ def _resume_open_round(engine: Engine, run: ActiveRun, number: int, attempt: int
         engine._store.clear_update_data([p.task_id for p in parts if p.update_sha256])
         if attempt >= run.spec.max_round_attempts:  # it was the last: the run had failed
             reason = f"round {number}: gave up after {attempt} attempts"
-            engine._store.set_run_state(run.run_id, "failed", reason, now)
-            engine._store.add_event(run.run_id, "failed", reason, now, number)
+            engine._store.end_run(run.run_id, "failed", reason, now, number)
             log.error("run %s: %s", run.run_id, reason)
             return False
         run.next_attempt = attempt + 1

@@ -684,8 +684,7 @@ class RoundDriver:
             engine._store.expire_attempt(run.run_id, run.open_round, run.attempt, reason, now)
         if run.carried:  # async, between rounds: tasks still training will not count
             engine._store.expire_unfinished_before(run.run_id, run.next_round + 1, reason, now)
-        engine._store.set_run_state(run.run_id, state, reason, now)
-        engine._store.add_event(run.run_id, state, reason, now, run.open_round)
+        engine._store.end_run(run.run_id, state, reason, now, run.open_round)
         log.info("%s: %s: %s", self.tag, state, reason)
         engine.observers.run_ended(RunEnded(run.run_id, state, reason))
         self._forget()
