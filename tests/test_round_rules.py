@@ -4,7 +4,10 @@ weights of async rounds, DP-FedAvg's clipping and noise, and retries after a com
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
+import threading
+import time
 import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +26,7 @@ from tests.conftest import InProcessCoordinator
 from tests.test_site_service import (
     SITES,
     TASK,
+    delta_payload,
     messages,
     model_state,
     register,
@@ -626,3 +630,95 @@ def test_a_hang_up_of_an_old_connection_leaves_a_site_with_a_newer_one_online(
         assert online() and not engine.hung_up(site)
     finally:
         c.close()
+
+
+def _spooled(c: InProcessCoordinator, digests: set[str]) -> set[str]:
+    return {d for d in digests if c.engine.updates.exists(d)}
+
+
+def test_the_next_round_opens_while_the_last_one_s_spool_is_dropped(
+    coordinator: InProcessCoordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Dropping a committed round's spooled updates (a read of its tasks, the unlinks, a
+    commit: half a second at 5,000 sites) is not between two rounds: round 2 opens and
+    its sites poll while that drop is held up, and once it goes on round 1's files go."""
+    c = coordinator
+    c.engine.updates.small_bytes = 0  # spooled as files, however small
+    store = c.engine._store
+    run_id, tasks = start_round_one(c, rounds=3)
+    round_one = {t.task_id for t in tasks.values()}
+    held, release = threading.Event(), threading.Event()
+    original = store.clear_update_data
+
+    def held_up(task_ids: list[str]) -> None:
+        if round_one & set(task_ids):
+            held.set()
+            assert release.wait(30)
+        original(task_ids)
+
+    monkeypatch.setattr(store, "clear_update_data", held_up)
+    try:
+        payloads = {site: delta_payload(0.01 * (i + 1)) for i, site in enumerate(sorted(tasks))}
+        for site, task in sorted(tasks.items()):
+            upload(c, messages(task, site, payloads[site]))
+        digests = {hashlib.sha256(p).hexdigest() for p in payloads.values()}
+        assert held.wait(30), "round 1's spooled updates were never dropped"
+        deadline = time.monotonic() + 15
+        while not [r for r in c.admin.GetRun(admin_pb2.GetRunRequest(run_id=run_id)).rounds
+                   if r.number == 2 and r.status == "open"]:  # fmt: skip
+            assert time.monotonic() < deadline, "round 2 waited for round 1's clean-up"
+            time.sleep(0.02)
+        assert set(tasks_of_round(c, run_id, 2)) == set(tasks)  # its sites have their tasks
+    finally:
+        release.set()
+    deadline = time.monotonic() + 15
+    while _spooled(c, digests):  # unlinked before the commit that was held up
+        assert time.monotonic() < deadline, _spooled(c, digests)
+        time.sleep(0.02)
+    while store.holding_update_data():
+        assert time.monotonic() < deadline, store.holding_update_data()
+        time.sleep(0.02)
+
+
+def test_a_storage_fault_in_the_spool_s_clean_up_leaves_it_to_the_next_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The clean-up's commit finds the database gone: the run carries on (its next rounds
+    commit), the closed round's updates stay spooled, and the next start sweeps them."""
+    from sqlalchemy.exc import OperationalError
+
+    settings = EngineSettings(heartbeat_interval_s=1.0, poll_timeout_s=2.0, site_timeout_s=30.0)
+    c = InProcessCoordinator(tmp_path / "state", settings)
+    try:
+        store = c.engine._store  # small updates: held in their rows until the clean-up
+        run_id, tasks = start_round_one(c, rounds=2)
+        round_one = {t.task_id for t in tasks.values()}
+        original = store.clear_update_data
+
+        def gone(task_ids: list[str]) -> None:
+            if round_one & set(task_ids):
+                raise OperationalError("UPDATE participations", {}, Exception("connection lost"))
+            original(task_ids)
+
+        monkeypatch.setattr(store, "clear_update_data", gone)
+        payloads = [delta_payload(0.01 * (i + 1)) for i in range(len(tasks))]
+        for (site, task), payload in zip(sorted(tasks.items()), payloads, strict=True):
+            upload(c, messages(task, site, payload))
+        for site, task in sorted(tasks_of_round(c, run_id, 2).items()):
+            upload(c, messages(task, site, delta_payload(0.5)))
+        status = c.admin.GetRun(admin_pb2.GetRunRequest(run_id=run_id))
+        deadline = time.monotonic() + 30
+        while status.state != "completed":
+            assert time.monotonic() < deadline, status
+            time.sleep(0.02)
+            status = c.admin.GetRun(admin_pb2.GetRunRequest(run_id=run_id))
+        assert "spooled updates stay until the daemon's next start" in caplog.text
+        assert round_one <= set(store.holding_update_data())
+    finally:
+        c.close()
+    monkeypatch.undo()
+    again = InProcessCoordinator(tmp_path / "state", settings)
+    try:
+        assert not set(again.engine._store.holding_update_data()) & round_one
+    finally:
+        again.close()

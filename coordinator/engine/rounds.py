@@ -26,7 +26,8 @@ import math
 import random
 import time
 import uuid
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -154,6 +155,8 @@ class RoundDriver:
         self._silence = SilenceWatch(engine)
         self._short = ""  # why the open attempt ended early (``short_of_quorum``), if it did
         self._declined: dict[tuple[int, int], bool] = {}  # failed attempts: declines only?
+        # Closed rounds' spooled updates, dropped once the next round is open (``_tidy_up``).
+        self._leftovers: list[Callable[[], None]] = []
 
     def run(self) -> None:
         """Drive rounds until the run ends or the engine stops. A storage fault (a full
@@ -267,6 +270,13 @@ class RoundDriver:
                     f"round {number}: waiting for online sites serving {spec.task}: "
                     f"{len(eligible)} eligible, {want}, for {waited:.0f} s so far"
                 )
+                if self._leftovers:  # the sites keep it waiting: tidy up meanwhile
+                    engine._lock.release()  # held once: _step does not hold it
+                    try:
+                        self._tidy_up()
+                    finally:
+                        engine._lock.acquire()
+                    continue
                 engine._changed.wait(_RECHECK_S)
                 self._gather(len(eligible))
             sampled = draw(spec, number, attempt, eligible, wanted)
@@ -287,6 +297,7 @@ class RoundDriver:
             if not init:
                 start_aggregate(engine, run)
             engine.notify()
+        self._tidy_up()  # the sites are on their way: what the last round left goes now
         log.info(
             "%s round %d: opened (attempt %d) with %s%s",
             self.tag,
@@ -520,7 +531,7 @@ class RoundDriver:
             run.accountant = accountant or run.accountant
             run.set_closed(next_round=number + 1)
             engine.notify()
-        self._drop_round_updates(number)
+        self._leftovers.append(partial(self._drop_round_updates, number))
         log.info("%s round %d: committed, %s", self.tag, number, _summary(parts, metrics))
         accepted = [p for p in parts if p.state == "accepted"]
         engine.observers.round_ended(_ended(
@@ -532,6 +543,7 @@ class RoundDriver:
             log.info("%s: completed after %d rounds%s", self.tag, number, f" ({stop})" * bool(stop))
             engine.observers.run_ended(RunEnded(run.run_id, "completed", stop))
             self._forget()
+            self._tidy_up()
             return False
         return True
 
@@ -653,7 +665,7 @@ class RoundDriver:
             engine.notify()
         # After set_closed: nothing of ours refers to them. The attempts before dropped
         # theirs when they failed (what a crash left, the round's end drops).
-        self._drop_round_updates(number, parts)
+        self._leftovers.append(partial(self._drop_round_updates, number, parts))
         return True
 
     def _spared(self, number: int, attempt: int) -> bool:
@@ -663,6 +675,23 @@ class RoundDriver:
             parts = self.engine._store.list_participations(self.run_state.run_id, number, attempt)
             self._declined[(number, attempt)] = _declined_only(parts)
         return self._declined[(number, attempt)]
+
+    def _tidy_up(self) -> None:
+        """Drop what closed rounds left in the spool. Off the path between two rounds: it
+        runs once the next round is open (its sites downloading), while the driver waits
+        for sites to open it, or as the run ends. Safe meanwhile: the spool keeps a blob
+        while any upload holds it or any accepted update of a run is it, and a start
+        sweeps what a crash left. A storage fault here leaves them to that sweep."""
+        while self._leftovers:
+            drop = self._leftovers.pop(0)
+            try:
+                drop()
+            except Exception as exc:
+                why = transient_fault(exc)
+                if not why:
+                    raise
+                log.warning("%s: %s; a closed round's spooled updates stay until the "
+                            "daemon's next start", self.tag, why)  # fmt: skip
 
     def _drop_round_updates(
         self, number: int, parts: list[ParticipationRecord] | None = None
@@ -679,6 +708,7 @@ class RoundDriver:
 
     def _finish(self, state: str, reason: str) -> None:
         run, engine = self.run_state, self.engine
+        self._tidy_up()
         now = engine.clock()
         if run.open_round is not None:
             engine._store.expire_attempt(run.run_id, run.open_round, run.attempt, reason, now)
