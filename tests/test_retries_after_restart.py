@@ -299,7 +299,8 @@ def test_a_start_deletes_spool_files_no_round_refers_to_and_keeps_accepted_ones(
         wait_round(again, run_id, 1, "committed")
         r1 = round_status(again, run_id, 1)
         assert r1.attempt == 1 and r1.updates == 3  # none lost to the sweep
-        assert not any(p.exists() for p in accepted)  # the round let go of them
+        # The round lets go of them once the next one is open (its clean-up's turn).
+        _wait_until(again, lambda: not any(p.exists() for p in accepted), 15)
     finally:
         again.close()
 
