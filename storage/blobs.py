@@ -22,7 +22,8 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import suppress
 from pathlib import Path
 
-from fedra.files import fsync_dir
+from fedra.files import fsync_dir, start_writeback
+from fedra.storage.hashing import AsideHasher
 
 log = logging.getLogger("fedra.storage")
 
@@ -31,6 +32,9 @@ _HEX = frozenset("0123456789abcdef")
 # little more than its copy, small enough that a reader (a fold, a commit) holds 256 KiB, not
 # megabytes, and the allocator reuses the same few blocks instead of keeping large ones.
 BLOCK_BYTES = 256 * 1024
+# A blob's bytes go to disk in the background every this many as they are written, so
+# the fsync that makes the blob durable has only the last of them left to wait for.
+WRITEBACK_BYTES = 1 << 20
 
 
 class BlobNotFoundError(KeyError):
@@ -206,20 +210,24 @@ class BlobWriter:
             raise
         self._file = os.fdopen(fd, "wb")
         self._tmp_path = Path(name)
-        self._hash = hashlib.sha256()
+        self._hash = AsideHasher()  # a large blob is hashed while its bytes are written
         self.bytes_written = 0
+        self._written_back = 0  # bytes before this offset are on their way to disk
         self._done = self._synced = False
         self.placed = False  # renamed into place by ``commit`` (which may still fail after)
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
+        self._hash.update(data)  # first: hashed aside, it runs while the file is written
         try:
             self._file.write(data)
         except OSError as exc:
             self.discard()
             _raise_if_full(exc, self._store.root)
             raise
-        self._hash.update(data)
         self.bytes_written += len(data)
+        if self.bytes_written - self._written_back >= WRITEBACK_BYTES:
+            start_writeback(self._file.fileno(), self._written_back, 0)  # 0: to the end
+            self._written_back = self.bytes_written
 
     def hexdigest(self) -> str:
         return self._hash.hexdigest()
@@ -227,11 +235,8 @@ class BlobWriter:
     def sync(self, expected_digest: str | None = None) -> str:
         """Check the digest (BlobDigestError on mismatch) and make the bytes durable in
         the temporary file: ``commit``'s slow part, done ahead of it. Nothing is in place
-        until ``commit``, and ``discard`` still removes it all."""
-        digest = self._hash.hexdigest()
-        if expected_digest is not None and digest != expected_digest:
-            self.discard()
-            raise digest_mismatch(digest, expected_digest)
+        until ``commit``, and ``discard`` still removes it all. The fsync goes first, so
+        the last of a large blob's hash runs beside it."""
         if not self._synced:
             try:
                 self._file.flush()
@@ -241,6 +246,10 @@ class BlobWriter:
                 _raise_if_full(exc, self._store.root)
                 raise
             self._synced = True
+        digest = self._hash.hexdigest()
+        if expected_digest is not None and digest != expected_digest:
+            self.discard()
+            raise digest_mismatch(digest, expected_digest)
         return digest
 
     def commit(self, expected_digest: str | None = None) -> str:
