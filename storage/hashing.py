@@ -31,8 +31,9 @@ Buffer = bytes | bytearray | memoryview
 # A stream's first bytes are hashed in line: a small blob (most updates at scale) never
 # costs a hand-off. Past this many, the rest is hashed aside.
 INLINE_BYTES = 1 << 20
-# At most this many bytes of one stream wait for the hash.
-QUEUE_BYTES = 4 << 20
+# At most this many bytes of one stream wait for the hash (beyond one chunk bigger than it):
+# with its bytes already on their way to disk, a writer gains nothing from running further ahead.
+QUEUE_BYTES = 1 << 20
 
 _pool_lock = threading.Lock()
 

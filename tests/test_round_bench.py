@@ -41,3 +41,10 @@ def test_each_configuration_is_judged_against_the_ceiling_measured_beside_it(
     assert judged["met"] == all(f >= 0.9 for f in fractions) and judged["measured"], judged
     assert "at least 0.9 of a checked transfer measured beside it" in done.stdout, done.stdout
     assert done.stdout.count("checked gRPC after N=2") == 2, done.stdout
+    # What caps each fraction: its training, fold tail and checkpoint, from its ledger.
+    for c in configs:
+        at_ceiling = c["bytes_per_round"] / c["checked_bps"]
+        assert c["fixed_s"] > 0 and c["transfers_s"] > 0, c
+        assert c["ceiling_bound"] == pytest.approx(at_ceiling / (at_ceiling + c["fixed_s"]))
+    assert list(judged["bounds"].values()) == [round(c["ceiling_bound"], 3) for c in configs]
+    assert done.stdout.count("durable checkpoint (") == 2, done.stdout
