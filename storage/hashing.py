@@ -49,6 +49,10 @@ def _new_pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(workers, thread_name_prefix="fedra-hash")
 
 
+# A forked child has none of the pool's threads: it makes a pool of its own.
+os.register_at_fork(after_in_child=_new_pool.cache_clear)
+
+
 def _unchanging(data: Buffer) -> bytes | memoryview:
     """``data`` if nothing can change it before it is hashed, else a copy of it."""
     if isinstance(data, bytes):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import sys
 import threading
 from pathlib import Path
@@ -135,3 +136,21 @@ def test_writeback_is_asked_for_where_the_kernel_offers_it(tmp_path: Path) -> No
     store, data = BlobStore(tmp_path / "blobs"), os.urandom(5 * blobs.WRITEBACK_BYTES + 3)
     digest = store.put_chunks(data[i : i + 300_000] for i in range(0, len(data), 300_000))
     assert store.read(digest) == data
+
+
+def test_a_forked_child_hashes_aside_with_a_pool_of_its_own() -> None:
+    AsideHasher(inline_bytes=0).update(b"x" * 4096)  # the parent's pool is running
+    data = os.urandom(3 << 20)
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only with the right digest, never hang (alarm)
+        code = 1
+        try:
+            signal.alarm(20)
+            hasher = AsideHasher(inline_bytes=0)
+            for start in range(0, len(data), 1 << 18):
+                hasher.update(data[start : start + (1 << 18)])
+            code = 0 if hasher.hexdigest() == hashlib.sha256(data).hexdigest() else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
