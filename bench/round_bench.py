@@ -105,11 +105,14 @@ class ConfigResult:
     site_up_bps: float = field(init=False)
     rss_growth_x: float = field(init=False)
     rss_fresh_growth_x: float = field(init=False)
-    # What the checked ceiling leaves out by design, from the rounds' ledgers (medians): the
-    # stages of a round that no transfer can overlap, and the best fraction of the ceiling a
-    # round could reach with them and its transfers at the ceiling.
+    # What the checked ceiling leaves out by design, from each round's ledger (medians over
+    # rounds): the stages of a round that its transfers do not overlap (FIXED_STAGES); the
+    # most of the ceiling a round reaches with them and its bytes moved at the ceiling's
+    # pace; and the pace its transfers would need to reach CHECKED_TARGET with nothing else
+    # in the round (inf: not at any pace).
     fixed_s: float = field(init=False)
     ceiling_bound: float = field(init=False)
+    needed_pace: float = field(init=False)
     transfers_s: float = field(init=False)  # the slowest download plus the slowest upload
 
     def __post_init__(self) -> None:
@@ -133,8 +136,15 @@ class ConfigResult:
         self.rss_fresh_growth_x = fresh / self.model_bytes
         self.fixed_s = statistics.median(fixed_stages_s(r) for r in self.rounds)
         self.transfers_s = statistics.median(r.max_download_s + r.max_upload_s for r in self.rounds)
-        at_ceiling = self.bytes_per_round / self.checked_bps
-        self.ceiling_bound = at_ceiling / (at_ceiling + self.fixed_s)
+        at_ceiling = [r.bytes_moved / self.checked_bps for r in self.rounds]
+        fixed = [fixed_stages_s(r) for r in self.rounds]
+        self.ceiling_bound = statistics.median(
+            t / (t + f) for t, f in zip(at_ceiling, fixed, strict=True)
+        )
+        self.needed_pace = statistics.median(
+            t / (t / CHECKED_TARGET - f) if t / CHECKED_TARGET > f else math.inf
+            for t, f in zip(at_ceiling, fixed, strict=True)
+        )
 
 
 # Stages of a synchronous round that the checked ceiling leaves out by design and no
@@ -483,15 +493,16 @@ def print_checked(raw: RawResult, checked: RawResult, results: list[ConfigResult
     )
     for r in results:
         at_ceiling = r.bytes_per_round / r.checked_bps
+        pace = f"{at_ceiling / r.transfers_s:.2f}x" if r.transfers_s > 0 else "-"
         print(
             f"  N={r.sites} {_fmt_params(r.params)}: its training, fold tail and durable "
-            f"checkpoint ({r.fixed_s:.3f} s a round) cap it at {r.ceiling_bound:.2f} of the "
-            f"ceiling even with its {r.bytes_per_round / MB:.0f} MB moved at the ceiling "
-            f"({at_ceiling:.3f} s); its transfers took {r.transfers_s:.3f} s "
-            f"({at_ceiling / r.transfers_s:.2f} of the ceiling's pace), the rest of the round "
-            f"(polls, commit, hand-offs) "
-            f"{max(0.0, r.median_round_s - r.fixed_s - r.transfers_s):.3f} s"
-        )  # fmt: skip
+            f"checkpoint ({r.fixed_s:.3f} s a round) leave it at most {r.ceiling_bound:.2f} of "
+            f"the ceiling with its {r.bytes_per_round / MB:.0f} MB moved at the ceiling's pace "
+            f"({at_ceiling:.3f} s); to reach {CHECKED_TARGET:g} with nothing else in a round, "
+            f"its transfers would have to run at {r.needed_pace:.2f}x that pace: they ran at "
+            f"{pace} ({r.transfers_s:.3f} s), and the rest of the round (polls, commit, "
+            f"hand-offs) took {max(0.0, r.median_round_s - r.fixed_s - r.transfers_s):.3f} s"
+        )
 
 
 def _print_table(head: list[str], rows: list[list[str]]) -> None:
@@ -526,9 +537,13 @@ def targets(results: list[ConfigResult]) -> dict[str, dict[str, object]]:
         "met": bool(results)
         and all(r.fedra_bps >= CHECKED_TARGET * r.checked_bps for r in results),
         "measured": bool(results),
-        # The most each configuration could reach with its fixed stages (print_checked).
+        # The most each configuration reaches with its fixed stages and its bytes at the
+        # ceiling's pace, and the pace it would need for the target (print_checked).
         "bounds": {
             f"N={r.sites} {_fmt_params(r.params)}": round(r.ceiling_bound, 3) for r in results
+        },
+        "needed_pace": {
+            f"N={r.sites} {_fmt_params(r.params)}": round(r.needed_pace, 3) for r in results
         },
     }
     return {"rss_growth": rss, "throughput_ratio": ratio, "checked_fraction": checked}
@@ -544,7 +559,8 @@ def print_targets(judged: dict[str, dict[str, object]]) -> None:
         bounds = t.get("bounds")
         if not t["met"] and isinstance(bounds, dict) and bounds:
             shown += "; at most " + ", ".join(f"{k}: {v}" for k, v in bounds.items())
-            shown += " with each one's training, fold tail and checkpoint"
+            shown += " with each one's training, fold tail and checkpoint and its bytes at the "
+            shown += "ceiling's pace"
         print(f"  {t['target']}: {verdict} ({shown})")
 
 

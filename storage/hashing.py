@@ -19,11 +19,11 @@ copied first.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import os
 import threading
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 Buffer = bytes | bytearray | memoryview
@@ -35,29 +35,44 @@ INLINE_BYTES = 1 << 20
 # with its bytes already on their way to disk, a writer gains nothing from running further ahead.
 QUEUE_BYTES = 1 << 20
 
-_pool_lock = threading.Lock()
+
+class _Pool:
+    """The process's hashing pool, made on first use; a forked child has none of the
+    parent's threads, so it forgets the pool (and its lock) and makes its own."""
+
+    def __init__(self) -> None:
+        self.workers = max(1, min(4, os.cpu_count() or 1))
+        self._lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(self.workers, thread_name_prefix="fedra-hash")
+            executor = self._executor
+        executor.submit(fn)
+
+    def forget(self) -> None:
+        self._lock = threading.Lock()
+        self._executor = None
 
 
-def _hashing_pool() -> ThreadPoolExecutor:
-    with _pool_lock:  # one pool per process, made on first use
-        return _new_pool()
-
-
-@functools.cache
-def _new_pool() -> ThreadPoolExecutor:
-    workers = max(1, min(4, os.cpu_count() or 1))
-    return ThreadPoolExecutor(workers, thread_name_prefix="fedra-hash")
-
-
-# A forked child has none of the pool's threads: it makes a pool of its own.
-os.register_at_fork(after_in_child=_new_pool.cache_clear)
+_POOL = _Pool()
+os.register_at_fork(after_in_child=_POOL.forget)
 
 
 def _unchanging(data: Buffer) -> bytes | memoryview:
-    """``data`` if nothing can change it before it is hashed, else a copy of it."""
+    """``data`` if nothing can change it before it is hashed, else a copy of it (also of a
+    view that is not plain contiguous bytes, so that its length counts bytes)."""
     if isinstance(data, bytes):
         return data
-    if isinstance(data, memoryview) and data.readonly and isinstance(data.obj, bytes):
+    if (
+        isinstance(data, memoryview)
+        and data.readonly
+        and isinstance(data.obj, bytes)
+        and data.c_contiguous
+        and data.itemsize == 1
+    ):
         return data
     return bytes(data)
 
@@ -74,6 +89,7 @@ class AsideHasher:
         self._draining = False  # a pool thread owns ``_hash`` until it sets this False
         self._failed: BaseException | None = None
         self._cond = threading.Condition(threading.Lock())
+        self._turn = threading.Lock()  # held by the drain that is hashing
 
     def update(self, data: Buffer) -> None:
         if not data:
@@ -93,29 +109,33 @@ class AsideHasher:
                 return
             self._draining = True
         try:
-            _hashing_pool().submit(self._drain)
+            _POOL.submit(self._drain)
         except RuntimeError:  # the interpreter is shutting its pools down: hash here
-            self._drain()
+            self._drain()  # (a second drain, if the pool ran one after all, waits its turn)
 
     def _drain(self) -> None:
-        try:
+        """Hash what is queued until the queue is empty. The queue found empty and the
+        drain's end are one step under the lock, so a chunk queued after it finds no drain
+        running and starts one. Drains take turns (``_turn``): the bytes go in order."""
+        with self._turn:
             while True:
                 with self._cond:
-                    if not self._queue:
-                        break
+                    if not self._queue or self._failed is not None:
+                        self._queue.clear()
+                        self._queued = 0
+                        self._draining = False
+                        self._cond.notify_all()
+                        return
                     data = self._queue.popleft()
-                self._hash.update(data)
+                nbytes = len(data)
+                try:
+                    self._hash.update(data)
+                except BaseException as exc:  # raised by hexdigest; never leave a waiter
+                    self._failed = exc.with_traceback(None)  # not the chunk's frame
+                del data
                 with self._cond:
-                    self._queued -= len(data)
+                    self._queued -= nbytes
                     self._cond.notify_all()
-        except BaseException as exc:  # never leave a waiter behind
-            self._failed = exc
-            with self._cond:
-                self._queue.clear()
-                self._queued = 0
-        with self._cond:
-            self._draining = False
-            self._cond.notify_all()
 
     def wait(self) -> None:
         """Until every byte given so far is hashed."""

@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -50,21 +51,21 @@ def test_a_buffer_the_caller_reuses_is_hashed_as_it_was_given() -> None:
 def test_a_writer_ahead_of_its_hash_waits_for_room() -> None:
     """With every pool thread busy, a stream queues at most its bound and then waits; once
     the pool is free the rest goes through and the digest is right."""
-    pool = hashing._hashing_pool()
     release, started = threading.Event(), threading.Semaphore(0)
 
     def busy() -> None:
         started.release()
         release.wait(30)
 
-    workers = pool._max_workers
+    hashing._POOL.submit(lambda: None)  # the pool exists: its size is known
+    workers = hashing._POOL.workers
     for _ in range(workers):
-        pool.submit(busy)
+        hashing._POOL.submit(busy)
     for _ in range(workers):
         assert started.acquire(timeout=30)
     chunk, bound = 1 << 20, 3 << 20
     hasher, data = AsideHasher(inline_bytes=0, queue_bytes=bound), os.urandom(8 << 20)
-    fed = []
+    fed: list[int] = []
 
     def feed() -> None:
         for start in range(0, len(data), chunk):
@@ -74,15 +75,50 @@ def test_a_writer_ahead_of_its_hash_waits_for_room() -> None:
     writer = threading.Thread(target=feed)
     writer.start()
     try:
-        writer.join(0.5)  # bounded: it cannot finish while nothing is hashed
+        deadline = time.monotonic() + 30
+        while len(fed) < bound // chunk and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # room for a fourth chunk, were the bound not kept
         assert writer.is_alive()
-        assert len(fed) == bound // chunk  # three chunks queued, the fourth waits for room
-        assert hasher._queued <= bound
+        assert len(fed) == bound // chunk and hasher._queued == bound  # the fourth waits
     finally:
         release.set()
     writer.join(30)
     assert not writer.is_alive()
     assert hasher.hexdigest() == hashlib.sha256(data).hexdigest()
+
+
+class _SlowExits(threading.Condition):
+    """The hasher's lock, held up for a moment each time a pool thread leaves it with the
+    queue empty, after saying so: a chunk can be queued at just that instant."""
+
+    def __init__(self, hasher: AsideHasher) -> None:
+        super().__init__(threading.Lock())
+        self.hasher, self.exits = hasher, threading.Semaphore(0)
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        if threading.current_thread().name.startswith("fedra-hash") and not self.hasher._queue:
+            self.exits.release()
+            time.sleep(0.05)
+
+
+@pytest.mark.parametrize("instant", [1, 2, 3])
+def test_a_chunk_queued_as_the_hash_finds_its_queue_empty_is_hashed(instant: int) -> None:
+    """Whichever of the drain's looks at an empty queue a chunk comes after, it is hashed:
+    the digest covers it, and the next update finds room."""
+    hasher = AsideHasher(inline_bytes=0, queue_bytes=1 << 20)
+    slow = hasher._cond = _SlowExits(hasher)
+    a, b, c = b"a" * 1000, b"b" * 1000, os.urandom(1 << 20)
+    hasher.update(a)
+    for _ in range(instant):  # the drain has just left the lock, its queue empty
+        assert slow.exits.acquire(timeout=10)
+    hasher.update(b)
+    done = threading.Thread(target=hasher.update, args=(c,), daemon=True)
+    done.start()
+    done.join(10)
+    assert not done.is_alive()  # room was made: nothing stayed queued for nobody
+    assert hasher.hexdigest() == hashlib.sha256(a + b + c).hexdigest()
 
 
 def test_a_failed_hash_is_raised_not_waited_for() -> None:
@@ -127,6 +163,8 @@ def test_writeback_is_asked_for_where_the_kernel_offers_it(tmp_path: Path) -> No
         f.write(b"x" * 65536)
         f.flush()
         files.start_writeback(f.fileno(), 0, 0)
+        if files._SYNC_FILE_RANGE is not None:  # its signature is right: the kernel took it
+            assert files._SYNC_FILE_RANGE(f.fileno(), 0, 0, 2) == 0
     read, write = os.pipe()
     try:
         files.start_writeback(write, 0, 0)  # ESPIPE, ignored
