@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -148,6 +149,20 @@ def _carried(path: Path, tensors: Mapping[str, torch.Tensor], meta: dict[str, An
         raise OptimizerStateError(f"{path}: not an optimiser state file: {exc}") from exc
 
 
+def _link_into(src: Path, dst: Path) -> None:
+    """``dst`` becomes another name of ``src``'s file, in one rename (of a hard link made
+    beside it), so ``src`` never goes missing; where the file system has no hard links,
+    ``src`` is renamed to ``dst``."""
+    tmp = dst.with_name(dst.name + ".link")
+    tmp.unlink(missing_ok=True)  # one a crash left
+    try:
+        os.link(src, tmp)
+    except OSError:
+        src.replace(dst)
+        return
+    tmp.replace(dst)
+
+
 class Dated(Protocol):
     """What a kept state says of itself: the run's round that left it."""
 
@@ -244,9 +259,9 @@ class TwoGenerations(Generic[T]):
             return False  # none, or another round's left by a kill before its upload
         current = self._read(latest)
         if current is not None and current.after_round < round_number:
-            latest.replace(previous)  # renames: a crash between them leaves no latest, and
-        staged.replace(latest)  # the staged file, which promoting again moves on
-        fsync_dir(latest.parent)
+            _link_into(latest, previous)  # the latest stays in place meanwhile: a crash, or
+        staged.replace(latest)  # a reader, between the two finds it, and the staged file
+        fsync_dir(latest.parent)  # which promoting again moves on
         return True
 
     def discard(self, run_id: str) -> None:

@@ -4,6 +4,7 @@ and a site restart."""
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from collections.abc import Mapping
@@ -350,6 +351,44 @@ def test_a_promotion_cut_between_its_renames_completes_when_done_again(tmp_path:
     assert store.load("run", 3).after_round == 1  # type: ignore[union-attr]
     assert store.promote("run", 2)
     assert [store.load("run", r).after_round for r in (2, 3)] == [1, 2]  # type: ignore[union-attr]
+
+
+def test_a_promotion_never_leaves_the_latest_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader of the site's files during a promotion (an operator, a test) always finds
+    the latest state: the previous one is a second name of its file before the staged one
+    takes its place. Killed in between, the two are the same state, a link may be left
+    over, and promoting again finishes the move."""
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    _steps(model, opt, _data())
+    store = OptimizerStates(tmp_path)
+    store.save("run", CarriedState.of(opt, 1, after_round=1))
+    store.stage("run", CarriedState.of(opt, 2, after_round=2))
+    latest, previous = store.path("run"), store.path("run", "prev")
+    assert latest is not None and previous is not None
+    seen: list[bool] = []
+    replace = Path.replace
+
+    def watched(self: Path, target: Path | str) -> Path:
+        seen.append(latest.exists())
+        return replace(self, target)
+
+    monkeypatch.setattr(Path, "replace", watched)
+    assert store.promote("run", 2)
+    monkeypatch.undo()
+    assert seen and all(seen), seen  # before each rename, and so between them
+    assert [store.load("run", r).after_round for r in (2, 3)] == [1, 2]  # type: ignore[union-attr]
+
+    store.stage("run", CarriedState.of(opt, 3, after_round=3))  # killed after the link:
+    os.link(latest, previous.with_name(previous.name + ".link"))
+    assert store.load("run", 4).after_round == 2  # type: ignore[union-attr]
+    assert store.promote("run", 3)
+    assert [store.load("run", r).after_round for r in (3, 4)] == [2, 3]  # type: ignore[union-attr]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "optimizer-run.prev.safetensors", "optimizer-run.safetensors",
+    ]  # fmt: skip
 
 
 def test_a_local_world_keeps_the_state_a_single_process_keeps(world_of_one: World) -> None:
