@@ -495,13 +495,14 @@ def print_checked(raw: RawResult, checked: RawResult, results: list[ConfigResult
         at_ceiling = r.bytes_per_round / r.checked_bps
         pace = f"{at_ceiling / r.transfers_s:.2f}x" if r.transfers_s > 0 else "-"
         print(
-            f"  N={r.sites} {_fmt_params(r.params)}: its training, fold tail and durable "
-            f"checkpoint ({r.fixed_s:.3f} s a round) leave it at most {r.ceiling_bound:.2f} of "
-            f"the ceiling with its {r.bytes_per_round / MB:.0f} MB moved at the ceiling's pace "
-            f"({at_ceiling:.3f} s); to reach {CHECKED_TARGET:g} with nothing else in a round, "
-            f"its transfers would have to run at {r.needed_pace:.2f}x that pace: they ran at "
-            f"{pace} ({r.transfers_s:.3f} s), and the rest of the round (polls, commit, "
-            f"hand-offs) took {max(0.0, r.median_round_s - r.fixed_s - r.transfers_s):.3f} s"
+            f"  N={r.sites} {_fmt_params(r.params)}: with its {r.bytes_per_round / MB:.0f} MB "
+            f"moved at the ceiling's pace ({at_ceiling:.3f} s), its training, fold tail and "
+            f"durable checkpoint ({r.fixed_s:.3f} s a round) would leave it "
+            f"{r.ceiling_bound:.2f} of the ceiling; to reach {CHECKED_TARGET:g} with nothing "
+            f"else in a round, its transfers would have to run at {r.needed_pace:.2f}x that "
+            f"pace: they ran at {pace} ({r.transfers_s:.3f} s), and the rest of the round "
+            f"(polls, commit, hand-offs) took "
+            f"{max(0.0, r.median_round_s - r.fixed_s - r.transfers_s):.3f} s"
         )
 
 
@@ -537,13 +538,22 @@ def targets(results: list[ConfigResult]) -> dict[str, dict[str, object]]:
         "met": bool(results)
         and all(r.fedra_bps >= CHECKED_TARGET * r.checked_bps for r in results),
         "measured": bool(results),
-        # The most each configuration reaches with its fixed stages and its bytes at the
-        # ceiling's pace, and the pace it would need for the target (print_checked).
+        # What each configuration reaches with its fixed stages and its bytes at the
+        # ceiling's pace; the pace its transfers would need for the target with nothing else
+        # in a round, and the pace they ran at (print_checked).
         "bounds": {
             f"N={r.sites} {_fmt_params(r.params)}": round(r.ceiling_bound, 3) for r in results
         },
         "needed_pace": {
             f"N={r.sites} {_fmt_params(r.params)}": round(r.needed_pace, 3) for r in results
+        },
+        "pace": {
+            f"N={r.sites} {_fmt_params(r.params)}": round(
+                r.bytes_per_round / r.checked_bps / r.transfers_s, 3
+            )
+            if r.transfers_s > 0
+            else None
+            for r in results
         },
     }
     return {"rss_growth": rss, "throughput_ratio": ratio, "checked_fraction": checked}
@@ -556,11 +566,12 @@ def print_targets(judged: dict[str, dict[str, object]]) -> None:
         assert isinstance(values, dict)
         shown = ", ".join(f"{k}: {v}" for k, v in values.items()) or "no such configuration"
         verdict = "met" if t["met"] else ("NOT MET" if t["measured"] else "not measured")
-        bounds = t.get("bounds")
-        if not t["met"] and isinstance(bounds, dict) and bounds:
-            shown += "; at most " + ", ".join(f"{k}: {v}" for k, v in bounds.items())
-            shown += " with each one's training, fold tail and checkpoint and its bytes at the "
-            shown += "ceiling's pace"
+        needed, pace = t.get("needed_pace"), t.get("pace")
+        if not t["met"] and isinstance(needed, dict) and isinstance(pace, dict) and needed:
+            shown += "; with nothing but its training, fold tail and checkpoint besides its "
+            shown += "transfers, each would need them at "
+            shown += ", ".join(f"{k}: {v}x (ran {pace[k]}x)" for k, v in needed.items())
+            shown += " the ceiling's pace"
         print(f"  {t['target']}: {verdict} ({shown})")
 
 

@@ -56,4 +56,7 @@ def test_each_configuration_is_judged_against_the_ceiling_measured_beside_it(
         paces = [t / (t / 0.9 - f) if t / 0.9 > f else math.inf for t, f in pairs]
         assert c["needed_pace"] == pytest.approx(statistics.median(paces))
     assert list(judged["bounds"].values()) == [round(c["ceiling_bound"], 3) for c in configs]
+    paced = [c["bytes_per_round"] / c["checked_bps"] / c["transfers_s"] for c in configs]
+    assert list(judged["pace"].values()) == [round(p, 3) for p in paced]
+    assert list(judged["needed_pace"].values()) == [round(c["needed_pace"], 3) for c in configs]
     assert done.stdout.count("durable checkpoint (") == 2, done.stdout
