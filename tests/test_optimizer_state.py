@@ -336,9 +336,9 @@ def test_a_staged_state_counts_only_once_promoted(tmp_path: Path, on_disk: bool)
         ]  # fmt: skip
 
 
-def test_a_promotion_cut_between_its_renames_completes_when_done_again(tmp_path: Path) -> None:
-    """Killed after the latest became the previous and before the staged became the
-    latest: the round before is still there, and promoting again finishes the move."""
+def _promoting(tmp_path: Path) -> tuple[OptimizerStates, torch.optim.Optimizer, Path, Path]:
+    """A store on disk with round 1's state the latest and round 2's staged; its optimiser,
+    and the latest and previous files."""
     model = _model()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     _steps(model, opt, _data())
@@ -347,6 +347,13 @@ def test_a_promotion_cut_between_its_renames_completes_when_done_again(tmp_path:
     store.stage("run", CarriedState.of(opt, 2, after_round=2))
     latest, previous = store.path("run"), store.path("run", "prev")
     assert latest is not None and previous is not None
+    return store, opt, latest, previous
+
+
+def test_a_promotion_cut_between_its_renames_completes_when_done_again(tmp_path: Path) -> None:
+    """Killed after the latest became the previous and before the staged became the
+    latest: the round before is still there, and promoting again finishes the move."""
+    store, _, latest, previous = _promoting(tmp_path)
     latest.replace(previous)  # the first rename, as a kill would leave it
     assert store.load("run", 3).after_round == 1  # type: ignore[union-attr]
     assert store.promote("run", 2)
@@ -360,14 +367,7 @@ def test_a_promotion_never_leaves_the_latest_missing(
     the latest state: the previous one is a second name of its file before the staged one
     takes its place. Killed in between, the two are the same state, a link may be left
     over, and promoting again finishes the move."""
-    model = _model()
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    _steps(model, opt, _data())
-    store = OptimizerStates(tmp_path)
-    store.save("run", CarriedState.of(opt, 1, after_round=1))
-    store.stage("run", CarriedState.of(opt, 2, after_round=2))
-    latest, previous = store.path("run"), store.path("run", "prev")
-    assert latest is not None and previous is not None
+    store, opt, latest, previous = _promoting(tmp_path)
     seen: list[bool] = []
     replace = Path.replace
 
