@@ -259,9 +259,11 @@ class TwoGenerations(Generic[T]):
             return False  # none, or another round's left by a kill before its upload
         current = self._read(latest)
         if current is not None and current.after_round < round_number:
-            _link_into(latest, previous)  # the latest stays in place meanwhile: a crash, or
-        staged.replace(latest)  # a reader, between the two finds it, and the staged file
-        fsync_dir(latest.parent)  # which promoting again moves on
+            # The latest stays in place meanwhile: a reader, or a restart after a crash
+            # between the two, finds it, and the staged file, which promoting again moves on.
+            _link_into(latest, previous)
+        staged.replace(latest)
+        fsync_dir(latest.parent)
         return True
 
     def discard(self, run_id: str) -> None:
