@@ -46,6 +46,25 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
         _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
+def drop_cached(path: Path) -> None:
+    """Ask the kernel to drop ``path``'s pages from its page cache: a file written once and
+    not read again soon need not crowd out what is (a hint; a later read finds the bytes
+    on disk). Only pages already on disk go, so sync the file first. Does nothing where
+    unsupported or if the file is gone."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def write_atomic(path: Path, chunks: Iterable[bytes], mode: int | None = None) -> None:
     """Temp file in the same folder, fsync, rename, fsync the folder: a reader (or a
     restart after a crash) sees the old file or the new one, never a partial one."""

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import suppress
 from pathlib import Path
 
-from fedra.files import fsync_dir, start_writeback
+from fedra.files import drop_cached, fsync_dir, start_writeback
 from fedra.storage.hashing import AsideHasher
 
 log = logging.getLogger("fedra.storage")
@@ -176,6 +176,12 @@ class BlobStore:
 
     def delete(self, digest: str) -> None:
         self.path(digest).unlink(missing_ok=True)
+
+    def evict(self, digest: str) -> None:
+        """Drop the blob's bytes from the OS's page cache (they stay on disk): for a blob
+        that is durable and will not be read again soon, such as a checkpoint a newer
+        one replaced."""
+        drop_cached(self.path(digest))
 
     def digests(self) -> Iterator[str]:
         """The digests of the blobs in place (not writes in progress, nor other files)."""

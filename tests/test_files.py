@@ -1,4 +1,5 @@
-"""fedra.files: the process lock a coordinator holds on its state directory."""
+"""fedra.files: the process lock a coordinator holds on its state directory, and the page
+cache hint for files written once."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from fedra.files import LockHeld, ProcessLock
+from fedra.files import LockHeld, ProcessLock, drop_cached
+from tests.pagecache import drops_pages, resident_pages
 
 HOLD = """
 import sys
@@ -54,3 +56,19 @@ def test_a_killed_holder_leaves_no_lock_behind(tmp_path: Path) -> None:
             if stream is not None:
                 stream.close()
     ProcessLock(path).release()
+
+
+def test_a_synced_file_dropped_from_the_page_cache_keeps_its_bytes(tmp_path: Path) -> None:
+    if not drops_pages(tmp_path):
+        pytest.skip(f"{tmp_path}'s file system keeps a file's pages whatever it is asked")
+    path = tmp_path / "blob"
+    data = os.urandom(64 * 1024)
+    with path.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    assert resident_pages(path) > 0
+    drop_cached(path)
+    assert resident_pages(path) == 0
+    assert path.read_bytes() == data  # read back from disk
+    drop_cached(tmp_path / "gone")  # a file that is not there: nothing to do, no error

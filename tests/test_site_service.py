@@ -31,6 +31,7 @@ from fedra.protos.codec import decode, encode
 from fedra.protos.v1 import admin_pb2, admin_pb2_grpc, common_pb2, site_pb2, site_pb2_grpc
 from fedra.runspec import CodecSpec, TrainSpec
 from tests.conftest import InProcessCoordinator
+from tests.pagecache import drops_pages, resident_pages
 
 TASK = "fedra.examples.synthetic:task"
 SITES = ("site-a", "site-b", "site-c")
@@ -204,6 +205,38 @@ def test_full_round_flow_downloads_the_initial_model_and_averages(
     assert all(v >= 0 for v in stages.values())
     assert stages["aggregate_s"] > 0 and stages["checkpoint_s"] > 0 and stages["distribute_s"] > 0
     assert stages["round_s"] >= stages["checkpoint_s"]
+
+
+def test_a_checkpoint_the_next_one_replaced_leaves_the_page_cache(
+    coordinator: InProcessCoordinator,
+) -> None:
+    """Every round writes a checkpoint that stays on disk; once the next round's replaces
+    it, its pages leave the OS's page cache (which would otherwise pile up a model a
+    round), while the latest, which the sites download, stays."""
+    models = coordinator.engine.models
+    if not drops_pages(models.root):
+        pytest.skip(f"{models.root}'s file system keeps a file's pages whatever it is asked")
+    run_id, tasks = start_round_one(coordinator)
+    for site, task in sorted(tasks.items()):
+        upload(coordinator, messages(task, site, delta_payload(0.1)))
+    wait_round(coordinator, run_id, 1, "committed")
+    store = coordinator.engine._store
+    initial, first = (store.get_checkpoint(run_id, n) for n in (0, 1))
+    assert initial is not None and first is not None
+    assert initial.model_sha256 != first.model_sha256
+    replaced, latest = models.path(initial.model_sha256), models.path(first.model_sha256)
+    deadline = time.monotonic() + 10.0  # dropped as round 2 opens, beside the sites' work
+    while resident_pages(replaced) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert resident_pages(replaced) == 0
+    assert resident_pages(latest) > 0
+    chunks = coordinator.site.DownloadModel(
+        site_pb2.DownloadModelRequest(site_id=site, task_id=tasks_of_round(
+            coordinator, run_id, 2)[site].task_id)
+    )  # fmt: skip
+    assert hashlib.sha256(b"".join(m.data for m in chunks)).hexdigest() == first.model_sha256
+    whole = b"".join(models.read_chunks(initial.model_sha256))  # still on disk, as it was
+    assert hashlib.sha256(whole).hexdigest() == initial.model_sha256
 
 
 @pytest.mark.parametrize(

@@ -520,6 +520,11 @@ class RoundDriver:
         if spec.promotion is not None and number != INIT_ROUND:
             run.promotion = pending_promotion
         crash_point("after_commit", number)
+        # What the last checkpoint's downloads read, which this one's replace; and the
+        # optimiser's state, read back only by a restart: durable, they need not stay in
+        # the OS's page cache, where a checkpoint a round would pile up.
+        replaced = {run.model_sha256, run.delta_sha256, run.controls_sha256, opt_sha or ""}
+        stale = replaced - {model_sha, delta_sha, controls_sha, ""}
         with engine._lock:
             run.model_specs = spec_of(model)
             run.base_sha256 = run.model_sha256 if delta_sha else ""
@@ -532,6 +537,7 @@ class RoundDriver:
             run.set_closed(next_round=number + 1)
             engine.notify()
         self._leftovers.append(partial(self._drop_round_updates, number))
+        self._leftovers.append(partial(_evict, engine, stale))
         log.info("%s round %d: committed, %s", self.tag, number, _summary(parts, metrics))
         accepted = [p for p in parts if p.state == "accepted"]
         engine.observers.round_ended(_ended(
@@ -813,6 +819,11 @@ def _first_non_finite(tensors: dict[str, torch.Tensor]) -> str:
         if not all_finite(t):
             return f"tensor {name!r}"
     return ""
+
+
+def _evict(engine: Engine, digests: Collection[str]) -> None:
+    for digest in digests:
+        engine.models.evict(digest)
 
 
 def ledger(accepted: list[ParticipationRecord], aggregate_s: float) -> dict[str, float]:
