@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +132,9 @@ class SiteAgent:
         self._downloaded = 0  # bytes the current task's global model took to come here
         # What this site accepted, declined and sent, chained (fedra.audit): in state_dir.
         self.audit = AuditLog(config.state_dir / AUDIT_FILE) if config.state_dir else None
+        # Its entries are written here, one at a time and in order: a task's accept is
+        # written while its model downloads, and waited for before its training begins.
+        self._auditor = None if self.audit is None else ThreadPoolExecutor(1, "fedra-audit")
         self.policy = Policy(config.policy, config.state_dir)  # what this site agrees to
         # Per task, what its results come from: told to the coordinator at registration.
         self.provenance = [
@@ -169,6 +173,8 @@ class SiteAgent:
             finally:
                 if self._ahead is not None:
                     self._ahead.cancel()
+                if self._auditor is not None:  # what was accepted is on record
+                    self._auditor.submit(_nothing).result()
                 self.metrics.close()
 
     def _serve_metrics(self) -> None:
@@ -223,11 +229,19 @@ class SiteAgent:
                 self._run_task(task, session)
 
     def _audit(self, event: str, task: Assignment, **data: Any) -> None:
-        if self.audit is not None:
-            self.audit.record(
-                event, f"site {self.config.site_id}", run=task.run_id, round=task.round,
-                task_id=task.task_id, task=task.entry_point, **data,
-            )  # fmt: skip
+        self._audit_soon(event, task, **data).result()
+
+    def _audit_soon(self, event: str, task: Assignment, **data: Any) -> Future[None]:
+        """Record ``event`` about ``task`` after those under way; its future says when it
+        is written (an entry that cannot be is logged, not raised: ``AuditLog.record``)."""
+        if self.audit is None or self._auditor is None:
+            done: Future[None] = Future()
+            done.set_result(None)
+            return done
+        return self._auditor.submit(
+            self.audit.record, event, f"site {self.config.site_id}", run=task.run_id,
+            round=task.round, task_id=task.task_id, task=task.entry_point, **data,
+        )  # fmt: skip
 
     def _run_task(self, task: Assignment, session: Session) -> None:
         tag = f"{self.tag} run {task.run_id} round {task.round}"
@@ -244,14 +258,14 @@ class SiteAgent:
             self.metrics.round_failed(task.run_id, "declined")
             self.conn.report_failure(task.task_id, declined, declined=True)
             return
-        self._audit("task.accept", task)
+        accepted = self._audit_soon("task.accept", task)  # on record before it trains
         beat = Heartbeat(
             self.conn, task.task_id, session.heartbeat_interval_s, session.poll_timeout_s
         )
         self.current = task
         try:
             with beat, logformat.about(run=task.run_id, round=task.round):
-                self._train_and_upload(task, session, tag, beat)
+                self._train_and_upload(task, session, tag, beat, accepted)
         except grpc.RpcError as exc:
             if exc.code() in _TASK_GONE:
                 log.warning("%s: task dropped: %s", tag, exc.details())
@@ -281,7 +295,12 @@ class SiteAgent:
             log.warning("%s: could not report the failure: %s", self.tag, exc.code().name)
 
     def _train_and_upload(
-        self, task: Assignment, session: Session, tag: str, beat: Heartbeat
+        self,
+        task: Assignment,
+        session: Session,
+        tag: str,
+        beat: Heartbeat,
+        accepted: Future[None],
     ) -> None:
         impl = self.tasks[task.entry_point]
         params = task.train.params
@@ -294,6 +313,7 @@ class SiteAgent:
             log.warning("%s: task withdrawn before its work began; skipped", tag)
             return
         if task.init:
+            accepted.result()
             model = impl.create_model(task.seed, params)
             payload = {k: v.detach().clone() for k, v in model.state_dict().items()}
             num_samples, metrics = 1, dict[str, float]()
@@ -306,6 +326,7 @@ class SiteAgent:
             # As the site sees it: the coordinator's download_s ends when the last byte
             # leaves it, which buffers on a slow link hide.
             downloaded = time.monotonic()
+            accepted.result()  # written while the model came
             crash_point("after_download", task.round)
             if beat.withdrawn.is_set():  # a training ahead stays for the task given next
                 log.warning("%s: task withdrawn during its download; not training", tag)
@@ -712,6 +733,10 @@ class SiteAgent:
                     "%s: upload failed (%s); retrying in %.1f s", self.tag, exc.code().name, delay
                 )
                 self.stop.wait(delay)
+
+
+def _nothing() -> None:
+    pass
 
 
 def _details(exc: grpc.RpcError, limit: int = 300) -> str:

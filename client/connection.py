@@ -38,6 +38,7 @@ from fedra.protos.serde import (
 from fedra.protos.v1 import site_pb2, site_pb2_grpc
 from fedra.runspec import CodecSpec, PrivacySpec, TrainSpec
 from fedra.secagg import SecAggError
+from fedra.storage.hashing import AsideHasher
 
 log = logging.getLogger("fedra.site")
 
@@ -290,7 +291,7 @@ class Connection:
         expected = task.delta_sha256 if delta else task.model_sha256
         if controls:
             expected = task.controls_sha256
-        digest = hashlib.sha256()
+        digest = AsideHasher()  # a large model is hashed beside its receipt and decoding
 
         def chunks() -> Iterator[memoryview]:
             for data in self._download_model(request, timeout=timeout_s):

@@ -5,16 +5,26 @@ site's tasks and what left it; and ``fedra audit --verify`` finding an edit."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from torch import nn
 
-from fedra.audit import AUDIT_FILE
+from fedra.audit import AUDIT_FILE, AuditLog, Entry
+from fedra.client.agent import SiteAgent
+from fedra.client.config import SiteConfig
+from fedra.client.executor import LocalExecutor
+from fedra.client.task import FitResult, FitSettings
+from fedra.coordinator.engine import EngineSettings
+from fedra.examples.synthetic import SyntheticData, SyntheticTask
 from fedra.local import LocalCluster
-from tests.conftest import fedra_cli
+from fedra.protos.v1 import admin_pb2
+from tests.conftest import InProcessCoordinator, fedra_cli
 from tests.test_cluster import FAST, finished, start_synthetic_sites, synthetic_spec, wait_until
+from tests.test_site_service import TASK, submit
 
 
 def _entries(result: Any) -> list[dict[str, Any]]:
@@ -94,3 +104,56 @@ def test_a_federation_s_audit_logs_record_who_did_what(tmp_path: Path) -> None:
     broken = fedra_cli("audit", "--state-dir", str(state), "--verify")
     assert broken.returncode == 1
     assert f"line {n + 1} (seq {n + 1}): edited" in broken.stderr
+
+
+class _SlowAcceptLog(AuditLog):
+    """The site's real audit log, each task's accept written a while after it is asked
+    for: the model's download is long over by then."""
+
+    def append(self, event: str, who: str = "", **data: Any) -> Entry:
+        if event == "task.accept":
+            time.sleep(0.3)
+        return super().append(event, who, **data)
+
+
+class _AuditReadingTask(SyntheticTask):
+    """The synthetic task, reading the site's audit log as each training begins."""
+
+    def __init__(self, log: Path) -> None:
+        self.log = log
+        self.on_record: list[int] = []  # per training: the task accepts already on record
+
+    def fit(self, model: nn.Module, data: SyntheticData, settings: FitSettings) -> FitResult:
+        entries = [json.loads(line) for line in self.log.read_text().splitlines()]
+        self.on_record.append(sum(e["event"] == "task.accept" for e in entries))
+        return super().fit(model, data, settings)
+
+
+def test_a_task_s_accept_is_on_record_before_its_training_begins(tmp_path: Path) -> None:
+    """The accept is written while the model downloads, off the round's path, and
+    training waits for it: a site never trains for a task its log does not show."""
+    settings = EngineSettings(heartbeat_interval_s=1.0, poll_timeout_s=5.0, site_timeout_s=30.0)
+    c = InProcessCoordinator(tmp_path / "coordinator", settings)
+    state = tmp_path / "site"
+    config = SiteConfig("site-a", c.address, (TASK,), insecure=True, state_dir=state)
+    task = _AuditReadingTask(state / AUDIT_FILE)
+    data = {TASK: task.load_data({"samples": 64, "seed": 1})}
+    agent = SiteAgent(config, executor=LocalExecutor(), tasks={TASK: task}, data=data)
+    assert agent.audit is not None
+    agent.audit = _SlowAcceptLog(agent.audit.path)
+    thread = threading.Thread(target=agent.run, daemon=True)
+    thread.start()
+    try:
+        run_id = submit(c, sites_per_round=1, min_sites=1, rounds=2)
+        for status in c.admin.WatchRun(admin_pb2.WatchRunRequest(run_id=run_id), timeout=60):
+            if status.state in ("completed", "failed", "cancelled"):
+                break
+        assert status.state == "completed", status.reason
+    finally:
+        agent.shutdown()
+        thread.join(30)
+        c.close()
+    assert not thread.is_alive()
+    # Rounds 1 and 2 trained (round 0 builds the initial model): the accepts of rounds 0
+    # and 1, then of 0 to 2, were on record as each began.
+    assert task.on_record == [2, 3]

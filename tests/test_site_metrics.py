@@ -258,7 +258,8 @@ def test_a_round_s_own_measures_are_what_the_agent_records() -> None:
     agent.conn.upload = upload  # type: ignore[method-assign]
     task = _assignment(model_bytes=1234)
     beat = Heartbeat(agent.conn, task.task_id, 60.0)  # never started: nothing to beat
-    agent._train_and_upload(task, Session(60.0, 5.0, 1 << 20), "test", beat)
+    accepted = agent._audit_soon("task.accept", task)
+    agent._train_and_upload(task, Session(60.0, 5.0, 1 << 20), "test", beat, accepted)
     s = parsed(agent.metrics.exposition().decode())
     assert agent.rounds_done == 1
     assert value(s, "fedra_site_rounds_total", run="r1") == 1

@@ -15,6 +15,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +24,11 @@ import pytest
 import torch
 from google.protobuf.message import Message
 
-from fedra.client.connection import Assignment, Connection
+from fedra.client.connection import Assignment, Connection, _assignment
 from fedra.coordinator.engine import EngineSettings
 from fedra.examples import synthetic
 from fedra.protos import wire
-from fedra.protos.codec import decode, encode
+from fedra.protos.codec import CodecError, decode, encode
 from fedra.protos.v1 import admin_pb2, admin_pb2_grpc, common_pb2, site_pb2, site_pb2_grpc
 from fedra.runspec import CodecSpec, TrainSpec
 from tests.conftest import InProcessCoordinator
@@ -205,6 +206,32 @@ def test_full_round_flow_downloads_the_initial_model_and_averages(
     assert all(v >= 0 for v in stages.values())
     assert stages["aggregate_s"] > 0 and stages["checkpoint_s"] > 0 and stages["distribute_s"] > 0
     assert stages["round_s"] >= stages["checkpoint_s"]
+
+
+def test_a_site_checks_a_large_model_it_downloads_against_its_task_s_digest(
+    coordinator: InProcessCoordinator,
+) -> None:
+    """Hashed beside its receipt (past its first MiB), a downloaded model is still whole
+    and checked before it is used: bytes that do not hash to the task's digest are
+    refused."""
+    register(coordinator, *SITES)
+    run_id = submit(coordinator)
+    ((site, init),) = tasks_of_round(coordinator, run_id, 0).items()
+    big = {"w": torch.randn(600_000), "b": torch.arange(10, dtype=torch.int64)}  # 2.4 MB
+    upload(coordinator, messages(init, site, encode(big), chunk=1 << 20))
+    tasks = tasks_of_round(coordinator, run_id, 1)
+    conn = Connection(coordinator.address, site)
+    try:
+        task = _assignment(tasks[site], b"")
+        model = conn.download(task, timeout_s=30.0)
+        assert model.keys() == big.keys()
+        for k, v in big.items():
+            torch.testing.assert_close(model[k], v, rtol=0, atol=0)
+        wrong = replace(task, model_sha256=hashlib.sha256(b"another model").hexdigest())
+        with pytest.raises(CodecError, match="model SHA-256"):
+            conn.download(wrong, timeout_s=30.0)
+    finally:
+        conn.close()
 
 
 def test_a_checkpoint_the_next_one_replaced_leaves_the_page_cache(

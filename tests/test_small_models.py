@@ -403,7 +403,8 @@ def test_a_task_withdrawn_before_its_training_is_neither_trained_nor_uploaded(
         with beat:
             if when == "before its work":
                 withdraw()
-            agent._train_and_upload(task, Session(1.0, 2.0, 1 << 20), "test", beat)
+            accepted = agent._audit_soon("task.accept", task)
+            agent._train_and_upload(task, Session(1.0, 2.0, 1 << 20), "test", beat, accepted)
         assert fetched == ([] if when == "before its work" else [True])
         assert trained == [] and agent.rounds_done == 0
         (p,) = [p for p in round_status(c, run_id, 1).participations if p.site_id == site]
