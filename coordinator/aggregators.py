@@ -170,13 +170,18 @@ class StreamingMean(Aggregator):
         self.ordered = buffered is None  # async: the result depends on arrival by design
         self._discount = buffered.weight if buffered is not None else _undiscounted
         self._sum: WeightedSum | None = None
+        # The last attempt's sums, once dropped: the next attempt's memory. Nothing reads
+        # them by then: the commit's model, stepped in their memory, is written and gone,
+        # and every fold of a synchronous attempt ended before its close (an async run's
+        # folds may outlast it, so its sums are not kept).
+        self._spare: dict[str, torch.Tensor] | None = None
 
     @property
     def running_sum(self) -> WeightedSum | None:
         return self._sum
 
     def begin(self, attempt: Attempt) -> None:
-        self._sum = WeightedSum(attempt.specs)
+        self._sum, self._spare = WeightedSum(attempt.specs, reuse=self._spare), None
 
     def _weight(self, samples: int) -> float:
         return float(samples)
@@ -196,6 +201,8 @@ class StreamingMean(Aggregator):
         return self._sum.mean(), self._sum.count
 
     def drop(self) -> None:
+        if self._sum is not None and self.ordered:
+            self._spare = self._sum.sums
         self._sum = None
 
 

@@ -225,6 +225,46 @@ def test_the_streaming_mean_is_the_sample_weighted_mean(tmp_path: Path, bound: f
     aggregator.drop()
 
 
+def test_the_next_attempt_sums_in_the_last_one_s_memory_from_zero(tmp_path: Path) -> None:
+    """A synchronous mean's next attempt takes the memory of the last one's sums (there,
+    the commit stepped the model: it holds anything by then) and starts from zero in it,
+    as fresh memory would."""
+    aggregator = make_aggregator(_spec("mean"))
+    aggregator.begin(_attempt(tmp_path))
+    for site, seed in zip(SITES, (1, 2, 3), strict=True):
+        aggregator.fold(site, _Update(_update(seed)), 10, staleness=0)
+    first, _ = aggregator.finish()
+    memory = {name: t.data_ptr() for name, t in first.items()}
+    for t in first.values():
+        t.fill_(float("nan"))  # what a stepped model leaves there, as far as a sum cares
+    aggregator.drop()
+    aggregator.begin(_attempt(tmp_path))
+    updates = [_update(4), _update(5)]
+    for site, update, samples in zip(SITES[:2], updates, (10, 30), strict=True):
+        aggregator.fold(site, _Update(update), samples, staleness=0)
+    mean, count = aggregator.finish()
+    assert {name: t.data_ptr() for name, t in mean.items()} == memory
+    expected = _reference_sum([(updates[0], 10, 1.0), (updates[1], 30, 1.0)], 0.0).mean()
+    assert count == 2
+    for name in mean:
+        assert torch.equal(mean[name], expected[name])
+
+
+def test_an_async_mean_s_next_attempt_never_shares_the_last_one_s_memory(
+    tmp_path: Path,
+) -> None:
+    """An async run's folds may outlast their attempt: its sums are never handed on."""
+    aggregator = make_aggregator(dataclasses.replace(_spec(), asynchronous=AsyncSpec(buffer=2)))
+    aggregator.begin(_attempt(tmp_path))
+    aggregator.fold(SITES[0], _Update(_update(1)), 10, staleness=0)
+    first, _ = aggregator.finish()
+    aggregator.drop()
+    aggregator.begin(_attempt(tmp_path))
+    aggregator.fold(SITES[0], _Update(_update(2)), 10, staleness=0)
+    second, _ = aggregator.finish()
+    assert all(second[k].data_ptr() != first[k].data_ptr() for k in second)
+
+
 def test_an_async_mean_discounts_stale_updates_and_folds_as_they_come(tmp_path: Path) -> None:
     spec = dataclasses.replace(_spec(), asynchronous=AsyncSpec(buffer=2))
     aggregator = make_aggregator(spec)
