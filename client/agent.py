@@ -7,6 +7,7 @@ that fails transiently is retried under one backoff policy.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import threading
@@ -234,14 +235,22 @@ class SiteAgent:
     def _audit_soon(self, event: str, task: Assignment, **data: Any) -> Future[None]:
         """Record ``event`` about ``task`` after those under way; its future says when it
         is written (an entry that cannot be is logged, not raised: ``AuditLog.record``)."""
-        if self.audit is None or self._auditor is None:
-            done: Future[None] = Future()
+        done: Future[None] = Future()
+        if self.audit is None:
             done.set_result(None)
             return done
-        return self._auditor.submit(
+        record = functools.partial(
             self.audit.record, event, f"site {self.config.site_id}", run=task.run_id,
             round=task.round, task_id=task.task_id, task=task.entry_point, **data,
         )  # fmt: skip
+        if self._auditor is not None:
+            try:
+                return self._auditor.submit(record)
+            except RuntimeError:  # the interpreter is shutting its pools down: write here
+                pass
+        record()
+        done.set_result(None)
+        return done
 
     def _run_task(self, task: Assignment, session: Session) -> None:
         tag = f"{self.tag} run {task.run_id} round {task.round}"
@@ -319,6 +328,7 @@ class SiteAgent:
             num_samples, metrics = 1, dict[str, float]()
         else:
             if task.secagg is not None:  # the key exchange comes before the training
+                accepted.result()  # and takes part in the task: the accept is on record
                 masker = self._secagg_setup(task, task.secagg)
                 crash_point("after_secagg_setup", task.round)
                 started = time.monotonic()  # waiting for the others' keys is no download

@@ -173,7 +173,8 @@ class StreamingMean(Aggregator):
         # The last attempt's sums, once dropped: the next attempt's memory. Nothing reads
         # them by then: the commit's model, stepped in their memory, is written and gone,
         # and every fold of a synchronous attempt ended before its close (an async run's
-        # folds may outlast it, so its sums are not kept).
+        # folds may outlast it, so its sums are not kept). A run waiting for its sites
+        # between rounds keeps them: the same memory its next round would take anyway.
         self._spare: dict[str, torch.Tensor] | None = None
 
     @property

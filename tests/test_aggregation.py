@@ -14,7 +14,7 @@ import torch
 from torch.testing import assert_close
 
 from fedra.coordinator.aggregation import ServerOptimizer, WeightedSum, accumulation_dtype
-from fedra.coordinator.engine.rounds import stepped_model, weighted_metrics
+from fedra.coordinator.engine.rounds import out_of_use, stepped_model, weighted_metrics
 from fedra.metrics import format_metric, is_count_metric
 from fedra.protos.codec import StreamDecoder, decode, encode, encode_chunks, spec_of
 from fedra.runspec import STRATEGY_PARAMS, RunSpec
@@ -527,3 +527,14 @@ def test_stepped_model_streams_the_old_model_through_the_step(
     for key, value in whole.state_dict().items():
         assert streamed.state_dict()[key].shape == value.shape
         assert_close(streamed.state_dict()[key], value, rtol=0, atol=0)
+
+
+def test_a_commit_leaves_out_of_use_only_what_neither_checkpoint_serves() -> None:
+    a, b, c, d, e, f = (ch * 64 for ch in "abcdef")
+    # The model, step and controls the last round served, and the new optimiser state.
+    assert out_of_use((a, b, c), (d, e, f), "9" * 64) == {a, b, c, "9" * 64}
+    # A model that did not move, a rollback to a model served before, no step, no state.
+    assert out_of_use((a, "", ""), (a, "", ""), None) == set()
+    assert out_of_use((a, b, ""), (d, "", a), None) == {b}
+    # The state's blob is the same bytes as one still served: it stays.
+    assert out_of_use((a, "", ""), (d, "", ""), d) == {a}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -117,15 +118,33 @@ class _SlowAcceptLog(AuditLog):
 
 
 class _AuditReadingTask(SyntheticTask):
-    """The synthetic task, reading the site's audit log as each training begins."""
+    """The synthetic task, reading the site's audit log as its work for a task begins:
+    building the initial model (round 0's task), training (every later round's). (A site
+    that rebuilds the initial model from the seed in round 1, instead of downloading it,
+    builds it as it would download it: that is not the task's work.)"""
 
     def __init__(self, log: Path) -> None:
         self.log = log
-        self.on_record: list[int] = []  # per training: the task accepts already on record
+        self.agent: SiteAgent | None = None
+        self.begun: list[tuple[int, bool]] = []  # (round, its accept was on record)
+
+    def _begins(self, building: bool = False) -> None:
+        assert self.agent is not None
+        task = self.agent.current
+        if task is None or (building and not task.init):  # not the work of a task
+            return
+        entries = [json.loads(line) for line in self.log.read_text().splitlines()]
+        on_record = any(
+            e["event"] == "task.accept" and e["data"]["task_id"] == task.task_id for e in entries
+        )
+        self.begun.append((task.round, on_record))
+
+    def create_model(self, seed: int, params: Mapping[str, str]) -> nn.Module:
+        self._begins(building=True)
+        return super().create_model(seed, params)
 
     def fit(self, model: nn.Module, data: SyntheticData, settings: FitSettings) -> FitResult:
-        entries = [json.loads(line) for line in self.log.read_text().splitlines()]
-        self.on_record.append(sum(e["event"] == "task.accept" for e in entries))
+        self._begins()
         return super().fit(model, data, settings)
 
 
@@ -139,6 +158,7 @@ def test_a_task_s_accept_is_on_record_before_its_training_begins(tmp_path: Path)
     task = _AuditReadingTask(state / AUDIT_FILE)
     data = {TASK: task.load_data({"samples": 64, "seed": 1})}
     agent = SiteAgent(config, executor=LocalExecutor(), tasks={TASK: task}, data=data)
+    task.agent = agent
     assert agent.audit is not None
     agent.audit = _SlowAcceptLog(agent.audit.path)
     thread = threading.Thread(target=agent.run, daemon=True)
@@ -154,6 +174,7 @@ def test_a_task_s_accept_is_on_record_before_its_training_begins(tmp_path: Path)
         thread.join(30)
         c.close()
     assert not thread.is_alive()
-    # Rounds 1 and 2 trained (round 0 builds the initial model): the accepts of rounds 0
-    # and 1, then of 0 to 2, were on record as each began.
-    assert task.on_record == [2, 3]
+    # Round 0 built the initial model, rounds 1 and 2 trained: each task's accept was on
+    # record before its work began.
+    assert [r for r, _ in task.begun] == [0, 1, 2]
+    assert all(on_record for _, on_record in task.begun), task.begun

@@ -520,11 +520,11 @@ class RoundDriver:
         if spec.promotion is not None and number != INIT_ROUND:
             run.promotion = pending_promotion
         crash_point("after_commit", number)
-        # What the last checkpoint's downloads read, which this one's replace; and the
-        # optimiser's state, read back only by a restart: durable, they need not stay in
-        # the OS's page cache, where a checkpoint a round would pile up.
-        replaced = {run.model_sha256, run.delta_sha256, run.controls_sha256, opt_sha or ""}
-        stale = replaced - {model_sha, delta_sha, controls_sha, ""}
+        stale = out_of_use(
+            (run.model_sha256, run.delta_sha256, run.controls_sha256),
+            (model_sha, delta_sha, controls_sha),
+            opt_sha,
+        )
         with engine._lock:
             run.model_specs = spec_of(model)
             run.base_sha256 = run.model_sha256 if delta_sha else ""
@@ -819,6 +819,14 @@ def _first_non_finite(tensors: dict[str, torch.Tensor]) -> str:
         if not all_finite(t):
             return f"tensor {name!r}"
     return ""
+
+
+def out_of_use(served: Iterable[str], serving: Iterable[str], state: str | None) -> set[str]:
+    """The blobs a commit leaves unread until a restart, a rollback or an export: what the
+    last checkpoint's downloads read (``served``: model, step, controls) and this one's
+    (``serving``) do not, and the new optimiser ``state``. Durable, they need not stay in
+    the OS's page cache, where a checkpoint a round would pile up."""
+    return ({*served, state or ""} - {*serving}) - {""}
 
 
 def _evict(engine: Engine, digests: Collection[str]) -> None:
