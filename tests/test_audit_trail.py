@@ -5,7 +5,6 @@ site's tasks and what left it; and ``fedra audit --verify`` finding an edit."""
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -22,10 +21,9 @@ from fedra.client.task import FitResult, FitSettings
 from fedra.coordinator.engine import EngineSettings
 from fedra.examples.synthetic import SyntheticData, SyntheticTask
 from fedra.local import LocalCluster
-from fedra.protos.v1 import admin_pb2
 from tests.conftest import InProcessCoordinator, fedra_cli
 from tests.test_cluster import FAST, finished, start_synthetic_sites, synthetic_spec, wait_until
-from tests.test_site_service import TASK, submit
+from tests.test_site_service import TASK, serve_one_run
 
 
 def _entries(result: Any) -> list[dict[str, Any]]:
@@ -161,19 +159,10 @@ def test_a_task_s_accept_is_on_record_before_its_training_begins(tmp_path: Path)
     task.agent = agent
     assert agent.audit is not None
     agent.audit = _SlowAcceptLog(agent.audit.path)
-    thread = threading.Thread(target=agent.run, daemon=True)
-    thread.start()
     try:
-        run_id = submit(c, sites_per_round=1, min_sites=1, rounds=2)
-        for status in c.admin.WatchRun(admin_pb2.WatchRunRequest(run_id=run_id), timeout=60):
-            if status.state in ("completed", "failed", "cancelled"):
-                break
-        assert status.state == "completed", status.reason
+        serve_one_run(c, agent, rounds=2)
     finally:
-        agent.shutdown()
-        thread.join(30)
         c.close()
-    assert not thread.is_alive()
     # Round 0 built the initial model, rounds 1 and 2 trained: each task's accept was on
     # record before its work began.
     assert [r for r, _ in task.begun] == [0, 1, 2]

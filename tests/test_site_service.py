@@ -24,6 +24,7 @@ import pytest
 import torch
 from google.protobuf.message import Message
 
+from fedra.client.agent import SiteAgent
 from fedra.client.connection import Assignment, Connection, _assignment
 from fedra.coordinator.engine import EngineSettings
 from fedra.examples import synthetic
@@ -73,6 +74,25 @@ def wait_round(
             if r.number == number and r.status == state:
                 return r
     raise AssertionError(f"run {run_id} ended before round {number} was {state}")
+
+
+def serve_one_run(c: InProcessCoordinator, agent: SiteAgent, rounds: int) -> str:
+    """Serve a run of ``rounds`` with ``agent``, its one site, running in a thread; the
+    run (its id returned) must complete, and the agent is stopped after it, however it
+    went."""
+    thread = threading.Thread(target=agent.run, daemon=True)
+    thread.start()
+    try:
+        run_id = submit(c, sites_per_round=1, min_sites=1, rounds=rounds)
+        for status in c.admin.WatchRun(admin_pb2.WatchRunRequest(run_id=run_id), timeout=60):
+            if status.state in ("completed", "failed", "cancelled"):
+                break
+        assert status.state == "completed", status.reason
+    finally:
+        agent.shutdown()
+        thread.join(30)
+    assert not thread.is_alive()
+    return run_id
 
 
 def tasks_of_round(c: InProcessCoordinator, run_id: str, number: int) -> dict[str, site_pb2.Task]:

@@ -38,6 +38,7 @@ from tests.test_site_service import (
     messages,
     model_state,
     round_status,
+    serve_one_run,
     submit,
     tasks_of_round,
     upload,
@@ -144,18 +145,7 @@ def test_a_site_trains_on_the_model_that_came_with_its_task(
         return real_download(*args, **kwargs)  # type: ignore[arg-type]
 
     agent.conn.download = counted  # type: ignore[method-assign, assignment]
-    thread = threading.Thread(target=agent.run, daemon=True)
-    thread.start()
-    try:
-        run_id = submit(c, sites_per_round=1, min_sites=1, rounds=3)
-        for status in c.admin.WatchRun(admin_pb2.WatchRunRequest(run_id=run_id), timeout=60):
-            if status.state in ("completed", "failed", "cancelled"):
-                break
-        assert status.state == "completed", status.reason
-    finally:
-        agent.shutdown()
-        thread.join(30)
-    assert not thread.is_alive()
+    run_id = serve_one_run(c, agent, rounds=3)
     assert agent.rounds_done == 4  # the initial model, then three rounds
     assert downloads == 0
     rounds = [r for r in c.admin.GetRun(admin_pb2.GetRunRequest(run_id=run_id)).rounds]
