@@ -7,6 +7,7 @@ that fails transiently is retried under one backoff policy.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -134,7 +135,7 @@ class SiteAgent:
         # What this site accepted, declined and sent, chained (fedra.audit): in state_dir.
         self.audit = AuditLog(config.state_dir / AUDIT_FILE) if config.state_dir else None
         # Its entries are written here, one at a time and in order: a task's accept is
-        # written while its model downloads, and waited for before its training begins.
+        # written while its model downloads, and waited for before the task's work begins.
         self._auditor = None if self.audit is None else ThreadPoolExecutor(1, "fedra-audit")
         self.policy = Policy(config.policy, config.state_dir)  # what this site agrees to
         # Per task, what its results come from: told to the coordinator at registration.
@@ -175,7 +176,8 @@ class SiteAgent:
                 if self._ahead is not None:
                     self._ahead.cancel()
                 if self._auditor is not None:  # what was accepted is on record
-                    self._auditor.submit(_nothing).result()
+                    with contextlib.suppress(RuntimeError):  # (its pool already shut down)
+                        self._auditor.submit(_nothing).result()
                 self.metrics.close()
 
     def _serve_metrics(self) -> None:
@@ -267,7 +269,7 @@ class SiteAgent:
             self.metrics.round_failed(task.run_id, "declined")
             self.conn.report_failure(task.task_id, declined, declined=True)
             return
-        accepted = self._audit_soon("task.accept", task)  # on record before it trains
+        accepted = self._audit_soon("task.accept", task)  # on record before its work
         beat = Heartbeat(
             self.conn, task.task_id, session.heartbeat_interval_s, session.poll_timeout_s
         )
