@@ -146,9 +146,9 @@ class _AuditReadingTask(SyntheticTask):
         return super().fit(model, data, settings)
 
 
-def test_a_task_s_accept_is_on_record_before_its_training_begins(tmp_path: Path) -> None:
-    """The accept is written while the model downloads, off the round's path, and
-    training waits for it: a site never trains for a task its log does not show."""
+def test_a_task_s_accept_is_on_record_before_its_work_begins(tmp_path: Path) -> None:
+    """The accept is written while the model downloads, off the round's path, and the
+    task's work waits for it: a site never works on a task its log does not show."""
     settings = EngineSettings(heartbeat_interval_s=1.0, poll_timeout_s=5.0, site_timeout_s=30.0)
     c = InProcessCoordinator(tmp_path / "coordinator", settings)
     state = tmp_path / "site"

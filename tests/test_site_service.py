@@ -277,10 +277,9 @@ def test_a_checkpoint_the_next_one_replaced_leaves_the_page_cache(
         time.sleep(0.01)
     assert resident_pages(replaced) == 0
     assert resident_pages(latest) > 0
-    chunks = coordinator.site.DownloadModel(
-        site_pb2.DownloadModelRequest(site_id=site, task_id=tasks_of_round(
-            coordinator, run_id, 2)[site].task_id)
-    )  # fmt: skip
+    next_task = tasks_of_round(coordinator, run_id, 2)[site]
+    request = site_pb2.DownloadModelRequest(site_id=site, task_id=next_task.task_id)
+    chunks = coordinator.site.DownloadModel(request)
     assert hashlib.sha256(b"".join(m.data for m in chunks)).hexdigest() == first.model_sha256
     whole = b"".join(models.read_chunks(initial.model_sha256))  # still on disk, as it was
     assert hashlib.sha256(whole).hexdigest() == initial.model_sha256
