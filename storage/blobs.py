@@ -177,6 +177,19 @@ class BlobStore:
     def delete(self, digest: str) -> None:
         self.path(digest).unlink(missing_ok=True)
 
+    def take_out(self, digest: str) -> Path | None:
+        """Move the blob out of the store, into its folder of writes in progress, and
+        return where it went (None: there was none), for the caller to unlink when no
+        lock of its waits on it: the rename takes microseconds whatever the size, the
+        unlink frees the file's cached pages, about 1 ms per 4 MB here. A crash between
+        the two leaves the file to the next start's ``clear_tmp``."""
+        gone = self._tmp / f"gone-{digest}-{os.urandom(4).hex()}"
+        try:
+            os.replace(self.path(digest), gone)
+        except FileNotFoundError:
+            return None
+        return gone
+
     def evict(self, digest: str) -> None:
         """Drop the blob's bytes from the OS's page cache (they stay on disk): for a blob
         that is durable and will not be read again soon, such as a checkpoint a newer

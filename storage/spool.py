@@ -169,17 +169,24 @@ class UpdateSpool:
             if not self._holds[digest]:
                 del self._holds[digest]
 
-    def delete(self, digest: str) -> bool:
+    def delete(self, digest: str, taken_out: list[Path] | None = None) -> bool:
         """Forget the update: its file and its memory copy, unless an upload holds it
         (``hold``); whether it went. (Its rows' bytes go with their round:
-        ``Store.clear_update_data``.)"""
+        ``Store.clear_update_data``.) The file leaves the spool at once; it is unlinked
+        once this lock is released, or, given ``taken_out``, added there for the caller
+        to unlink once it holds no lock (``BlobStore.take_out``)."""
         with self._lock:
             if digest in self._holds:
                 return False
             data = self._cache.pop(digest, None)
             if data is not None:
                 self._cached -= len(data)
-            self.blobs.delete(digest)  # under the lock: no hold begins while it goes
+            gone = self.blobs.take_out(digest)  # under the lock: no hold begins while it goes
+        if gone is not None:
+            if taken_out is None:
+                gone.unlink(missing_ok=True)
+            else:
+                taken_out.append(gone)
         return True
 
     def sweep(self, keep: Collection[str]) -> int:

@@ -996,6 +996,22 @@ def test_blob_put_read_size_exists_delete(blobs: BlobStore) -> None:
         blobs.size(digest)
 
 
+def test_a_blob_taken_out_leaves_the_store_at_once_and_a_start_clears_it(
+    blobs: BlobStore,
+) -> None:
+    data = os.urandom(3000)
+    digest = blobs.put(data)
+    gone = blobs.take_out(digest)
+    assert gone is not None and gone.read_bytes() == data  # still there, for its unlink
+    assert not blobs.exists(digest) and list(blobs.digests()) == []
+    with pytest.raises(BlobNotFoundError):
+        blobs.read(digest)
+    assert blobs.take_out(digest) is None  # nothing left to take
+    assert blobs.put(data) == digest and blobs.read(digest) == data  # the same bytes again
+    assert blobs.clear_tmp() == 1 and not gone.exists()  # as a start after a crash does
+    assert blobs.read(digest) == data
+
+
 def test_blob_empty(blobs: BlobStore) -> None:
     digest = blobs.put(b"")
     assert digest == hashlib.sha256(b"").hexdigest()
@@ -1508,7 +1524,13 @@ def test_a_held_spool_file_outlives_deletes_and_a_sweep_keeps_what_it_is_told(
     with pytest.raises(RuntimeError, match="released more often than held"):
         spool.release(held)
     assert spool.sweep(keep={kept}) == 1 and not spool.exists(held)
-    assert spool.delete(kept) and not spool.exists(kept)
+    taken_out: list[Path] = []
+    spool.hold(kept)
+    assert not spool.delete(kept, taken_out) and taken_out == []  # held: nothing taken
+    spool.release(kept)
+    assert spool.delete(kept, taken_out) and not spool.exists(kept)
+    assert len(taken_out) == 1 and taken_out[0].exists()  # the caller unlinks it
+    assert spool.delete(kept, taken_out) and len(taken_out) == 1  # gone already
 
 
 def test_a_row_whose_update_bytes_changed_reads_as_damaged(

@@ -28,6 +28,7 @@ import time
 import uuid
 from collections.abc import Callable, Collection, Iterable
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -705,11 +706,16 @@ class RoundDriver:
         """Drop the spooled updates of the round's tasks (of ``parts`` alone, if given)."""
         if parts is None:
             parts = self.engine._store.list_participations(self.run_state.run_id, number)
+        taken_out: list[Path] = []
         with self.engine._lock:  # this run's round is closed: only other runs can still hold one
             kept = self.engine.spool_kept()
             for p in parts:
                 if p.update_sha256 and p.update_sha256 not in kept:
-                    self.engine.updates.delete(p.update_sha256)
+                    self.engine.updates.delete(p.update_sha256, taken_out)
+        # Unlinked with the lock free: freeing eight 40 MB files' pages took 70 ms, and
+        # the next round's polls waited for the lock to hand out their tasks.
+        for path in taken_out:
+            path.unlink(missing_ok=True)
         self.engine._store.clear_update_data([p.task_id for p in parts if p.update_sha256])
 
     def _finish(self, state: str, reason: str) -> None:
