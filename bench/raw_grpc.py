@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import itertools
+import math
 import os
 import random
 import signal
@@ -222,6 +223,9 @@ class RawResult:
     upload_runs_s: list[float]
     download_runs_s: list[float]
     checked: bool = False
+    # CPU seconds both ends used a byte moved in the timed runs (``measure``'s ``cpu``);
+    # NaN where not measured.
+    cpu_s_per_byte: float = float("nan")
 
     @property
     def mixed_bps(self) -> float:
@@ -246,8 +250,10 @@ def measure(
     timeout_s: float = 120.0,
     proto: bool = False,
     checked: bool = False,
+    cpu: Callable[[], float] | None = None,
 ) -> RawResult:
-    """Stream ``total_bytes`` up and down ``repeats`` times each (after a warm-up)."""
+    """Stream ``total_bytes`` up and down ``repeats`` times each (after a warm-up).
+    ``cpu``: the CPU seconds both ends have used so far, read around the timed runs."""
     if proto and checked:
         raise ValueError("proto and checked are separate measurements")
     data = payload(total_bytes)
@@ -287,8 +293,10 @@ def measure(
         warm = min(total_bytes, 8 * chunk_bytes)
         _timed(lambda: up(warm), warm)
         _timed(lambda: down(warm), warm)
+        cpu_before = cpu() if cpu is not None else math.nan
         up_s = [_timed(lambda: up(total_bytes), total_bytes) for _ in range(repeats)]
         down_s = [_timed(lambda: down(total_bytes), total_bytes) for _ in range(repeats)]
+        cpu_used = cpu() - cpu_before if cpu is not None else math.nan
     return RawResult(
         total_bytes=total_bytes,
         chunk_bytes=chunk_bytes,
@@ -299,6 +307,7 @@ def measure(
         download_bps=total_bytes / statistics.median(down_s),
         upload_runs_s=up_s,
         download_runs_s=down_s,
+        cpu_s_per_byte=cpu_used / (2 * repeats * total_bytes),
     )
 
 

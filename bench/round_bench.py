@@ -18,7 +18,10 @@ stream: raw bytes plus only the per-byte work fedra's rules ask of any implement
 4 MiB chunks: the ceiling of a checked transfer here, measured before the first
 configuration and after each, and each configuration judged against the faster of the two
 measured beside it (this machine's speed drifts: two runs minutes apart measured ceilings
-1.7x apart).
+1.7x apart). Every process shares the machine's cores, so it also traces the CPU of the
+coordinator and the sites over the rounds (``CpuTrace``) and prints the most of the
+ceiling that CPU allows with no core ever idle, and the CPU a byte costs fedra's rounds
+against what it costs the checked stream.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/round_bench.py [--quick] [--json out.json]
 
@@ -28,6 +31,7 @@ MB is 10**6 bytes throughout.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -36,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -92,6 +97,12 @@ class ConfigResult:
     coordinator_cpu_s: float  # over the run, round 0 included
     sites_cpu_s: float
     site_rss_growth_x: float  # the largest site peak RSS growth over the run, in models
+    # CPU seconds of the coordinator and of all sites together over rounds 1..R alone (from
+    # the first round's opening to the last one's commit, ``CpuTrace``), and that span.
+    steady_coordinator_cpu_s: float = math.nan
+    steady_sites_cpu_s: float = math.nan
+    steady_wall_s: float = math.nan
+    cpus: int = 1  # the cores the processes share
     # The checked ceiling measured just before and just after this configuration (the
     # faster of the two): this machine's speed drifts within minutes.
     checked_bps: float = math.nan
@@ -114,6 +125,14 @@ class ConfigResult:
     ceiling_bound: float = field(init=False)
     needed_pace: float = field(init=False)
     transfers_s: float = field(init=False)  # the slowest download plus the slowest upload
+    # What the CPU alone allows: the CPU a round used (steady_cpu_s over the rounds) spread
+    # over every core, with none idle, is the shortest a round can take on this machine
+    # (cpu_floor_s); at that length it reaches cpu_bound of the ceiling, at most.
+    steady_cpu_s: float = field(init=False)
+    cpu_per_round_s: float = field(init=False)
+    cpu_floor_s: float = field(init=False)
+    cpu_bound: float = field(init=False)
+    steady_cores_busy: float = field(init=False)
 
     def __post_init__(self) -> None:
         self.median_round_s = statistics.median(r.duration_s for r in self.rounds)
@@ -145,6 +164,11 @@ class ConfigResult:
             t / (t / CHECKED_TARGET - f) if t / CHECKED_TARGET > f else math.inf
             for t, f in zip(at_ceiling, fixed, strict=True)
         )
+        self.steady_cpu_s = self.steady_coordinator_cpu_s + self.steady_sites_cpu_s
+        self.cpu_per_round_s = self.steady_cpu_s / len(self.rounds)
+        self.cpu_floor_s = self.cpu_per_round_s / self.cpus
+        self.cpu_bound = self.bytes_per_round / self.checked_bps / self.cpu_floor_s
+        self.steady_cores_busy = self.steady_cpu_s / self.steady_wall_s
 
 
 # Stages of a synchronous round that the checked ceiling leaves out by design and no
@@ -183,9 +207,51 @@ def reset_peak_rss(pid: int) -> None:
     Path(f"/proc/{pid}/clear_refs").write_text("5")
 
 
+class CpuTrace:
+    """The CPU seconds a set of processes has used, sampled every ``interval_s`` with the
+    wall-clock time (a thread of its own), so that the CPU of a span known only afterwards
+    (a run's rounds, from their recorded times) can be read off: ``between``."""
+
+    def __init__(self, pids: list[int], interval_s: float = 0.05) -> None:
+        self.pids, self.interval_s = pids, interval_s
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample_all, name="cpu-trace", daemon=True)
+
+    def __enter__(self) -> CpuTrace:
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+    def _sample(self) -> None:
+        self.samples.append((time.time(), sum(map(proc_cpu_s, self.pids))))
+
+    def _sample_all(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._sample()
+
+    def at(self, when: float) -> float:
+        """CPU seconds used by ``when`` (linear between the samples around it)."""
+        samples = self.samples
+        if not samples[0][0] <= when <= samples[-1][0]:
+            raise ValueError(f"{when} is outside the trace ({samples[0][0]}..{samples[-1][0]})")
+        for (t0, c0), (t1, c1) in itertools.pairwise(samples):
+            if when <= t1:
+                return c0 if t1 == t0 else c0 + (c1 - c0) * (when - t0) / (t1 - t0)
+        return samples[-1][1]
+
+    def between(self, start: float, end: float) -> float:
+        return self.at(end) - self.at(start)
+
+
 @contextmanager
-def raw_server(timeout_s: float = 60.0) -> Iterator[int]:
-    """Start ``raw_grpc.py serve`` and yield its port; always terminated on exit."""
+def raw_server(timeout_s: float = 60.0) -> Iterator[tuple[int, int]]:
+    """Start ``raw_grpc.py serve`` and yield its port and pid; always terminated on exit."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         [sys.executable, str(RAW_SERVER), "serve"],
@@ -194,7 +260,7 @@ def raw_server(timeout_s: float = 60.0) -> Iterator[int]:
         env=env,
     )
     try:
-        yield _read_port(proc, timeout_s)
+        yield _read_port(proc, timeout_s), proc.pid
     finally:
         proc.terminate()
         try:
@@ -316,9 +382,10 @@ def run_config(
             reset_peak_rss(site_pid)
         cpu_before = proc_cpu_s(pid), sum(map(proc_cpu_s, site_pids))
         submitted = time.monotonic()
-        with cluster.admin() as admin:
-            run_id = admin.submit(make_spec(sites, params, rounds))
-        status = wait_finished(cluster, run_id, timeout_s)
+        with CpuTrace([pid]) as coordinator_trace, CpuTrace(site_pids) as sites_trace:
+            with cluster.admin() as admin:
+                run_id = admin.submit(make_spec(sites, params, rounds))
+            status = wait_finished(cluster, run_id, timeout_s)
         run_wall_s = time.monotonic() - submitted
         peak = proc_status_bytes(pid, "VmHWM")
         site_growth = max(
@@ -331,6 +398,8 @@ def run_config(
                 f"run {run_id} {status.state}: {status.reason}\n{cluster.coordinator.log_tail()}"
             )
     samples = [round_sample(r) for r in status.rounds if r.number >= 1]
+    steady = [r for r in status.rounds if r.number >= 1 and r.status == "committed"]
+    first, last = min(r.opened_unix_s for r in steady), max(r.closed_unix_s for r in steady)
     return ConfigResult(
         sites=sites,
         params=params,
@@ -346,6 +415,10 @@ def run_config(
         coordinator_cpu_s=cpu_after[0] - cpu_before[0],
         sites_cpu_s=cpu_after[1] - cpu_before[1],
         site_rss_growth_x=site_growth / (4 * params),
+        steady_coordinator_cpu_s=coordinator_trace.between(first, last),
+        steady_sites_cpu_s=sites_trace.between(first, last),
+        steady_wall_s=last - first,
+        cpus=len(os.sched_getaffinity(0)),
     )
 
 
@@ -472,8 +545,11 @@ def stages_table(results: list[ConfigResult]) -> tuple[list[str], list[list[str]
     return head, rows
 
 
-def print_checked(raw: RawResult, checked: RawResult, results: list[ConfigResult]) -> None:
-    """What the integrity rules alone cost a bare stream, and fedra against that."""
+def print_checked(
+    raw: RawResult, checked: RawResult, results: list[ConfigResult], checked_cpu: float
+) -> None:
+    """What the integrity rules alone cost a bare stream, and fedra against that;
+    ``checked_cpu``: the checked stream's CPU seconds a byte moved (both ends)."""
     print(
         f"  Checked: the same raw stream doing only the per-byte work fedra's rules ask of any "
         f"implementation (SHA-256 by sender and receiver, uploads spooled to a file, downloads "
@@ -503,6 +579,18 @@ def print_checked(raw: RawResult, checked: RawResult, results: list[ConfigResult
             f"pace: they ran at {pace} ({r.transfers_s:.3f} s), and the rest of the round "
             f"(polls, commit, hand-offs) took "
             f"{max(0.0, r.median_round_s - r.fixed_s - r.transfers_s):.3f} s"
+        )
+        print(
+            f"  N={r.sites} {_fmt_params(r.params)}: over rounds 1-{len(r.rounds)} its "
+            f"processes used {r.cpu_per_round_s:.3f} s of CPU a round (the coordinator "
+            f"{r.steady_coordinator_cpu_s / len(r.rounds):.3f} s, the sites "
+            f"{r.steady_sites_cpu_s / len(r.rounds):.3f} s together) and kept "
+            f"{r.steady_cores_busy:.2f} of the {r.cpus} cores busy: with every core busy all "
+            f"the time a round would take {r.cpu_floor_s:.3f} s at least, {r.cpu_bound:.2f} of "
+            f"the ceiling at most; {CHECKED_TARGET:g} asks a round of "
+            f"{r.bytes_per_round / r.checked_bps / CHECKED_TARGET:.3f} s. A byte moved took "
+            f"{r.cpu_per_round_s / r.bytes_per_round * 1e9:.2f} ns of CPU, the checked "
+            f"stream's {checked_cpu * 1e9:.2f} ns (both its ends)"
         )
 
 
@@ -547,6 +635,10 @@ def targets(results: list[ConfigResult]) -> dict[str, dict[str, object]]:
         "needed_pace": {
             f"N={r.sites} {_fmt_params(r.params)}": round(r.needed_pace, 3) for r in results
         },
+        # The most of the ceiling the CPU each round used allows on this machine's cores.
+        "cpu_bounds": {
+            f"N={r.sites} {_fmt_params(r.params)}": round(r.cpu_bound, 3) for r in results
+        },
         "pace": {
             f"N={r.sites} {_fmt_params(r.params)}": round(
                 r.bytes_per_round / r.checked_bps / r.transfers_s, 3
@@ -572,6 +664,10 @@ def print_targets(judged: dict[str, dict[str, object]]) -> None:
             shown += "transfers, each would need them at "
             shown += ", ".join(f"{k}: {v}x (ran {pace[k]}x)" for k, v in needed.items())
             shown += " the ceiling's pace"
+        cpu = t.get("cpu_bounds")
+        if not t["met"] and isinstance(cpu, dict) and cpu:
+            shown += "; the CPU each round used allows at most "
+            shown += ", ".join(f"{k}: {v}" for k, v in cpu.items())
         print(f"  {t['target']}: {verdict} ({shown})")
 
 
@@ -607,7 +703,7 @@ def measure_raw(
     args: argparse.Namespace, when: str, proto: bool = False, checked: bool = False
 ) -> RawResult:
     """Raw gRPC throughput through a fresh server process."""
-    with raw_server() as port:
+    with raw_server() as (port, pid):
         raw = measure(
             f"127.0.0.1:{port}",
             args.raw_mib * 2**20,
@@ -615,6 +711,7 @@ def measure_raw(
             args.raw_repeats,
             proto=proto,
             checked=checked,
+            cpu=lambda: time.process_time() + proc_cpu_s(pid),  # this process is the client
         )
     what = "gRPC + ModelChunk protobuf" if proto else "checked gRPC" if checked else "raw gRPC"
     print(
@@ -684,7 +781,8 @@ def main(argv: list[str] | None = None) -> None:
         f"messages, no fedra logic) reached up {proto.upload_bps / MB:.0f} MB/s, down "
         f"{proto.download_bps / MB:.0f} MB/s, {proto.mixed_bps / raw.mixed_bps:.2f} of raw."
     )
-    print_checked(raw, checked, results)
+    checked_cpu = statistics.median(c.cpu_s_per_byte for c in checked_beside)
+    print_checked(raw, checked, results, checked_cpu)
     judged = targets(results)
     print_targets(judged)
     if args.json:
@@ -694,6 +792,7 @@ def main(argv: list[str] | None = None) -> None:
             "proto_framing": {**asdict(proto), "mixed_bps": proto.mixed_bps},
             "checked": {**asdict(checked), "mixed_bps": checked.mixed_bps},
             "checked_beside_mixed_bps": [c.mixed_bps for c in checked_beside],
+            "checked_cpu_s_per_byte": checked_cpu,  # median over those measurements
             "configs": [asdict(r) for r in results],
             "targets": judged,
             "rounds": args.rounds,
