@@ -176,6 +176,13 @@ class BlobStore:
 
     def delete(self, digest: str) -> None:
         self.path(digest).unlink(missing_ok=True)
+        self._forget(digest)
+
+    def _forget(self, digest: str) -> None:
+        """Drop what ``_verified`` knows of a blob gone or not to be read again soon:
+        the record would otherwise outlive it, one per blob ever written (a spooled
+        update a site a round). Read again, the blob is hashed again."""
+        self._verified.pop(digest, None)
 
     def take_out(self, digest: str) -> Path | None:
         """Move the blob out of the store, into its folder of writes in progress, and
@@ -188,6 +195,8 @@ class BlobStore:
             os.replace(self.path(digest), gone)
         except FileNotFoundError:
             return None
+        finally:
+            self._forget(digest)
         return gone
 
     def evict(self, digest: str) -> None:
@@ -195,6 +204,7 @@ class BlobStore:
         that is durable and will not be read again soon, such as a checkpoint a newer
         one replaced."""
         drop_cached(self.path(digest))
+        self._forget(digest)
 
     def digests(self) -> Iterator[str]:
         """The digests of the blobs in place (not writes in progress, nor other files)."""

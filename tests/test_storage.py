@@ -1012,6 +1012,45 @@ def test_a_blob_taken_out_leaves_the_store_at_once_and_a_start_clears_it(
     assert blobs.read(digest) == data
 
 
+def _tamper_in_place(path: Path) -> None:
+    """Change a byte of ``path`` and give it back its size, mtime and inode: what a
+    blob's record (``_verified``) compares is then all unchanged."""
+    before = path.stat()
+    with path.open("r+b") as f:
+        first = f.read(1)
+        f.seek(0)
+        f.write(bytes([first[0] ^ 0xFF]))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert path.stat().st_ino == before.st_ino and path.stat().st_size == before.st_size
+
+
+def test_a_blob_gone_or_evicted_is_forgotten_and_read_again_is_hashed_again(
+    blobs: BlobStore,
+) -> None:
+    """A store remembers a blob hashed right (a read then skips the hash); the record
+    goes with the blob, or when its pages are dropped as not to be read again soon: a
+    coordinator's store writes a blob a site a round, and records of blobs long gone
+    were its memory growing round after round. An evicted blob read again is hashed
+    again: changed on disk meanwhile, it reads as damaged."""
+    data = [os.urandom(5000) for _ in range(3)]
+    digests = [blobs.put(d) for d in data]
+    assert all(blobs.read(d) == x for d, x in zip(digests, data, strict=True))
+    blobs.delete(digests[0])
+    assert blobs.take_out(digests[1]) is not None
+    blobs.evict(digests[2])
+    assert blobs._verified == {}  # nothing outlives its blob
+    _tamper_in_place(blobs.path(digests[2]))
+    with pytest.raises(BlobCorruptError):
+        blobs.read(digests[2])
+    for _ in range(50):  # written and deleted, round after round: nothing accumulates
+        digest = blobs.put(os.urandom(100))
+        assert len(blobs.read(digest)) == 100
+        gone = blobs.take_out(digest)
+        assert gone is not None
+        gone.unlink()
+    assert blobs._verified == {}
+
+
 def test_blob_empty(blobs: BlobStore) -> None:
     digest = blobs.put(b"")
     assert digest == hashlib.sha256(b"").hexdigest()
