@@ -167,7 +167,12 @@ class ConfigResult:
         self.steady_cpu_s = self.steady_coordinator_cpu_s + self.steady_sites_cpu_s
         self.cpu_per_round_s = self.steady_cpu_s / len(self.rounds)
         self.cpu_floor_s = self.cpu_per_round_s / self.cpus
-        self.cpu_bound = self.bytes_per_round / self.checked_bps / self.cpu_floor_s
+        # NaN where the rounds' CPU was too little for /proc's 10 ms ticks to show.
+        self.cpu_bound = (
+            self.bytes_per_round / self.checked_bps / self.cpu_floor_s
+            if self.cpu_floor_s > 0
+            else math.nan
+        )
         self.steady_cores_busy = self.steady_cpu_s / self.steady_wall_s
 
 
@@ -216,6 +221,7 @@ class CpuTrace:
         self.pids, self.interval_s = pids, interval_s
         self.samples: list[tuple[float, float]] = []
         self._stop = threading.Event()
+        self._failed: BaseException | None = None
         self._thread = threading.Thread(target=self._sample_all, name="cpu-trace", daemon=True)
 
     def __enter__(self) -> CpuTrace:
@@ -226,14 +232,21 @@ class CpuTrace:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+        if exc[0] is not None:
+            return  # the error that ended the run, not a sample's
+        if self._failed is not None:
+            raise RuntimeError("sampling the processes' CPU failed") from self._failed
         self._sample()
 
     def _sample(self) -> None:
         self.samples.append((time.time(), sum(map(proc_cpu_s, self.pids))))
 
     def _sample_all(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self._sample()
+        try:
+            while not self._stop.wait(self.interval_s):
+                self._sample()
+        except BaseException as exc:  # a process gone: raised by __exit__, not lost
+            self._failed = exc
 
     def at(self, when: float) -> float:
         """CPU seconds used by ``when`` (linear between the samples around it)."""
@@ -399,6 +412,8 @@ def run_config(
             )
     samples = [round_sample(r) for r in status.rounds if r.number >= 1]
     steady = [r for r in status.rounds if r.number >= 1 and r.status == "committed"]
+    if not steady:
+        raise ClusterError(f"run {run_id} committed no training round to measure")
     first, last = min(r.opened_unix_s for r in steady), max(r.closed_unix_s for r in steady)
     return ConfigResult(
         sites=sites,

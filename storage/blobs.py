@@ -9,6 +9,8 @@ per process and file (its size, mtime and inode are remembered), so a model read
 every site every round is not hashed each time: a file rewritten since is checked
 again, but a bit that flips in place under a running daemon is caught only by the sites
 (they check what they download) and by the next start (it checks what it resumes from).
+The record goes with the blob (deleted, taken out) or its cached pages (evicted): a blob
+evicted and read again is hashed again.
 """
 
 from __future__ import annotations
@@ -101,7 +103,15 @@ class BlobStore:
         return self._verified.get(digest) == _identity(os.fstat(fd))
 
     def _remember_good(self, digest: str, fd: int) -> None:
-        self._verified[digest] = _identity(os.fstat(fd))
+        """Record the file open as ``fd`` as hashed right, if it is still the blob: a
+        read that ends after the blob was taken out or deleted records nothing."""
+        held = _identity(os.fstat(fd))
+        try:
+            placed = _identity(self.path(digest).stat())
+        except FileNotFoundError:
+            return
+        if placed == held:
+            self._verified[digest] = held
 
     def path(self, digest: str) -> Path:
         _check_digest(digest)

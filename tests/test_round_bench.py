@@ -62,18 +62,22 @@ def test_each_configuration_is_judged_against_the_ceiling_measured_beside_it(
     assert done.stdout.count("durable checkpoint (") == 2, done.stdout
     # What the CPU allows: the CPU of rounds 1..R alone (a trace read at the first round's
     # opening and the last one's commit), over every core, and the fraction that leaves.
+    # (At these sizes a process may use less than one of /proc's 10 ms ticks in a run.)
     for c in configs:
         assert 0 < c["steady_wall_s"] <= c["run_wall_s"], c
-        for part in ("coordinator", "sites"):  # within the run's (ticks of 10 ms)
-            assert 0 < c[f"steady_{part}_cpu_s"] <= c[f"{part}_cpu_s"] + 0.05, (part, c)
+        for part in ("coordinator", "sites"):  # a span of the run: never more than all of it
+            assert 0 <= c[f"steady_{part}_cpu_s"] <= c[f"{part}_cpu_s"] + 1e-9, (part, c)
         assert c["steady_cpu_s"] == c["steady_coordinator_cpu_s"] + c["steady_sites_cpu_s"]
         assert c["cpu_per_round_s"] == pytest.approx(c["steady_cpu_s"] / len(c["rounds"]))
         assert c["cpu_floor_s"] == pytest.approx(c["cpu_per_round_s"] / c["cpus"])
-        bound = c["bytes_per_round"] / c["checked_bps"] / c["cpu_floor_s"]
-        assert c["cpu_bound"] == pytest.approx(bound), c
         assert c["steady_cores_busy"] == pytest.approx(c["steady_cpu_s"] / c["steady_wall_s"])
-        assert 0 < c["steady_cores_busy"] <= c["cpus"] + 0.1, c
-    assert list(judged["cpu_bounds"].values()) == [round(c["cpu_bound"], 3) for c in configs]
+        if c["cpu_floor_s"] > 0:
+            bound = c["bytes_per_round"] / c["checked_bps"] / c["cpu_floor_s"]
+            assert c["cpu_bound"] == pytest.approx(bound), c
+        else:
+            assert math.isnan(c["cpu_bound"]), c
+    shown = [round(c["cpu_bound"], 3) for c in configs]
+    assert list(judged["cpu_bounds"].values()) == pytest.approx(shown, nan_ok=True)
     assert done.stdout.count("with every core busy all the time") == 2, done.stdout
     assert 0 < doc["checked_cpu_s_per_byte"] < 1e-6, doc["checked_cpu_s_per_byte"]
     assert done.stdout.count("the checked stream's") == 2, done.stdout
