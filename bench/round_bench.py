@@ -94,7 +94,7 @@ class ConfigResult:
     raw_bps: float
     wall_s: float  # the whole configuration: start-up, warm-up run, run, shutdown
     run_wall_s: float  # submit to completion, round 0 included
-    coordinator_cpu_s: float  # over the run, round 0 included
+    coordinator_cpu_s: float  # over the whole run, round 0 included (steady_*: rounds 1..R)
     sites_cpu_s: float
     site_rss_growth_x: float  # the largest site peak RSS growth over the run, in models
     # CPU seconds of the coordinator and of all sites together over rounds 1..R alone (from
@@ -475,9 +475,9 @@ def transfer_table(results: list[ConfigResult]) -> tuple[list[str], list[list[st
             f"{r.site_up_bps / MB:.0f}",
             f"{r.transfer_bps / MB:.0f}",
             f"{r.transfer_ratio:.2f}",
-            f"{r.coordinator_cpu_s / (len(r.rounds) + 1):.2f}",
-            f"{r.sites_cpu_s / (len(r.rounds) + 1):.2f}",
-            f"{(r.coordinator_cpu_s + r.sites_cpu_s) / r.run_wall_s:.2f}",
+            f"{r.steady_coordinator_cpu_s / len(r.rounds):.2f}",
+            f"{r.steady_sites_cpu_s / len(r.rounds):.2f}",
+            f"{r.steady_cores_busy:.2f}",
             f"{r.site_rss_growth_x:.2f}",
         ]
         for r in results
@@ -503,8 +503,8 @@ def print_tables(raw: RawResult, results: list[ConfigResult]) -> None:
     print(
         "  transfer MB/s = round bytes / (slowest download_s + slowest upload_s), as if all "
         "sites' transfers overlapped; medians over rounds.\n"
-        f"  CPU per round and cores busy are over the whole run (round 0 included) on "
-        f"{os.cpu_count()} CPUs.\n"
+        f"  CPU per round and cores busy are over rounds 1-R (from the first one's opening to "
+        f"the last one's commit) on {len(os.sched_getaffinity(0))} CPUs.\n"
         "  site RSS: the largest growth of a site's peak RSS over the run, in model sizes "
         "(the model it trains, the global model it holds, transport buffers)."
     )
@@ -597,9 +597,7 @@ def print_checked(
         )
         print(
             f"  N={r.sites} {_fmt_params(r.params)}: over rounds 1-{len(r.rounds)} its "
-            f"processes used {r.cpu_per_round_s:.3f} s of CPU a round (the coordinator "
-            f"{r.steady_coordinator_cpu_s / len(r.rounds):.3f} s, the sites "
-            f"{r.steady_sites_cpu_s / len(r.rounds):.3f} s together) and kept "
+            f"processes used {r.cpu_per_round_s:.3f} s of CPU a round and kept "
             f"{r.steady_cores_busy:.2f} of the {r.cpus} cores busy: with every core busy all "
             f"the time a round would take {r.cpu_floor_s:.3f} s at least, {r.cpu_bound:.2f} of "
             f"the ceiling at most; {CHECKED_TARGET:g} asks a round of "
