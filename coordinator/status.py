@@ -106,39 +106,113 @@ class FinalRounds:
     A round is final once it has closed with every participation finished and no
     download of it still to be written (``round_statuses``): from then on its status is
     the same at every read. A page of a long run with thousands of sites then reads and
-    builds only the rounds still moving. Bounded by ``max_bytes`` (whole runs are let go,
-    the least recently read first); safe from any thread.
+    builds only the rounds still moving. Safe from any thread.
+
+    Rounds are kept serialized: a parsed RoundStatus takes 4-7 times its encoded size
+    (each map and message in an arena of its own), and a page copies what it appends
+    either way. At most ``max_bytes`` of them are kept: past that, whole runs go, the
+    least recently read first, and then the run being kept takes no more rounds (what
+    it holds is the start of it, which a reader walking its pages in order reads first;
+    the rest is read from the database as it would be without this). Which rounds are
+    final is remembered beyond that, as ranges of numbers (``final_until``).
     """
 
     def __init__(self, max_bytes: int = 64 << 20) -> None:
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
-        self._runs: OrderedDict[str, dict[int, admin_pb2.RoundStatus]] = OrderedDict()
-        self._bytes: dict[str, int] = {}
+        self._runs: OrderedDict[str, _KeptRun] = OrderedDict()
+        self._bytes = 0  # of every run's kept rounds
 
-    def from_(self, run_id: str, first: int) -> list[admin_pb2.RoundStatus]:
-        """The kept rounds numbered ``first``, ``first + 1``, ... (up to the first not kept)."""
+    def from_(self, run_id: str, first: int) -> list[bytes]:
+        """The kept rounds numbered ``first``, ``first + 1``, ... (up to the first not
+        kept), each as RoundStatus bytes."""
         with self._lock:
             kept = self._runs.get(run_id)
             if kept is None:
                 return []
             self._runs.move_to_end(run_id)
-            out: list[admin_pb2.RoundStatus] = []
-            while (r := kept.get(first + len(out))) is not None:
+            out: list[bytes] = []
+            while (r := kept.rounds.get(first + len(out))) is not None:
                 out.append(r)
             return out
 
-    def keep(self, run_id: str, fresh: dict[int, admin_pb2.RoundStatus], final: set[int]) -> None:
+    def final_until(self, run_id: str, first: int) -> int:
+        """The first round from ``first`` on not known to be final (``first`` itself if
+        it is not), whether or not the final ones are kept."""
         with self._lock:
-            kept = self._runs.setdefault(run_id, {})
+            kept = self._runs.get(run_id)
+            return first if kept is None else kept.final.end_of_run(first)
+
+    def keep(self, run_id: str, fresh: dict[int, admin_pb2.RoundStatus], final: set[int]) -> None:
+        new = {n: fresh[n] for n in final}
+        with self._lock:
+            kept = self._runs.get(run_id)
+            if kept is None:
+                kept = self._runs[run_id] = _KeptRun()
             self._runs.move_to_end(run_id)
-            for number in final:
-                if number not in kept:
-                    kept[number] = fresh[number]
-                    self._bytes[run_id] = self._bytes.get(run_id, 0) + fresh[number].ByteSize()
-            while len(self._runs) > 1 and sum(self._bytes.values()) > self.max_bytes:
-                gone, _ = self._runs.popitem(last=False)
-                self._bytes.pop(gone, None)
+            new = {n: r for n, r in new.items() if n not in kept.rounds}
+        if not new:
+            return
+        encoded = {n: r.SerializeToString() for n, r in new.items()}  # not under the lock
+        with self._lock:
+            kept = self._runs.get(run_id)
+            if kept is None:  # let go meanwhile: kept afresh
+                kept = self._runs[run_id] = _KeptRun()
+            for number in sorted(encoded):
+                kept.final.add(number)
+                if number in kept.rounds:
+                    continue
+                size = len(encoded[number])
+                while self._bytes + size > self.max_bytes and len(self._runs) > 1:
+                    oldest = next(iter(self._runs))
+                    if oldest == run_id:
+                        break
+                    self._bytes -= self._runs.pop(oldest).nbytes
+                if self._bytes + size > self.max_bytes:
+                    continue  # full with this run's earlier rounds: read from the database
+                kept.rounds[number] = encoded[number]
+                kept.nbytes += size
+                self._bytes += size
+
+
+class _Ranges:
+    """A set of integers as sorted, disjoint half-open ranges (a run's final rounds: in
+    order, so one range or a few)."""
+
+    def __init__(self) -> None:
+        self._ranges: list[list[int]] = []
+
+    def add(self, n: int) -> None:
+        ranges = self._ranges
+        for i, (lo, hi) in enumerate(ranges):
+            if lo <= n < hi:
+                return
+            if n == hi:  # extends this range, and may join the next
+                ranges[i][1] = n + 1
+                if i + 1 < len(ranges) and ranges[i + 1][0] == n + 1:
+                    ranges[i][1] = ranges.pop(i + 1)[1]
+                return
+            if n == lo - 1:
+                ranges[i][0] = n
+                return
+            if n < lo:
+                ranges.insert(i, [n, n + 1])
+                return
+        ranges.append([n, n + 1])
+
+    def end_of_run(self, first: int) -> int:
+        """The first number from ``first`` on not in the set."""
+        for lo, hi in self._ranges:
+            if lo <= first < hi:
+                return hi
+        return first
+
+
+@dataclass
+class _KeptRun:
+    rounds: dict[int, bytes] = field(default_factory=dict)
+    nbytes: int = 0
+    final: _Ranges = field(default_factory=_Ranges)
 
 
 _MAX_LARGE_KEYS = 4096  # SharedPages: keys remembered as large, at most
@@ -361,12 +435,12 @@ def run_page(
             # Every page says what the run's results come from (a client's first page may
             # start at any round): a few rows of the ledger.
             status.provenance.CopyFrom(run_provenance(engine, got.run, changed_only=summary))
-            for r in cached:
-                if status.rounds and size + r.ByteSize() > page_bytes:
+            for encoded in cached:
+                if status.rounds and size + len(encoded) > page_bytes:
                     status.more_rounds_follow = True
                     return status
-                status.rounds.append(r)
-                size += r.ByteSize()
+                status.rounds.add().MergeFromString(encoded)
+                size += len(encoded)
         if kept is not None:
             kept.keep(run_id, got.fresh, got.final)
         for r in got.fresh.values():

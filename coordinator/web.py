@@ -104,7 +104,7 @@ class SiteTables:
 
     def tallies(self, run_id: str, first_round: int = 0) -> list[SiteTally]:
         """The run's sites; ``first_round``: the number of its first round."""
-        final = first_round + len(self.final.from_(run_id, first_round))  # up to, excluded
+        final = self.final.final_until(run_id, first_round)  # up to, excluded
         with self._lock:
             upto, kept = self._kept.get(run_id, (0, {}))
         if final > upto:  # more rounds can change no more: keep theirs too

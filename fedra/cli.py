@@ -24,7 +24,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
-from fedra import logformat
+from fedra import lifetime, logformat
 from fedra.config import READY_FILE, ConfigError, check_host_port, load_toml
 from fedra.metrics import format_bytes, format_metric
 
@@ -1259,6 +1259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"${logformat.ENV}: {exc}")
     logformat.setup(args.log_level, args.log_format)
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `fedra run status --json | head` is fine
+    lifetime.follow_lifeline()  # started by a LocalCluster: stop when its process ends
     try:
         return int(args.func(args))
     except (ConfigError, FileNotFoundError, PermissionError) as exc:  # e.g. a missing TLS file

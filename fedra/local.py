@@ -20,6 +20,7 @@ from typing import Any
 from fedra import pki
 from fedra.admin import AdminClient
 from fedra.config import READY_FILE
+from fedra.lifetime import Lifeline
 
 
 class ClusterError(RuntimeError):
@@ -101,6 +102,9 @@ class LocalCluster:
     sites: dict[str, ManagedProcess] = field(default_factory=dict)
     address: str = ""
     admin_address: str = ""  # the admin port, where the daemon has one (replica.py)
+    # Every process started here follows it: they stop when this process ends, however it
+    # ends (fedra.lifetime), not only when ``stop`` runs.
+    _lifeline: Lifeline | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -110,7 +114,10 @@ class LocalCluster:
         self, name: str, args: list[str], extra_env: Mapping[str, str] | None
     ) -> ManagedProcess:
         log_path = self.state_dir / "logs" / f"{name}.log"
+        if self._lifeline is None:
+            self._lifeline = Lifeline()
         env = {**os.environ, "OMP_NUM_THREADS": "1", **self.env, **(extra_env or {})}
+        env.update(self._lifeline.env())
         with log_path.open("ab") as log:
             popen = subprocess.Popen(
                 [sys.executable, "-m", "fedra", *args],
@@ -118,6 +125,7 @@ class LocalCluster:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=env,
+                pass_fds=(self._lifeline.fd,),
                 start_new_session=True,  # a Ctrl-C in the terminal reaches us, not them
             )
         return ManagedProcess(name, popen, log_path)
@@ -263,6 +271,9 @@ class LocalCluster:
             proc.stop()
         if self.coordinator is not None:
             self.coordinator.stop()
+        if self._lifeline is not None:  # nothing follows it now: its descriptors go
+            self._lifeline.cut()
+            self._lifeline = None
 
     def __enter__(self) -> LocalCluster:
         return self

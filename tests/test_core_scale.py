@@ -488,17 +488,65 @@ def test_a_site_with_a_transfer_under_way_is_online_however_long_it_takes(
         store.close()
 
 
+def _numbers(kept: list[bytes]) -> list[int]:
+    return [admin_pb2.RoundStatus.FromString(b).number for b in kept]
+
+
 def test_the_final_rounds_kept_are_bounded_by_bytes() -> None:
     from fedra.coordinator.status import FinalRounds
 
     kept = FinalRounds(max_bytes=100)
     big = {0: admin_pb2.RoundStatus(number=0, status="x" * 80)}
     kept.keep("run-a", big, {0})
-    assert len(kept.from_("run-a", 0)) == 1
+    assert _numbers(kept.from_("run-a", 0)) == [0]
     kept.keep("run-b", big, {0})  # over the bound: the least recently read run goes
-    assert kept.from_("run-a", 0) == [] and len(kept.from_("run-b", 0)) == 1
+    assert kept.from_("run-a", 0) == [] and _numbers(kept.from_("run-b", 0)) == [0]
     kept.keep("run-b", {1: admin_pb2.RoundStatus(number=1)}, set())  # not final: not kept
-    assert [r.number for r in kept.from_("run-b", 0)] == [0]
+    assert _numbers(kept.from_("run-b", 0)) == [0]
+    assert kept.final_until("run-b", 0) == 1
+
+
+def test_one_long_run_keeps_no_more_than_the_bound() -> None:
+    # A run of thousands of rounds, read page after page: what it keeps stays under the
+    # bound (its first rounds), and which rounds are final is still known past it.
+    from fedra.coordinator.status import FinalRounds
+
+    kept = FinalRounds(max_bytes=10_000)
+    rounds = {
+        n: admin_pb2.RoundStatus(
+            number=n,
+            metrics={"loss": 0.5},
+            participations=[admin_pb2.Participation(site_id=f"s{i}") for i in range(4)],
+        )
+        for n in range(2_000)
+    }
+    size = rounds[1].ByteSize()
+    for first in range(0, 2_000, 100):
+        page = {n: rounds[n] for n in range(first, first + 100)}
+        kept.keep("run", page, set(page) - {1_999})  # the last round is still open
+    held = kept.from_("run", 0)
+    assert sum(map(len, held)) <= 10_000 < sum(map(len, held)) + size  # full, not over
+    assert _numbers(held) == list(range(len(held)))  # the start of the run, in order
+    assert [admin_pb2.RoundStatus.FromString(b) for b in held] == [
+        rounds[n] for n in range(len(held))
+    ]
+    assert kept.from_("run", len(held)) == []
+    assert kept.final_until("run", 0) == 1_999
+    assert kept.final_until("run", 1_500) == 1_999
+    assert kept.final_until("run", 1_999) == 1_999
+
+
+def test_final_ranges_join_out_of_order() -> None:
+    from fedra.coordinator.status import FinalRounds
+
+    kept = FinalRounds(max_bytes=0)  # keeps no round, only which are final
+    for n in (5, 7, 0, 1, 6, 3, 2):
+        kept.keep("run", {n: admin_pb2.RoundStatus(number=n, status="committed")}, {n})
+    assert kept.from_("run", 0) == []
+    assert [kept.final_until("run", f) for f in range(9)] == [4, 4, 4, 4, 4, 8, 8, 8, 8]
+    kept.keep("run", {4: admin_pb2.RoundStatus(number=4)}, {4})
+    assert kept.final_until("run", 0) == 8
+    assert kept.final_until("other", 3) == 3
 
 
 def _page(participations: int) -> admin_pb2.RunStatus:

@@ -1283,7 +1283,12 @@ def test_get_run_keeps_the_status_of_final_rounds_and_reads_only_the_rest(
     first = run_page(coordinator.engine, run_id, False, 0, kept=kept)
     fresh = run_page(coordinator.engine, run_id, False, 0)
     assert list(first.rounds) == list(fresh.rounds) and len(first.rounds) == 5
-    assert [r.number for r in kept.from_(run_id, 0)] == [0, 1, 2, 3]  # 4 is still open
+    assert [admin_pb2.RoundStatus.FromString(b).number for b in kept.from_(run_id, 0)] == [
+        0,
+        1,
+        2,
+        3,
+    ]  # 4 is still open
     reads: list[int] = []
     original = store.read_run
 
@@ -1301,7 +1306,13 @@ def test_get_run_keeps_the_status_of_final_rounds_and_reads_only_the_rest(
         assert [r.number for r in later.rounds] == [2, 3, 4] and later.rounds[-1].status == (
             "committed"
         )
-        assert [r.number for r in kept.from_(run_id, 0)] == [0, 1, 2, 3, 4]
+        assert [admin_pb2.RoundStatus.FromString(b).number for b in kept.from_(run_id, 0)] == [
+            0,
+            1,
+            2,
+            3,
+            4,
+        ]
         small = run_page(coordinator.engine, run_id, False, 0, page_bytes=1, kept=kept)
         assert [r.number for r in small.rounds] == [0] and small.more_rounds_follow
     finally:
