@@ -223,6 +223,7 @@ class _Page:
     status: admin_pb2.RunStatus
     read_at: float  # when its build began: what it shows is at least this recent
     fresh_for: float  # seconds it answers for
+    nbytes: int  # encoded (parsed, a page takes about 4.5 times as much)
 
 
 @dataclass
@@ -235,6 +236,7 @@ class _Flight:
 
 
 _MAX_PAGES = 64  # SharedPages: pages kept at most (each up to about PAGE_BYTES)
+_MAX_PAGES_BYTES = 24 << 20  # ... and their encoded bytes at most (about 100 MB parsed)
 
 
 class SharedPages:
@@ -365,8 +367,9 @@ class SharedPages:
             # What its build read: each round's participations, or counted (a summary).
             read = sum(max(len(r.participations), r.sampled_count) for r in status.rounds)
             large = read >= self.min_participations
+            nbytes = status.ByteSize() if large else 0  # not under the lock
             with self._lock:
-                self._keep(key, status, started, self.fresh_for(cost), large)
+                self._keep(key, _Page(status, started, self.fresh_for(cost), nbytes), large)
             flight.future.set_result(status)
             return status
         except BaseException as exc:
@@ -377,14 +380,7 @@ class SharedPages:
                 if self._building.get(key) is flight:
                     del self._building[key]
 
-    def _keep(
-        self,
-        key: tuple[object, ...],
-        status: admin_pb2.RunStatus,
-        read_at: float,
-        fresh_for: float,
-        large: bool,
-    ) -> None:
+    def _keep(self, key: tuple[object, ...], page: _Page, large: bool) -> None:
         now = self.clock()  # lock held
         for old in [k for k, p in self._pages.items() if now - p.read_at >= 2 * p.fresh_for]:
             del self._pages[old]
@@ -395,8 +391,11 @@ class SharedPages:
         if len(self._large) >= _MAX_LARGE_KEYS:
             self._large.clear()
         self._large.add(key)
-        self._pages[key] = _Page(status, read_at, fresh_for)
-        while len(self._pages) > _MAX_PAGES:  # the oldest go first
+        self._pages[key] = page
+        while len(self._pages) > 1 and (
+            len(self._pages) > _MAX_PAGES
+            or sum(p.nbytes for p in self._pages.values()) > _MAX_PAGES_BYTES
+        ):  # the oldest go first
             del self._pages[min(self._pages, key=lambda k: self._pages[k].read_at)]
 
 

@@ -651,6 +651,36 @@ def test_shared_pages_keep_a_summary_of_a_large_round_as_a_large_page() -> None:
     assert built == [5000, 3, 3]
 
 
+def test_shared_pages_keep_no_more_than_their_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pages kept at once stay under ``_MAX_PAGES_BYTES`` (encoded): the oldest go first,
+    however many keys are asked for within a page's moment."""
+    from fedra.coordinator import status
+
+    size = _page(100).ByteSize()
+    monkeypatch.setattr(status, "_MAX_PAGES_BYTES", 3 * size)
+    now = [0.0]
+    pages = status.SharedPages(
+        share=0.01, max_age_s=10.0, min_participations=10, clock=lambda: now[0]
+    )
+    built: list[int] = []
+
+    def build(key: int) -> Callable[[], admin_pb2.RunStatus]:
+        def run() -> admin_pb2.RunStatus:
+            built.append(key)
+            now[0] += 0.01  # kept for 1 s
+            return _page(100)
+
+        return run
+
+    kept = [pages.get(("run", k, False), build(k)) for k in range(5)]
+    assert built == [0, 1, 2, 3, 4]
+    for k in (2, 3, 4):  # the last three fit: answered as kept
+        assert pages.get(("run", k, False), build(k)) is kept[k]
+    for k in (0, 1):  # the first two went: built again
+        assert pages.get(("run", k, False), build(k)) is not kept[k]
+    assert built == [0, 1, 2, 3, 4, 0, 1]
+
+
 def test_shared_pages_build_a_costly_page_at_most_max_share_of_the_time() -> None:
     from fedra.coordinator.status import SharedPages
 
