@@ -85,7 +85,7 @@ class AdminReads(admin_pb2_grpc.AdminServiceServicer):
         self.watch_interval_s = watch_interval_s  # a watch looks at least this often
         self.watch_gap_s = watch_gap_s  # and at most this often
         self.kept = FinalRounds()  # GetRun pages build only the rounds still moving
-        self.kept_summaries = FinalRounds()  # and summaries' pages, theirs
+        self.kept_summaries = FinalRounds(16 << 20)  # and summaries' pages, theirs
         self.pages = SharedPages()  # a large page is built once for the calls at once
         self._listings: dict[tuple[object, ...], admin_pb2.ListSitesResponse] = {}
         self._listing_lock = threading.Lock()

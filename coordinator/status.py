@@ -117,7 +117,7 @@ class FinalRounds:
     final is remembered beyond that, as ranges of numbers (``final_until``).
     """
 
-    def __init__(self, max_bytes: int = 64 << 20) -> None:
+    def __init__(self, max_bytes: int = 32 << 20) -> None:
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
         self._runs: OrderedDict[str, _KeptRun] = OrderedDict()
