@@ -2,7 +2,9 @@
 
 One coordinator and N sites as real processes (``LocalCluster``, plaintext), one run of R
 rounds of the synthetic task with a P-element model, while an operator reads the run's
-whole status (``GetRun``, page after page, and its summary) every ``--status-s`` seconds.
+whole status (``GetRun``, page after page, and its summary) every ``--status-s`` seconds
+through the site port (the daemon's own reads and caches; the operators' read process
+behind ``--admin-port`` is neither read nor sampled).
 Every ``--sample-s`` seconds it samples the RSS of the daemon and of the largest site, and
 the rounds committed. It prints the samples and, per process, the growth per round from
 the first sample past a quarter of the rounds (by then the caches and the allocator's
@@ -68,13 +70,26 @@ def growth(samples: list[Sample], total_rounds: int, rss: str) -> Growth:
     return Growth(end.rounds - start.rounds, first, last)
 
 
-def read_status(cluster: LocalCluster, run_id: str, stop: threading.Event, every_s: float) -> None:
-    """An operator reading the whole run, as ``fedra run status`` does, every ``every_s``."""
-    with cluster.admin() as admin:
-        while not stop.wait(every_s):
-            admin.status(run_id)
-            if admin.status(run_id, summary=True).state in TERMINAL:
-                return
+@dataclass
+class Reader:
+    """An operator reading the whole run (every page, then its summary) every ``every_s``,
+    through the site port's admin service: the daemon's own reads and caches."""
+
+    every_s: float
+    reads: int = 0
+    error: str = ""
+
+    def run(self, cluster: LocalCluster, run_id: str, stop: threading.Event) -> None:
+        try:
+            with cluster.admin() as admin:
+                while not stop.wait(self.every_s):
+                    admin.status(run_id)
+                    done = admin.status(run_id, summary=True).state in TERMINAL
+                    self.reads += 1
+                    if done:
+                        return
+        except Exception as exc:  # reported: growth without the reads would mislead
+            self.error = f"{type(exc).__name__}: {exc}"
 
 
 def run(args: argparse.Namespace, root: Path) -> list[Sample]:
@@ -94,8 +109,9 @@ def run(args: argparse.Namespace, root: Path) -> list[Sample]:
         started = time.monotonic()
         with cluster.admin() as admin:
             run_id = admin.submit(make_spec(args.sites, args.params, args.rounds))
+            operator = Reader(args.status_s)
             reader = threading.Thread(
-                target=read_status, args=(cluster, run_id, stop, args.status_s), daemon=True
+                target=operator.run, args=(cluster, run_id, stop), daemon=True
             )
             reader.start()
             try:
@@ -124,6 +140,9 @@ def run(args: argparse.Namespace, root: Path) -> list[Sample]:
             finally:
                 stop.set()
                 reader.join(timeout=60.0)
+    if operator.error or not operator.reads:
+        raise ClusterError(f"the status reads failed: {operator.error or 'none was made'}")
+    print(f"the whole status read {operator.reads} times while the run ran")
     return samples
 
 

@@ -111,10 +111,11 @@ class FinalRounds:
     Rounds are kept serialized: a parsed RoundStatus takes 4-7 times its encoded size
     (each map and message in an arena of its own), and a page copies what it appends
     either way. At most ``max_bytes`` of them are kept: past that, whole runs go, the
-    least recently read first, and then the run being kept takes no more rounds (what
-    it holds is the start of it, which a reader walking its pages in order reads first;
-    the rest is read from the database as it would be without this). Which rounds are
-    final is remembered beyond that, as ranges of numbers (``final_until``).
+    least recently read first, and a run that alone fills them takes no more rounds
+    (what it holds is then about its start, which a reader walking its pages in order
+    reads first; the rest is read from the database as it would be without this, and
+    not encoded for nothing). Which rounds are final is remembered beyond that, as
+    ranges of numbers (``final_until``).
     """
 
     def __init__(self, max_bytes: int = 32 << 20) -> None:
@@ -144,13 +145,16 @@ class FinalRounds:
             return first if kept is None else kept.final.end_of_run(first)
 
     def keep(self, run_id: str, fresh: dict[int, admin_pb2.RoundStatus], final: set[int]) -> None:
-        new = {n: fresh[n] for n in final}
         with self._lock:
             kept = self._runs.get(run_id)
             if kept is None:
                 kept = self._runs[run_id] = _KeptRun()
             self._runs.move_to_end(run_id)
-            new = {n: r for n, r in new.items() if n not in kept.rounds}
+            for number in final:
+                kept.final.add(number)
+            if kept.nbytes >= self.max_bytes:  # full with its own rounds: none is encoded
+                return
+            new = {n: fresh[n] for n in final if n not in kept.rounds}
         if not new:
             return
         encoded = {n: r.SerializeToString() for n, r in new.items()}  # not under the lock
@@ -158,18 +162,16 @@ class FinalRounds:
             kept = self._runs.get(run_id)
             if kept is None:  # let go meanwhile: kept afresh
                 kept = self._runs[run_id] = _KeptRun()
+                for number in final:
+                    kept.final.add(number)
+            self._runs.move_to_end(run_id)
             for number in sorted(encoded):
-                kept.final.add(number)
-                if number in kept.rounds:
-                    continue
                 size = len(encoded[number])
-                while self._bytes + size > self.max_bytes and len(self._runs) > 1:
+                if number in kept.rounds or kept.nbytes + size > self.max_bytes:
+                    continue  # no room even alone: read from the database, nothing let go
+                while self._bytes + size > self.max_bytes:  # other runs go, oldest first
                     oldest = next(iter(self._runs))
-                    if oldest == run_id:
-                        break
                     self._bytes -= self._runs.pop(oldest).nbytes
-                if self._bytes + size > self.max_bytes:
-                    continue  # full with this run's earlier rounds: read from the database
                 kept.rounds[number] = encoded[number]
                 kept.nbytes += size
                 self._bytes += size

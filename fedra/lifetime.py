@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import logging
 import os
 import signal
+import stat
 import sys
 import threading
 import time
@@ -49,10 +51,20 @@ class Lifeline:
     """The starter's side: a pipe whose read end goes to each child (``fd`` in
     ``pass_fds``, ``env()`` in its environment) and whose write end stays here, never
     written, until ``cut`` or this process's end. Both ends are opened non-inheritable:
-    only the children given ``fd`` get it, and none gets the write end."""
+    of the programs this process starts, only those given ``fd`` get it, and none gets
+    the write end (a child forked without a new program, as ``multiprocessing``'s
+    default start on Linux does, holds both until it ends, and keeps the line up)."""
 
     def __init__(self) -> None:
-        self.fd, self._write_fd = os.pipe()
+        # Above the standard descriptors: a starter with one of them closed would get it
+        # from os.pipe(), and a child's own stdin, stdout or stderr would replace it.
+        read_fd, write_fd = os.pipe()
+        try:
+            self.fd = fcntl.fcntl(read_fd, fcntl.F_DUPFD_CLOEXEC, 3)
+            self._write_fd = fcntl.fcntl(write_fd, fcntl.F_DUPFD_CLOEXEC, 3)
+        finally:
+            os.close(read_fd)
+            os.close(write_fd)
 
     def env(self) -> dict[str, str]:
         return {LIFELINE_ENV: str(self.fd)}
@@ -80,9 +92,11 @@ def follow_lifeline(
         return False
     try:
         fd = int(value)
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            raise ValueError("not a pipe")
         os.set_inheritable(fd, False)
-    except (ValueError, OSError) as exc:  # not a descriptor this process holds
-        log.warning("$%s=%r is not an open descriptor (%s): not followed", LIFELINE_ENV,
+    except (ValueError, OSError) as exc:  # not the pipe a starter handed this process
+        log.warning("$%s=%r is not an open pipe (%s): not followed", LIFELINE_ENV,
                     value, exc)  # fmt: skip
         return False
 

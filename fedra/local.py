@@ -265,15 +265,17 @@ class LocalCluster:
 
     def stop(self) -> None:
         """Stop every process: sites first, then the coordinator."""
-        for proc in self.sites.values():
-            proc.signal(signal.SIGTERM)
-        for proc in self.sites.values():
-            proc.stop()
-        if self.coordinator is not None:
-            self.coordinator.stop()
-        if self._lifeline is not None:  # nothing follows it now: its descriptors go
-            self._lifeline.cut()
-            self._lifeline = None
+        try:
+            for proc in self.sites.values():
+                proc.signal(signal.SIGTERM)
+            for proc in self.sites.values():
+                proc.stop()
+            if self.coordinator is not None:
+                self.coordinator.stop()
+        finally:
+            if self._lifeline is not None:  # what still follows it stops: its descriptors go
+                self._lifeline.cut()
+                self._lifeline = None
 
     def __enter__(self) -> LocalCluster:
         return self

@@ -536,6 +536,21 @@ def test_one_long_run_keeps_no_more_than_the_bound() -> None:
     assert kept.final_until("run", 1_999) == 1_999
 
 
+def test_a_round_that_cannot_fit_lets_no_other_run_go() -> None:
+    from fedra.coordinator.status import FinalRounds
+
+    kept = FinalRounds(max_bytes=200)
+    kept.keep("b", {0: admin_pb2.RoundStatus(number=0, status="x" * 10)}, {0})
+    kept.keep("a", {0: admin_pb2.RoundStatus(number=0, status="x" * 150)}, {0})
+    big = {1: admin_pb2.RoundStatus(number=1, status="x" * 100)}
+    kept.keep("a", big, {1})  # 150 + 100 > 200 even alone: turned away, and b stays
+    assert _numbers(kept.from_("a", 0)) == [0] and _numbers(kept.from_("b", 0)) == [0]
+    assert kept.final_until("a", 0) == 2 and kept.final_until("b", 0) == 1
+    small = {2: admin_pb2.RoundStatus(number=2, status="x" * 40)}
+    kept.keep("a", small, {2})  # fits once b goes: b, the least recently read, goes
+    assert _numbers(kept.from_("a", 2)) == [2] and kept.from_("b", 0) == []
+
+
 def test_final_ranges_join_out_of_order() -> None:
     from fedra.coordinator.status import FinalRounds
 

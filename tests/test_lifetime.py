@@ -22,8 +22,6 @@ import pytest
 
 from fedra.lifetime import LIFELINE_ENV, Lifeline, follow_lifeline
 
-ROOT = Path(__file__).resolve().parent.parent
-
 # A child that follows its lifeline; SIGTERM (its graceful stop) prints a line and exits
 # 0 unless told to ignore it. It says "ready" once it follows the line.
 CHILD = textwrap.dedent(
@@ -49,7 +47,7 @@ CHILD = textwrap.dedent(
 def _child(
     lifeline: Lifeline | None, mode: str = "stop", grace_s: float = 60.0
 ) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT.parent)}
+    env = dict(os.environ)
     env.pop(LIFELINE_ENV, None)
     fds: tuple[int, ...] = ()
     if lifeline is not None:
@@ -85,7 +83,7 @@ def test_a_child_stops_gracefully_when_its_lifeline_is_cut() -> None:
 
 def test_a_child_that_ignores_sigterm_is_killed_after_the_grace() -> None:
     lifeline = Lifeline()
-    child = _child(lifeline, mode="ignore", grace_s=0.5)
+    child = _child(lifeline, mode="ignore", grace_s=3.0)
     try:
         assert child.stdout is not None
         assert child.stdout.readline().strip() == "following"
@@ -97,7 +95,7 @@ def test_a_child_that_ignores_sigterm_is_killed_after_the_grace() -> None:
         lifeline.cut()
     assert child.returncode == -signal.SIGKILL
     assert out.strip() == "SIGTERM"  # asked first, killed only after the grace
-    assert "still running 0.5 s after its starter went: killing it" in err
+    assert "still running 3 s after its starter went: killing it" in err
 
 
 def test_without_a_lifeline_nothing_is_followed() -> None:
@@ -108,6 +106,27 @@ def test_without_a_lifeline_nothing_is_followed() -> None:
     finally:
         child.kill()
         child.communicate(timeout=30)
+
+
+def test_a_lifeline_variable_naming_no_pipe_is_not_followed() -> None:
+    # E.g. a standard descriptor: its stdin here is /dev/null, which reads as at its end.
+    env = {**os.environ, LIFELINE_ENV: "0"}
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, "stop", "60"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "not"
+        assert child.poll() is None  # not stopped
+    finally:
+        child.kill()
+        _, err = child.communicate(timeout=30)
+    assert "is not an open pipe" in err
 
 
 @pytest.mark.parametrize("value", ["not-a-number", "987654"])
@@ -152,7 +171,7 @@ def _children(pid: int) -> list[int]:
 @pytest.mark.multiprocess
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
 def test_a_killed_starters_coordinator_and_sites_stop(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT.parent), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop(LIFELINE_ENV, None)
     starter = subprocess.Popen(
         [sys.executable, "-c", STARTER, str(tmp_path)],

@@ -12,8 +12,6 @@ import pytest
 
 from tests.conftest import run_python
 
-pytestmark = pytest.mark.multiprocess
-
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "long_run.py"
 sys.path.insert(0, str(BENCH.parent))
 
@@ -29,6 +27,7 @@ def test_growth_spans_the_last_three_quarters_of_the_rounds() -> None:
     assert flat.per_round_bytes == 0.0 and flat.fraction == 0.0
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(150)
 def test_a_short_run_samples_every_process_until_the_end(tmp_path: Path) -> None:
     out = tmp_path / "long.json"
@@ -48,3 +47,4 @@ def test_a_short_run_samples_every_process_until_the_end(tmp_path: Path) -> None
     assert daemon["start_bytes"] == start["daemon_rss"]
     assert daemon["rounds"] == 12 - start["rounds"]
     assert "kB a round" in done.stdout and "daemon:" in done.stdout, done.stdout
+    assert "the whole status read" in done.stdout, done.stdout
