@@ -101,6 +101,8 @@ def follow_lifeline(
         return False
 
     def watch() -> None:
+        # This thread never takes a stop signal, which the main thread must handle.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
         while True:
             try:
                 if not os.read(fd, 4096):

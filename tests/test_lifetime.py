@@ -205,3 +205,35 @@ def test_a_killed_starters_coordinator_and_sites_stop(tmp_path: Path) -> None:
         text = (logs / name).read_text()
         assert "the process that started this one is gone: stopping" in text, name
         assert "killing it" not in text, name  # SIGTERM stopped it: the graceful way
+
+
+def _takes_sigterm(pid: int, tid: int) -> bool:
+    """Whether thread ``tid`` of ``pid`` does not block SIGTERM (its SigBlk mask)."""
+    for line in Path(f"/proc/{pid}/task/{tid}/status").read_text().splitlines():
+        if line.startswith("SigBlk:"):
+            return not (int(line.split()[1], 16) >> (signal.SIGTERM - 1)) & 1
+    return False
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads /proc (Linux)")
+def test_the_daemon_stops_at_once_when_another_of_its_threads_takes_sigterm(
+    tmp_path: Path,
+) -> None:
+    # A process-wide signal may land on any thread; its handler then runs in the main
+    # thread only once that thread runs again, which a long wait would put off.
+    import ctypes
+
+    from fedra.local import LocalCluster
+
+    with LocalCluster(tmp_path, secure=False) as cluster:
+        cluster.start_coordinator(timeout_s=120.0)
+        assert cluster.coordinator is not None
+        pid = cluster.coordinator.pid
+        others = [int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid]
+        tid = next(t for t in others if _takes_sigterm(pid, t))
+        sent = time.monotonic()
+        assert ctypes.CDLL(None, use_errno=True).tgkill(pid, tid, signal.SIGTERM) == 0
+        assert cluster.coordinator.popen.wait(timeout=30) == 0
+        took = time.monotonic() - sent
+    assert took < 5.0, f"stopped {took:.1f} s after a thread of it took SIGTERM"
