@@ -49,6 +49,9 @@ TRANSIENT = frozenset(
 # The least time one connection attempt may take (TCP and TLS handshakes on a slow link).
 MIN_CONNECT_TIMEOUT_S = 2.0
 _STOP_CHECK_S = 0.2  # how often a wait for the channel looks at its stop event
+# gRPC's connectivity poller, started by ``subscribe``, looks every 0.2 s whether anyone
+# still listens; a close waits this long at most for it to see that nobody does.
+_POLLER_END_S = 1.0
 
 
 def reconnect_options(reconnect_max_s: float) -> list[tuple[str, int]]:
@@ -164,7 +167,19 @@ class Connection:
 
     def close(self) -> None:
         self.closed = True
+        self._await_poller_end()
         self.channel.close()
+
+    def _await_poller_end(self) -> None:
+        """Let gRPC's connectivity poller (``wait_reconnected`` subscribes to the channel)
+        end before the channel closes: it goes on up to 0.2 s after its last subscriber
+        left, and a channel closed under it raises in its thread ("Cannot monitor channel
+        state: Channel closed!"). gRPC keeps whether it polls in the channel's private
+        state; a channel without it (another gRPC) closes at once."""
+        state = getattr(self.channel, "_connectivity_state", None)
+        end = time.monotonic() + _POLLER_END_S
+        while getattr(state, "polling", False) and time.monotonic() < end:
+            time.sleep(0.01)
 
     def moved_within(self, seconds: float) -> bool:
         """Whether a download or upload of this site's is under way and moved a chunk in

@@ -92,3 +92,29 @@ def test_a_site_is_back_within_reconnect_max_s_after_a_long_outage(
     # And while it was away, gRPC's own tries never grew past the cap.
     gaps = [b - a for a, b in zip(holder.tries, holder.tries[1:], strict=False)]
     assert max(gaps) <= RECONNECT_MAX_S * (1 + JITTER) + 0.5, gaps  # gRPC's backoff is capped
+
+
+def test_a_connection_closed_right_after_a_reconnect_wait_leaves_grpc_s_poller_quiet(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``wait_reconnected`` subscribes to the channel's state, and gRPC's poller goes on up
+    to 0.2 s after the subscriber left; a channel closed under it used to make it raise
+    in its thread ("Cannot monitor channel state: Channel closed!"), about one close in
+    four when the wait was short. The close now lets the poller end first."""
+    from fedra.client.connection import Connection
+
+    raised: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: raised.append(args.exc_value))
+    with socket.socket() as s:  # a port that nothing serves: the channel stays down
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    stop = threading.Event()
+    for i in range(24):
+        connection = Connection(address, "s1")
+        connection.wait_reconnected(0.0005 * (i % 4), stop)
+        connection.close()
+    for thread in threading.enumerate():
+        if "_poll_connectivity" in thread.name:
+            thread.join(5)
+            assert not thread.is_alive(), "gRPC's connectivity poller did not end"
+    assert raised == []
