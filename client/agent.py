@@ -54,9 +54,9 @@ from fedra.protos.compression import (
     flatten_update,
     to_wire_u32,
 )
-from fedra.protos.serde import SecAggRound
 from fedra.retry import Backoff
 from fedra.secagg import SiteSecAgg
+from fedra.secagg_round import SecAggRound
 
 log = logging.getLogger("fedra.site")
 _SECAGG_WAIT_S = 20.0  # one long poll of a secure-aggregation stage

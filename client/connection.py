@@ -27,8 +27,6 @@ from fedra.protos.codec import (
     transfer_chunk_bytes,
 )
 from fedra.protos.serde import (
-    Provenance,
-    SecAggRound,
     codec_from_proto,
     privacy_from_proto,
     provenance_to_proto,
@@ -36,8 +34,10 @@ from fedra.protos.serde import (
     train_from_proto,
 )
 from fedra.protos.v1 import site_pb2, site_pb2_grpc
+from fedra.provenance import Provenance
 from fedra.runspec import CodecSpec, PrivacySpec, TrainSpec
 from fedra.secagg import SecAggError
+from fedra.secagg_round import SecAggRound
 from fedra.storage.hashing import AsideHasher
 
 log = logging.getLogger("fedra.site")

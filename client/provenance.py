@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from fedra import __version__
-from fedra.protos.serde import Provenance
+from fedra.provenance import Provenance
 
 
 def versions() -> dict[str, str]:

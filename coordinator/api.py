@@ -23,13 +23,15 @@ import functools
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Generator
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Generator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from fedra.coordinator.engine import Engine, EngineSettings, TaskView, secure, uploads
 from fedra.coordinator.errors import FedraError
+from fedra.coordinator.ledger import SITES_PAGE
+from fedra.coordinator.observers import Observers
 from fedra.coordinator.steps import LockedSteps
 from fedra.coordinator.wakeups import (
     LoopInbox,
@@ -41,9 +43,13 @@ from fedra.coordinator.wakeups import (
 )
 from fedra.faults import crash_point
 from fedra.protos.codec import Buffer, transfer_chunk_bytes
-from fedra.protos.serde import Provenance
+from fedra.provenance import Provenance
 from fedra.runspec import RunSpec
 from fedra.storage.blobs import BlobCorruptError
+from fedra.storage.records import CheckpointRecord, SiteRecord
+
+if TYPE_CHECKING:  # status builds protobuf replies: the front door never loads it
+    from fedra.coordinator.status import StatusSource
 
 log = logging.getLogger("fedra.coordinator")
 T = TypeVar("T")
@@ -644,6 +650,36 @@ class CoordinatorAPI:
 
     async def cancel(self, run_id: str, who: str) -> str:
         return await self.call(self.engine.cancel, run_id, who)
+
+    async def export_checkpoint(
+        self, run_id: str, round_number: int | None, who: str
+    ) -> CheckpointRecord:
+        """The checkpoint of ``round_number``, or with None the run's result (the latest, or
+        the promoted one), its export by ``who`` audited (``Engine.export_checkpoint``)."""
+        return await self.call(self.engine.export_checkpoint, run_id, round_number, who)
+
+    # -- operators' reads: the engine's memory, read without its lock ----------------
+
+    @property
+    def status_source(self) -> StatusSource:
+        """What a run's status is read from (the engine's memory and its stored runs)."""
+        return self.engine
+
+    @property
+    def observers(self) -> Observers:
+        """Who is told of the coordinator's events (a servicer's refusals among them)."""
+        return self.engine.observers
+
+    def site_counts(self, offline: Collection[str] = ()) -> tuple[int, int]:
+        """(sites registered, of them online now and not in ``offline``)."""
+        return self.engine.site_counts(offline)
+
+    def list_sites(
+        self, after: str = "", limit: int = SITES_PAGE
+    ) -> tuple[list[tuple[SiteRecord, bool, float]], str]:
+        """A page of sites in id order after ``after``, each with whether it is online and
+        when it was last heard from, and the id to continue after ('' at the end)."""
+        return self.engine.list_sites(after, limit)
 
     async def changes(self, run_id: str, interval_s: float, gap_s: float) -> AsyncIterator[None]:
         """Yields when the run may have changed: at once, then after each change (at most

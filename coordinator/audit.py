@@ -25,6 +25,7 @@ from typing import Any
 from fedra import pki
 from fedra.audit import AuditLog
 from fedra.coordinator.observers import Observer, RoundEnded, RunEnded
+from fedra.storage.records import RoundState
 
 REFUSAL_EVERY_S = 60.0  # one entry per refused identity and reason this often, at most
 MAX_REFUSERS = 10_000  # identities whose last refusal is remembered (then forgotten)
@@ -79,7 +80,7 @@ class AuditTrail(Observer):
     # -- the engine's events ---------------------------------------------------
 
     def round_ended(self, event: RoundEnded) -> None:
-        if event.outcome == "committed":
+        if event.outcome == RoundState.COMMITTED:
             self.record_later(
                 "round.commit", "coordinator", run=event.run_id, round=event.number,
                 attempt=event.attempt, updates=event.updates, model_sha256=event.model_sha256,

@@ -15,6 +15,8 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from fedra.storage.records import RoundState, RunState
+
 log = logging.getLogger("fedra.coordinator")
 
 
@@ -38,7 +40,7 @@ class RoundEnded:
     run_id: str
     number: int
     attempt: int
-    outcome: str  # committed | retried | failed
+    outcome: RoundState  # committed, retried or failed
     duration_s: float  # from its opening to its close
     updates: int  # accepted
     bytes_down: int = 0
@@ -57,7 +59,7 @@ class RoundEnded:
 @dataclass(frozen=True)
 class RunEnded:
     run_id: str
-    state: str  # completed | failed | cancelled
+    state: RunState  # an ended one: completed, failed or cancelled
     reason: str = ""
 
 

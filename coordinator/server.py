@@ -298,7 +298,7 @@ def create_server(
         insecure=tls is None,
         on_refused=engine.audit.identity_refused,
     )
-    engine.barred = guard.revoked_sites  # a revoked site is not sampled into a round
+    engine.bar_sites_by(guard.revoked_sites)  # a revoked site is not sampled into a round
     handle = Server()
     handle.guard = guard
     try:
@@ -373,7 +373,7 @@ async def _build_forwarded(
 ) -> None:
     assert handle.api is not None
     server = grpc.aio.server(
-        options=server_options(handle.api.engine.settings.chunk_bytes, stream_window_mb)
+        options=server_options(handle.api.settings.chunk_bytes, stream_window_mb)
     )
     wire.add_service(
         server,

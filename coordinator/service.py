@@ -349,12 +349,12 @@ class EngineReads:
 
     def __init__(self, api: CoordinatorAPI) -> None:
         self.api = api
-        self.source = api.engine
+        self.source = api.status_source
         self.readers = api.readers
         self.read = api.read
         self.changes = api.changes
-        self.site_counts = api.engine.site_counts
-        self.list_sites = api.engine.list_sites
+        self.site_counts = api.site_counts
+        self.list_sites = api.list_sites
 
     def listing_key(self) -> None:
         return None  # the engine's memory changes with every call: built each time
@@ -370,10 +370,8 @@ class AdminService(AdminReads):
         watch_interval_s: float = 10.0,
         watch_gap_s: float = WATCH_GAP_S,
     ) -> None:
-        super().__init__(
-            EngineReads(api), guard, api.engine.observers, watch_interval_s, watch_gap_s
-        )
-        self.api, self.engine = api, api.engine
+        super().__init__(EngineReads(api), guard, api.observers, watch_interval_s, watch_gap_s)
+        self.api = api
 
     @mapped
     async def SubmitRun(
@@ -402,7 +400,7 @@ class AdminService(AdminReads):
     ) -> AsyncIterator[bytes]:
         who = self.guard.admin(context)
         round_number = None if request.latest else request.round
-        ckpt = await self.api.call(self.engine.export_checkpoint, request.run_id, round_number, who)
+        ckpt = await self.api.export_checkpoint(request.run_id, round_number, who)
         chunks = self.api.read_model(ckpt.model_sha256, ckpt.model_bytes, wire.model_chunk_frame)
         async for chunk in chunks:
             yield chunk

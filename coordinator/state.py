@@ -16,6 +16,7 @@ from fedra.coordinator.aggregators import Aggregator, StreamingMean, make_aggreg
 from fedra.coordinator.promotion import PromotionState
 from fedra.protos.codec import TensorSpec
 from fedra.runspec import CodecSpec, RunSpec
+from fedra.storage.records import ParticipationState
 
 if TYPE_CHECKING:
     from fedra.coordinator.engine.secure import SecureRound
@@ -32,7 +33,9 @@ ATTEMPT_FAILED = "attempt_failed"
 
 
 class TaskState(str, Enum):
-    """Where a site's task stands. Equal to its name as stored (``"accepted"``)."""
+    """Where a site's task of an open round stands, in memory. Equal to its stored state
+    (``storage.records.ParticipationState``) but for uploading, which is never stored:
+    an upload that a crash cut off leaves the task as it was before."""
 
     ASSIGNED = "assigned"  # handed to the site (or about to be, at its next poll)
     DOWNLOADED = "downloaded"  # the site has the model
@@ -84,11 +87,12 @@ class Assignment:
             self.before_upload = self.state
         self.state = to
 
-    def restore(self, state: str) -> None:
-        """Set a task rebuilt from the database to its stored state (recovery only)."""
+    def restore(self, state: ParticipationState) -> None:
+        """Set a task rebuilt from the database to its stored state (recovery only); an
+        expired task is not one of an open round's."""
         if self.state is not TaskState.ASSIGNED:
             raise IllegalMove(f"task {self.task_id}: restored twice")
-        self.state = TaskState(state)
+        self.state = TaskState(state.value)
 
     @property
     def final(self) -> bool:

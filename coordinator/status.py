@@ -22,9 +22,12 @@ from fedra.protos.serde import runspec_to_proto
 from fedra.protos.v1 import admin_pb2
 from fedra.runspec import RunSpec
 from fedra.storage.records import (
+    ENDED_ROUND_STATES,
     ParticipationRecord,
+    ParticipationState,
     ParticipationTally,
     RoundRecord,
+    RoundState,
     RunReads,
     RunRecord,
     RunSummaryView,
@@ -737,7 +740,7 @@ def round_summaries(
 def tally(parts: list[ParticipationRecord]) -> list[ParticipationTally]:
     """The participations counted and summed per round, attempt, state and whether the
     site declined, as ``Store.read_run_summary`` counts them with ``flag_error=DECLINED``."""
-    sums: dict[tuple[int, int, str, bool], list[int]] = {}
+    sums: dict[tuple[int, int, ParticipationState, bool], list[int]] = {}
     for p in parts:
         key = (p.round_number, p.attempt, p.state, p.error.startswith(DECLINED))
         row = sums.setdefault(key, [0, 0, 0, 0])
@@ -751,7 +754,7 @@ def tally(parts: list[ParticipationRecord]) -> list[ParticipationTally]:
 def _final(
     r: RoundRecord, tallies: list[ParticipationTally], held: bool, settled_before: float
 ) -> bool:
-    settled = r.state != "open" and (r.closed_at or 0.0) < settled_before
+    settled = r.state != RoundState.OPEN and (r.closed_at or 0.0) < settled_before
     return settled and not held and all(t.finished for t in tallies)
 
 
@@ -775,7 +778,7 @@ def _round(
         attempt=r.attempt,
         status=r.state,
         sampled_count=len(r.sampled),
-        updates=counts.get("accepted", 0),
+        updates=counts.get(ParticipationState.ACCEPTED, 0),
         opened_unix_s=r.opened_at,
         closed_unix_s=closed,
         duration_s=max(0.0, closed - r.opened_at) if closed else 0.0,
@@ -793,9 +796,10 @@ def _round(
     )
 
 
-def shown_status(state: str, declined: bool) -> str:
-    # A task the site's policy declined is not a failure of the site: said as such.
-    return "declined" if state == "failed" and declined else state
+def shown_status(state: ParticipationState, declined: bool) -> str:
+    """A task's state as status shows it: one the site's policy declined is not a failure
+    of the site, and is said as such."""
+    return "declined" if state == ParticipationState.FAILED and declined else str(state)
 
 
 def _lost(r: RoundRecord, p: ParticipationTally) -> bool:
@@ -805,19 +809,21 @@ def _lost(r: RoundRecord, p: ParticipationTally) -> bool:
     round's commit) is not lost yet. Between a failed attempt and the next one's opening
     the round still shows the failed attempt, whose accepted updates count as lost only
     once the next attempt opens (or the run ends)."""
-    if r.state in ("failed", "cancelled"):  # the round its run ended in: nothing counts
+    if r.state in ENDED_ROUND_STATES:  # the round its run ended in: nothing counts
         return True
     if p.attempt < r.attempt:  # an attempt that failed: dropped, whatever its state
         return True
-    return p.finished and p.state != "accepted"  # failed or expired
+    return p.finished and p.state != ParticipationState.ACCEPTED  # failed or expired
 
 
 def site_idle_s(r: RoundRecord, parts: list[ParticipationRecord]) -> float:
     """A committed round: the mean time a site whose update it accepted sat idle
     (``rounds.idle_s``); 0 for any other round."""
-    if r.state != "committed" or not r.closed_at:
+    if r.state != RoundState.COMMITTED or not r.closed_at:
         return 0.0
-    accepted = [p for p in parts if p.attempt == r.attempt and p.state == "accepted"]
+    accepted = [
+        p for p in parts if p.attempt == r.attempt and p.state == ParticipationState.ACCEPTED
+    ]
     return idle_s(r.opened_at, r.closed_at, accepted)
 
 

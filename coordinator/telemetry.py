@@ -37,6 +37,7 @@ from fedra.coordinator.errors import FedraError, NotFound, Unauthenticated, Unav
 from fedra.coordinator.observers import Observer, RoundEnded, RunEnded
 from fedra.coordinator.web import StatusPages
 from fedra.httpserve import HttpServer, Replies, parse_address
+from fedra.storage.records import RoundState, RunState
 
 log = logging.getLogger("fedra.coordinator")
 
@@ -49,7 +50,7 @@ _HTTP_STATUS: dict[type[FedraError], int] = {Unauthenticated: 401, Unavailable: 
 # Ended runs whose per-run series (by run label) are still exported; older ones are
 # dropped, so that a long-lived daemon's scrape does not grow with every run it ever had.
 KEPT_ENDED_RUNS = 16
-ROUND_OUTCOMES = ("committed", "retried", "failed")
+ROUND_OUTCOMES = (RoundState.COMMITTED, RoundState.RETRIED, RoundState.FAILED)
 COMMIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5)
 
 
@@ -116,7 +117,7 @@ class Telemetry(Observer):
         self.bytes.labels(event.run_id, "down").inc(event.bytes_down)
         self.bytes.labels(event.run_id, "up").inc(event.bytes_up)
         self.lost.labels(event.run_id).inc(event.lost_bytes)
-        if event.outcome != "committed":
+        if event.outcome != RoundState.COMMITTED:
             return
         self.round_seconds.labels(event.run_id).observe(event.duration_s)
         self.checkpoints.labels(event.run_id).inc(event.checkpoint_bytes)
@@ -186,7 +187,7 @@ class _Now(Collector):
             "fedra_sites_online", "Of them, online now (revoked ones never)", g.sites_online
         )
         runs = GaugeMetricFamily("fedra_runs", "Runs by state", labels=["state"])
-        for state in ("pending", "running", "completed", "failed", "cancelled"):
+        for state in RunState:
             runs.add_metric([state], g.runs_by_state.get(state, 0))
         yield runs
         transfers = GaugeMetricFamily(

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from fedra.config import ConfigError
 from fedra.coordinator.observers import Observer, RoundEnded, RunEnded, RunStarted
+from fedra.storage.records import RoundState, RunState
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -43,7 +44,11 @@ MAX_TAG_CHARS = 5000
 # MLflow's limits on one log_batch call.
 PARAMS_PER_BATCH = 100
 METRICS_PER_BATCH = 1000
-_MLFLOW_STATUS = {"completed": "FINISHED", "failed": "FAILED", "cancelled": "KILLED"}
+_MLFLOW_STATUS: dict[str, str] = {
+    RunState.COMPLETED: "FINISHED",
+    RunState.FAILED: "FAILED",
+    RunState.CANCELLED: "KILLED",
+}
 _UNSAFE_KEY = re.compile(r"[^\w./\- ]")  # what MLflow allows in a name (and TensorBoard shows)
 
 
@@ -172,7 +177,7 @@ class Tracker(Observer):
 def round_scalars(event: RoundEnded) -> dict[str, float]:
     """What a round's attempt records: a committed one its metrics, stages and traffic; a
     failed one only how many attempts of its round have failed so far."""
-    if event.outcome != "committed":
+    if event.outcome != RoundState.COMMITTED:
         return {FAILED_ATTEMPTS: float(event.attempt)}  # attempts count from 1, all failed
     scalars = {safe_key(k): float(v) for k, v in event.metrics.items()}
     scalars.update((safe_key(f"stage/{k}"), float(v)) for k, v in event.stages.items())

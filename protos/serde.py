@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-
 from fedra.protos.v1 import admin_pb2, common_pb2, site_pb2
+from fedra.provenance import MAX_PROVENANCE_CHARS, MAX_PROVENANCE_VERSIONS, Provenance
 from fedra.runspec import (
     AggregationSpec,
     AsyncSpec,
@@ -19,6 +14,7 @@ from fedra.runspec import (
     SecAggSpec,
     TrainSpec,
 )
+from fedra.secagg_round import SecAggRound
 
 
 def train_to_proto(t: TrainSpec) -> common_pb2.TrainSettings:
@@ -194,18 +190,6 @@ def runspec_from_proto(m: admin_pb2.RunSpec) -> RunSpec:
     )
 
 
-@dataclass(frozen=True)
-class SecAggRound:
-    """What a site is told about its round's secure aggregation (a Task's SecAggRound)."""
-
-    context: bytes  # binds keys and shares to one run, round and attempt
-    threshold: int  # shares that rebuild one site's secrets
-    clip: float  # each coordinate is clipped to [-clip, clip] before quantising
-    bits: int  # quantisation bits per coordinate
-    l2_clip: float = 0.0  # > 0 with [privacy]: the site clips its whole update first
-    noise_std: float = 0.0  # > 0 with [privacy]: its share of the Gaussian noise
-
-
 def secagg_round_to_proto(s: SecAggRound) -> site_pb2.SecAggRound:
     return site_pb2.SecAggRound(
         context=s.context,
@@ -219,33 +203,6 @@ def secagg_round_to_proto(s: SecAggRound) -> site_pb2.SecAggRound:
 
 def secagg_round_from_proto(m: site_pb2.SecAggRound) -> SecAggRound:
     return SecAggRound(m.context, m.threshold, m.clip, m.bits, m.l2_clip, m.noise_std)
-
-
-MAX_PROVENANCE_CHARS = 200  # of each string in a site's provenance
-MAX_PROVENANCE_VERSIONS = 16
-
-
-@dataclass(frozen=True)
-class Provenance:
-    """What a site's results for one task come from (common.Provenance)."""
-
-    entry_point: str
-    task_version: str = ""
-    task_source_sha256: str = ""
-    data_fingerprint: str = ""
-    config_sha256: str = ""
-    versions: Mapping[str, str] = field(default_factory=dict)
-    device: str = ""
-
-    def digest(self) -> str:
-        """One hash of all of it: equal provenances, equal digests. Worked out once (it is
-        asked for with every update a site sends) and kept beside the fields."""
-        known: str | None = self.__dict__.get("_digest")
-        if known is None:
-            doc = json.dumps(dataclasses.asdict(self), sort_keys=True, default=dict)
-            known = hashlib.sha256(doc.encode()).hexdigest()
-            object.__setattr__(self, "_digest", known)  # frozen: not one of its fields
-        return known
 
 
 def provenance_to_proto(p: Provenance) -> common_pb2.Provenance:

@@ -4,7 +4,71 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Protocol
+
+
+class StoredState(str, Enum):
+    """A state as the database stores it: each member equals, and is stored as, its value
+    (``RunState.RUNNING == "running"``), so rows written before these enums read the same."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+class RunState(StoredState):
+    """Where a run stands. It moves pending → running → one of the three ends, or from
+    pending straight to an end; an ended run never moves again."""
+
+    PENDING = "pending"  # submitted; its initial model not yet made
+    RUNNING = "running"
+    COMPLETED = "completed"  # its last round committed, or a stop rule ended it
+    FAILED = "failed"  # a round gave up, or the run could not go on
+    CANCELLED = "cancelled"  # by an operator
+
+    @property
+    def ended(self) -> bool:
+        return self in ENDED_RUN_STATES
+
+
+ENDED_RUN_STATES = frozenset({RunState.COMPLETED, RunState.FAILED, RunState.CANCELLED})
+
+
+class RoundState(StoredState):
+    """Where an attempt of a round stands: open until it commits, is retried (a new attempt
+    of the same number follows) or fails; a round left open by a run that ended takes the
+    run's end (failed or cancelled). Also the outcome a closed attempt reports."""
+
+    OPEN = "open"
+    COMMITTED = "committed"
+    RETRIED = "retried"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+# The states a round left open by a run that ended takes: the run's own.
+ENDED_ROUND_STATES = (RoundState.FAILED, RoundState.CANCELLED)
+
+
+class ParticipationState(StoredState):
+    """A site's task as stored. In memory an open round's tasks have one more state,
+    uploading (``coordinator.state.TaskState``, with every move a task may make)."""
+
+    ASSIGNED = "assigned"
+    DOWNLOADED = "downloaded"
+    ACCEPTED = "accepted"  # its update is durable and counts
+    FAILED = "failed"  # reported, silent, late, refused or left out
+    EXPIRED = "expired"  # its round closed (or its run ended) before its update came
+
+
+# A participation in one of these states never changes again.
+FINAL_PARTICIPATION_STATES = (
+    ParticipationState.ACCEPTED,
+    ParticipationState.FAILED,
+    ParticipationState.EXPIRED,
+)
+# A participation in one of these is waiting for its site.
+PENDING_PARTICIPATION_STATES = (ParticipationState.ASSIGNED, ParticipationState.DOWNLOADED)
 
 
 @dataclass(frozen=True)
@@ -13,7 +77,7 @@ class RunRecord:
     name: str
     task: str
     spec_json: str
-    state: str  # pending | running | completed | failed | cancelled
+    state: RunState
     reason: str
     rounds_completed: int
     created_at: float
@@ -21,7 +85,7 @@ class RunRecord:
 
     @property
     def finished(self) -> bool:
-        return self.state in ("completed", "failed", "cancelled")
+        return self.state in ENDED_RUN_STATES
 
 
 @dataclass(frozen=True)
@@ -38,7 +102,7 @@ class RoundRecord:
     run_id: str
     number: int
     attempt: int
-    state: str  # open | committed
+    state: RoundState
     sampled: tuple[str, ...]
     opened_at: float
     deadline_at: float
@@ -46,9 +110,6 @@ class RoundRecord:
     metrics: dict[str, float] = field(default_factory=dict)
     stages: dict[str, float] = field(default_factory=dict)  # seconds per stage, once committed
 
-
-# A participation in one of these states never changes again.
-FINAL_PARTICIPATION_STATES = ("accepted", "failed", "expired")
 
 # A site's own measure of its download, compute or upload time counts within [0, this]
 # seconds wherever a sum is made of it (a site sends any finite number: 1e308 twice is
@@ -63,7 +124,7 @@ class ParticipationRecord:
     round_number: int
     attempt: int
     site_id: str
-    state: str  # assigned | downloaded | accepted | failed | expired
+    state: ParticipationState
     assigned_at: float
     update_sha256: str | None = None
     num_samples: int = 0
@@ -124,7 +185,7 @@ class ParticipationTally:
 
     round_number: int
     attempt: int
-    state: str
+    state: ParticipationState
     flagged: bool  # its error starts with the prefix the read was asked to flag
     count: int
     bytes_down: int = 0
@@ -168,7 +229,7 @@ class SiteTally:
     # ``ledger.idle_s`` works it out, and the time that is counted over.
     idle_s: float
     counted_s: float
-    latest_state: str  # its latest task's (the last round, the last attempt)
+    latest_state: ParticipationState  # its latest task's (the last round, the last attempt)
     latest_flagged: bool
     failures: tuple[tuple[int, str], ...] = ()  # (round, error) of its first failed tasks
 
@@ -195,7 +256,7 @@ class RunReads(Protocol):
     """The reads a run's status is built from: ``Store`` is one. What a reader that must
     not write is handed (the engine's ``records``, the read process's database)."""
 
-    def list_runs(self, states: Sequence[str] | None = None) -> list[RunRecord]: ...
+    def list_runs(self, states: Sequence[RunState] | None = None) -> list[RunRecord]: ...
 
     def read_run(
         self, run_id: str, *, since: int = 0, limit: int | None = None
@@ -233,7 +294,7 @@ class ReadsOf:
     def __init__(self, store: RunReads) -> None:
         self._store = store
 
-    def list_runs(self, states: Sequence[str] | None = None) -> list[RunRecord]:
+    def list_runs(self, states: Sequence[RunState] | None = None) -> list[RunRecord]:
         return self._store.list_runs(states)
 
     def read_run(self, run_id: str, *, since: int = 0, limit: int | None = None) -> RunView | None:

@@ -12,10 +12,17 @@ from fedra.storage.records import (
     CheckpointRecord,
     EventRecord,
     ParticipationRecord,
+    ParticipationState,
     RoundRecord,
+    RoundState,
     RunRecord,
+    RunState,
     SiteRecord,
 )
+
+# A stored state's member by its stored value: a plain dict's lookup, for the thousands of
+# participations a status reads at once.
+PARTICIPATION_STATE = {str(s): s for s in ParticipationState}
 
 
 def run_record(r: m.Run) -> RunRecord:
@@ -24,7 +31,7 @@ def run_record(r: m.Run) -> RunRecord:
         name=r.name,
         task=r.task,
         spec_json=r.spec_json,
-        state=r.state,
+        state=RunState(r.state),
         reason=r.reason,
         rounds_completed=r.rounds_completed,
         created_at=r.created_at,
@@ -47,7 +54,7 @@ def round_record(r: m.Round) -> RoundRecord:
         run_id=r.run_id,
         number=r.number,
         attempt=r.attempt,
-        state=r.state,
+        state=RoundState(r.state),
         sampled=tuple(json.loads(r.sampled_json)),
         opened_at=r.opened_at,
         deadline_at=r.deadline_at,
@@ -63,12 +70,14 @@ PARTICIPATION_COLUMNS = tuple(
     "metrics_json" if f.name == "metrics" else f.name for f in fields(ParticipationRecord)
 )
 _METRICS_AT = PARTICIPATION_COLUMNS.index("metrics_json")
+_STATE_AT = PARTICIPATION_COLUMNS.index("state")
 
 
 def participation_from_values(values: Sequence[Any]) -> ParticipationRecord:
     """A record from a row of ``PARTICIPATION_COLUMNS``, in that order."""
     row = list(values)
     row[_METRICS_AT] = json.loads(row[_METRICS_AT])
+    row[_STATE_AT] = PARTICIPATION_STATE[row[_STATE_AT]]
     return ParticipationRecord(*row)
 
 
@@ -79,7 +88,7 @@ def participation_record(r: m.Participation) -> ParticipationRecord:
         round_number=r.round_number,
         attempt=r.attempt,
         site_id=r.site_id,
-        state=r.state,
+        state=PARTICIPATION_STATE[r.state],
         assigned_at=r.assigned_at,
         update_sha256=r.update_sha256,
         num_samples=r.num_samples,

@@ -46,12 +46,16 @@ from fedra.storage.migrate import upgrade
 from fedra.storage.records import (
     FINAL_PARTICIPATION_STATES,
     MAX_MEASURED_S,
+    PENDING_PARTICIPATION_STATES,
     CheckpointRecord,
     EventRecord,
     ParticipationRecord,
+    ParticipationState,
     ParticipationTally,
     RoundRecord,
+    RoundState,
     RunRecord,
+    RunState,
     RunSummaryView,
     RunView,
     SiteRecord,
@@ -59,13 +63,12 @@ from fedra.storage.records import (
 )
 from fedra.storage.writes import DuplicateError, StatementWrite, WriteOp, run_batch
 
+# A run that ends so ends its open round so; a run that completes has none open.
+_ROUND_ENDED_BY = {RunState.FAILED: RoundState.FAILED, RunState.CANCELLED: RoundState.CANCELLED}
+
 
 class NotFoundError(KeyError):
     """The row a write needs does not exist."""
-
-
-# The states a round left open by a run that ended takes: the run's own.
-ENDED_ROUND_STATES = ("failed", "cancelled")
 
 
 def _nothing_to_release() -> None:
@@ -228,7 +231,9 @@ _ADD_DOWNLOAD = (
     .values(
         bytes_down=_p.bytes_down + bindparam("nbytes", type_=BigInteger),  # as the column
         download_s=_p.download_s + bindparam("seconds", type_=Float),
-        state=case((_p.state == "assigned", "downloaded"), else_=_p.state),
+        state=case(
+            (_p.state == ParticipationState.ASSIGNED, ParticipationState.DOWNLOADED), else_=_p.state
+        ),
         base_round=func.coalesce(bindparam("base", type_=Integer), _p.base_round),
     )
 )
@@ -268,7 +273,7 @@ _ACCEPT = (
     # Not NOT IN: an expanding parameter, which an executemany cannot take.
     .where(_p.task_id == bindparam("tid"), *(_p.state != s for s in FINAL_PARTICIPATION_STATES))
     .values(
-        state="accepted",
+        state=ParticipationState.ACCEPTED,
         nonce=bindparam("new_nonce"),
         update_sha256=bindparam("new_sha256"),
         num_samples=bindparam("new_num_samples"),
@@ -351,10 +356,10 @@ def _idle_in_last_attempts(run_id: str, numbers: list[int], dialect: str) -> Sel
         .join_from(m.Participation.__table__, m.Round.__table__, last)
         .where(
             t.run_id == run_id,
-            t.state == "accepted",
+            t.state == ParticipationState.ACCEPTED,
             t.round_number >= min(numbers),
             t.round_number <= max(numbers),
-            r.state == "committed",
+            r.state == RoundState.COMMITTED,
             r.closed_at.is_not(None),
         )
         .group_by(t.round_number)
@@ -382,15 +387,16 @@ def _checkpoints_between(run_id: str, since: int, until: int | None) -> Select[m
     return q.order_by(c.round_number)
 
 
-def _set_run_state(s: Session, run_id: str, state: str, reason: str, now: float) -> None:
+def _set_run_state(s: Session, run_id: str, state: RunState, reason: str, now: float) -> None:
     row = s.get(m.Run, run_id)
     if row is None:
         raise NotFoundError(run_id)
     row.state, row.reason, row.updated_at = state, reason, now
-    if state in ENDED_ROUND_STATES:
+    ends = _ROUND_ENDED_BY.get(state)
+    if ends is not None:  # failed or cancelled: its open round ends so too
         r = m.Round
-        ended = update(r).where(r.run_id == run_id, r.state == "open")
-        s.execute(ended.values(state=state, closed_at=now))
+        ended = update(r).where(r.run_id == run_id, r.state == RoundState.OPEN)
+        s.execute(ended.values(state=ends, closed_at=now))
 
 
 def _event_values(
@@ -705,7 +711,7 @@ class Store:
                 name=name,
                 task=task,
                 spec_json=spec_json,
-                state="pending" if start is None else "running",
+                state=RunState.PENDING if start is None else RunState.RUNNING,
                 reason="",
                 rounds_completed=0 if start is None else start.round_number,
                 created_at=now,
@@ -723,7 +729,7 @@ class Store:
                 s.add(
                     m.Round(
                         run_id=run_id, number=start.round_number, attempt=1,
-                        state="committed", sampled_json="[]", opened_at=now,
+                        state=RoundState.COMMITTED, sampled_json="[]", opened_at=now,
                         deadline_at=now, closed_at=now,
                     )
                 )  # fmt: skip
@@ -743,7 +749,7 @@ class Store:
             row = s.get(m.Run, run_id)
             return None if row is None else rows.run_record(row)
 
-    def list_runs(self, states: Sequence[str] | None = None) -> list[RunRecord]:
+    def list_runs(self, states: Sequence[RunState] | None = None) -> list[RunRecord]:
         with self._read() as s:
             q = select(m.Run).order_by(m.Run.created_at, m.Run.id)
             if states is not None:
@@ -757,14 +763,14 @@ class Store:
         with self._read() as s:
             return {str(state): int(n) for state, n in s.execute(query)}
 
-    def set_run_state(self, run_id: str, state: str, reason: str, now: float) -> None:
+    def set_run_state(self, run_id: str, state: RunState, reason: str, now: float) -> None:
         """Set the run's state; a run that ends failed or cancelled ends its open round
         too (the round then shows that state, closed now), in the same transaction."""
         with self._tx() as s:
             _set_run_state(s, run_id, state, reason, now)
 
     def end_run(
-        self, run_id: str, state: str, reason: str, now: float, round_number: int | None
+        self, run_id: str, state: RunState, reason: str, now: float, round_number: int | None
     ) -> None:
         """End the run in ``state`` (as ``set_run_state``) and record the event of that
         name with ``reason``, in one transaction: whoever sees the run ended sees why, and
@@ -803,13 +809,13 @@ class Store:
                         run_id=run_id,
                         number=number,
                         attempt=attempt,
-                        state="open",
+                        state=RoundState.OPEN,
                         sampled_json=sampled,
                         opened_at=opened_at,
                         deadline_at=deadline_at,
                     )
                 )
-            elif row.state != "open":
+            elif row.state != RoundState.OPEN:
                 raise DuplicateError(f"round {number} of run {run_id} is already {row.state}")
             else:
                 row.attempt, row.sampled_json = attempt, sampled
@@ -825,7 +831,7 @@ class Store:
                             "round_number": number,
                             "attempt": attempt,
                             "site_id": site_id,
-                            "state": "assigned",
+                            "state": ParticipationState.ASSIGNED,
                             "assigned_at": opened_at,
                             "issued_round": number,
                         }
@@ -838,7 +844,7 @@ class Store:
                     .where(
                         m.Participation.task_id.in_(list(carry)),
                         m.Participation.run_id == run_id,
-                        m.Participation.state.in_(("assigned", "downloaded")),
+                        m.Participation.state.in_(PENDING_PARTICIPATION_STATES),
                     )
                     .values(round_number=number, attempt=attempt)
                 )
@@ -856,7 +862,7 @@ class Store:
     def get_open_round(self, run_id: str) -> RoundRecord | None:
         with self._read() as s:
             row = s.scalars(
-                select(m.Round).where(m.Round.run_id == run_id, m.Round.state == "open")
+                select(m.Round).where(m.Round.run_id == run_id, m.Round.state == RoundState.OPEN)
             ).one_or_none()
             return None if row is None else rows.round_record(row)
 
@@ -947,7 +953,7 @@ class Store:
                     ParticipationTally(
                         round_number=n,
                         attempt=a,
-                        state=st,
+                        state=rows.PARTICIPATION_STATE[st],
                         flagged=bool(flag and flag[0]),
                         count=int(k),
                         bytes_down=int(d),
@@ -955,7 +961,7 @@ class Store:
                         bytes_cut=int(c),
                     )
                 )
-            committed = [r.number for r in rounds if r.state == "committed"]
+            committed = [r.number for r in rounds if r.state == RoundState.COMMITTED]
             idle = (
                 {
                     n: float(mean)
@@ -967,7 +973,9 @@ class Store:
                 else {}
             )
             held: set[int] = set()
-            closed = {r.number for r in rounds if r.state != "open"}  # an open one is not final
+            closed = {
+                r.number for r in rounds if r.state != RoundState.OPEN
+            }  # an open one is not final
             wanted = list(tasks) if closed else []
             for at in range(0, len(wanted), _IN_BATCH):
                 q = select(t.round_number).where(
@@ -1010,9 +1018,13 @@ class Store:
         flagged: Any = literal(False)
         if flag_error:  # Not LIKE: SQLite's ignores case.
             flagged = func.substr(t.error, 1, len(flag_error)) == flag_error
-        is_flagged = (t.state == "failed") & flagged
-        failing = t.state.in_(("failed", "expired"))
-        counts = (t.state == "accepted") & (r.state == "committed") & r.closed_at.is_not(None)
+        is_flagged = (t.state == ParticipationState.FAILED) & flagged
+        failing = t.state.in_((ParticipationState.FAILED, ParticipationState.EXPIRED))
+        counts = (
+            (t.state == ParticipationState.ACCEPTED)
+            & (r.state == RoundState.COMMITTED)
+            & r.closed_at.is_not(None)
+        )
 
         def total(condition: Any, value: Any = 1, zero: Any = 0) -> Any:
             return func.coalesce(func.sum(case((condition, value), else_=zero)), zero)
@@ -1021,7 +1033,7 @@ class Store:
             select(
                 t.site_id,
                 func.count(),
-                total(t.state == "accepted"),
+                total(t.state == ParticipationState.ACCEPTED),
                 total(failing & ~is_flagged),
                 total(is_flagged),
                 func.coalesce(func.sum(t.bytes_down + t.bytes_up + t.bytes_cut), 0),
@@ -1077,7 +1089,7 @@ class Store:
                         busy_s=float(busy_s),
                         idle_s=float(idle_s),
                         counted_s=float(counted_s),
-                        latest_state=state,
+                        latest_state=rows.PARTICIPATION_STATE[state],
                         latest_flagged=latest_flagged,
                         failures=tuple(errors.get(site, ())),
                     )
@@ -1092,7 +1104,9 @@ class Store:
         else a damaged one, for the caller to find so; None if no row holds them."""
         p = m.Participation
         q = select(p.update_data).where(
-            p.update_sha256 == sha256, p.state == "accepted", p.update_data.is_not(None)
+            p.update_sha256 == sha256,
+            p.state == ParticipationState.ACCEPTED,
+            p.update_data.is_not(None),
         )
         with self._read() as s:
             copies = [data for data in s.scalars(q) if data is not None]
@@ -1238,9 +1252,9 @@ class Store:
         with self._tx() as s:
             row = self._participation_row(s, task_id)
             if row.state not in FINAL_PARTICIPATION_STATES or (
-                accepted_too and row.state == "accepted"
+                accepted_too and row.state == ParticipationState.ACCEPTED
             ):
-                row.state, row.error, row.finished_at = "failed", error, now
+                row.state, row.error, row.finished_at = ParticipationState.FAILED, error, now
                 row.update_data = None  # a failed task's update is no one's copy
 
     def fail_participations(self, task_ids: Sequence[str], error: str, now: float) -> None:
@@ -1257,7 +1271,12 @@ class Store:
                         m.Participation.task_id.in_(task_ids[start : start + _IN_BATCH]),
                         m.Participation.state.not_in(FINAL_PARTICIPATION_STATES),
                     )
-                    .values(state="failed", error=error, finished_at=now, update_data=None)
+                    .values(
+                        state=ParticipationState.FAILED,
+                        error=error,
+                        finished_at=now,
+                        update_data=None,
+                    )
                 )
 
     def expire_attempt(
@@ -1287,10 +1306,10 @@ class Store:
                     m.Participation.run_id == run_id,
                     m.Participation.round_number == number,
                     m.Participation.attempt == attempt,
-                    m.Participation.state.in_(("assigned", "downloaded")),
+                    m.Participation.state.in_(PENDING_PARTICIPATION_STATES),
                     m.Participation.task_id.not_in(list(keep)),
                 )
-                .values(state="expired", error=reason, finished_at=now)
+                .values(state=ParticipationState.EXPIRED, error=reason, finished_at=now)
             )
 
     def commit_round(
@@ -1300,7 +1319,7 @@ class Store:
         checkpoint: CheckpointRecord,
         metrics: dict[str, float],
         now: float,
-        final_state: str | None = None,
+        final_state: RunState | None = None,
         stages: dict[str, float] | None = None,
         keep: Sequence[str] = (),
         event: tuple[str, str] | None = None,
@@ -1317,20 +1336,26 @@ class Store:
             rnd = s.scalars(
                 select(m.Round).where(m.Round.run_id == run_id, m.Round.number == number)
             ).one()
-            if rnd.state != "open":
+            if rnd.state != RoundState.OPEN:
                 raise DuplicateError(f"round {number} of run {run_id} is already {rnd.state}")
-            rnd.state, rnd.closed_at, rnd.metrics_json = "committed", now, json.dumps(metrics)
+            rnd.state, rnd.closed_at, rnd.metrics_json = (
+                RoundState.COMMITTED,
+                now,
+                json.dumps(metrics),
+            )
             rnd.stages_json = json.dumps(stages or {})
             s.execute(
                 update(m.Participation)
                 .where(
                     m.Participation.run_id == run_id,
                     m.Participation.round_number == number,
-                    m.Participation.state.in_(("assigned", "downloaded")),
+                    m.Participation.state.in_(PENDING_PARTICIPATION_STATES),
                     m.Participation.task_id.not_in(list(keep)),
                 )
                 .values(
-                    state="expired", error="round closed before an update arrived", finished_at=now
+                    state=ParticipationState.EXPIRED,
+                    error="round closed before an update arrived",
+                    finished_at=now,
                 )
             )
             s.add(
@@ -1364,9 +1389,9 @@ class Store:
                 .where(
                     m.Participation.run_id == run_id,
                     m.Participation.round_number < number,
-                    m.Participation.state.in_(("assigned", "downloaded")),
+                    m.Participation.state.in_(PENDING_PARTICIPATION_STATES),
                 )
-                .values(state="expired", error=reason, finished_at=now)
+                .values(state=ParticipationState.EXPIRED, error=reason, finished_at=now)
             )
             return result.rowcount
 
@@ -1429,7 +1454,7 @@ class Store:
                 select(m.Participation.site_id, func.max(m.Participation.finished_at))
                 .where(
                     m.Participation.run_id == run_id,
-                    m.Participation.state == "failed",
+                    m.Participation.state == ParticipationState.FAILED,
                     m.Participation.error.startswith(error_prefix, autoescape=True),
                     m.Participation.finished_at >= since,
                 )

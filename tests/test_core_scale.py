@@ -21,6 +21,7 @@ from fedra.coordinator.wakeups import Wakeups, site_key
 from fedra.protos.v1 import admin_pb2, site_pb2
 from fedra.runspec import RunSpec
 from fedra.storage import Store
+from fedra.storage.records import ParticipationState
 from fedra.storage.store import DuplicateError
 from tests.conftest import InProcessCoordinator
 
@@ -416,7 +417,7 @@ def test_a_task_moves_only_where_its_state_machine_goes() -> None:
     b = Assignment("u", "site-b")
     with pytest.raises(IllegalMove):
         b.move(TaskState.ACCEPTED)  # only an update that arrived is accepted
-    b.restore("accepted")  # as the database has it, after a restart
+    b.restore(ParticipationState.ACCEPTED)  # as the database has it, after a restart
     assert b.state is TaskState.ACCEPTED
     with pytest.raises(IllegalMove, match="restored twice"):
         b.restore("failed")

@@ -3,12 +3,16 @@
 Outside ``fedra.coordinator.engine`` nothing takes the engine's lock or touches its
 database; the front door, the servicers, the status code and the daemon call its public
 methods. These tests hold that line (ruff's SLF001 holds it in the linter too) and check
-the few methods that stand in for the lock where a caller must never wait for it.
+the few methods that stand in for the lock where a caller must never wait for it. They
+also hold the two edges: the inside loads no protobuf module, and the servicers reach
+the engine only through the front door (``CoordinatorAPI``).
 """
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -57,6 +61,88 @@ def test_the_scan_finds_what_it_looks_for(tmp_path: Path) -> None:
     ]
     assert hits == ["_lock", "_store"]
     assert any(_outside_sources()) and not any(ENGINE_DIR in p.parents for p in _outside_sources())
+
+
+def _modules(package: str, folder: Path) -> list[str]:
+    return [package if p.stem == "__init__" else f"{package}.{p.stem}" for p in folder.glob("*.py")]
+
+
+# The inside: the engine, the aggregation and the storage, protobuf-free (converted at the
+# edges, fedra.protos.serde); each engine and storage module imported by itself.
+INSIDE = sorted(
+    [
+        *_modules("fedra.coordinator.engine", ENGINE_DIR),
+        *_modules("fedra.storage", ROOT / "storage"),
+        "fedra.coordinator.state",
+        "fedra.coordinator.aggregators",
+        "fedra.coordinator.robust",
+        "fedra.coordinator.aggregation",
+    ]
+)
+# Imports each module named in turn; prints a line for each that loaded generated
+# protobuf modules: its name, then theirs.
+_LOADS_PB2 = """
+import importlib, sys
+def pb2():
+    return {m for m in sys.modules if m.endswith(("_pb2", "_pb2_grpc"))}
+for name in sys.argv[1:]:
+    before = pb2()
+    importlib.import_module(name)
+    if pb2() - before:
+        print(name, *sorted(pb2() - before))
+"""
+
+
+def test_the_inside_loads_no_protobuf_module() -> None:
+    """Imported in a fresh interpreter (this one loaded the stubs long ago) in this
+    checkout (``-c`` puts the working directory first on the path)."""
+    out = subprocess.run(
+        [sys.executable, "-c", _LOADS_PB2, *INSIDE],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    loads = [" loads ".join(line.split(" ", 1)) for line in out.stdout.splitlines()]
+    assert not loads, "the inside loads protobuf modules:\n" + "\n".join(loads)
+
+
+# The servicers and the operators' read process: handed the front door (the first two)
+# or, by the composition root, an engine of their own (replica, web).
+SERVICERS = ("service.py", "admin_reads.py", "replica.py", "web.py")
+GIVEN_ONLY_THE_FRONT_DOOR = ("service.py", "admin_reads.py")
+
+
+def _past_the_front_door(source: str, given_only_the_front_door: bool) -> list[int]:
+    """Lines reaching the engine behind a front door (``api.engine``, ``self.api.engine``);
+    with ``given_only_the_front_door``, any ``.engine`` at all."""
+    lines = set()
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Attribute) and node.attr == "engine"):
+            continue
+        owner = node.value
+        of_api = (isinstance(owner, ast.Name) and owner.id == "api") or (
+            isinstance(owner, ast.Attribute) and owner.attr == "api"
+        )
+        if of_api or given_only_the_front_door:
+            lines.add(node.lineno)
+    return sorted(lines)
+
+
+def test_servicers_reach_the_engine_only_through_the_front_door() -> None:
+    reached = [
+        f"coordinator/{name}:{line}"
+        for name in SERVICERS
+        for line in _past_the_front_door(
+            (ROOT / "coordinator" / name).read_text(), name in GIVEN_ONLY_THE_FRONT_DOOR
+        )
+    ]
+    assert not reached, "a servicer reaches past the front door to its engine:\n" + (
+        "\n".join(reached)
+    )
+
+
+def test_the_front_door_scan_finds_what_it_looks_for() -> None:
+    src = "def f(self, api):\n    a = api.engine\n    b = self.api.engine\n    c = self.engine\n"
+    assert _past_the_front_door(src, False) == [2, 3]
+    assert _past_the_front_door(src, True) == [2, 3, 4]
 
 
 @pytest.fixture
@@ -129,6 +215,14 @@ def test_locked_waits_for_the_lock_and_runs_holding_it(engine: Engine) -> None:
     engine.locked(inside)
     assert seen == [(False, None)]
     assert engine.if_free(int) == (True, 0)
+
+
+def test_no_site_is_barred_until_the_engine_is_told_who_is(engine: Engine) -> None:
+    assert not engine.barred()
+    revoked = {"site-a"}
+    engine.bar_sites_by(lambda: frozenset(revoked))
+    revoked.add("site-b")  # asked each time: a deny list reloaded counts at once
+    assert engine.barred() == {"site-a", "site-b"}
 
 
 def test_begin_stop_wakes_and_marks_the_engine_stopping(engine: Engine) -> None:

@@ -16,8 +16,8 @@ from fedra.client.connection import Assignment
 from fedra.client.policy import Policy, PolicyConfig, approve, list_runs
 from fedra.config import ConfigError
 from fedra.local import LocalCluster
-from fedra.protos.serde import SecAggRound
 from fedra.runspec import CodecSpec, PrivacySpec, TrainSpec
+from fedra.secagg_round import SecAggRound
 from tests.conftest import fedra_cli
 from tests.test_cluster import (
     FAST,

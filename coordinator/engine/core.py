@@ -51,11 +51,21 @@ from fedra.coordinator.state import (
 from fedra.coordinator.wakeups import Wakeups, opened_key, run_key, site_key, stage_key
 from fedra.faults import crash_point
 from fedra.protos.codec import DEFAULT_CHUNK_BYTES, all_finite, decode_chunks, encode_chunks
-from fedra.protos.serde import Provenance, SecAggRound
+from fedra.provenance import Provenance
 from fedra.runspec import MAX_TASK_CHARS, CodecSpec, PrivacySpec, RunSpec, TrainSpec
+from fedra.secagg_round import SecAggRound
 from fedra.storage import BlobStore, Store
 from fedra.storage.blobs import BLOCK_BYTES
-from fedra.storage.records import CheckpointRecord, ReadsOf, RunReads, RunRecord, SiteRecord
+from fedra.storage.records import (
+    CheckpointRecord,
+    ParticipationState,
+    ReadsOf,
+    RoundState,
+    RunReads,
+    RunRecord,
+    RunState,
+    SiteRecord,
+)
 from fedra.storage.spool import SMALL_UPDATE_BYTES, UpdateSpool
 
 log = logging.getLogger("fedra.coordinator")
@@ -189,8 +199,8 @@ class Engine:
         self._moving: Counter[str] = Counter()  # transfers under way, by site
         self._left: set[str] = set()  # sites that hung up on their poll, not heard from since
         self.hangups = 0  # how many times a site was added to ``_left``
-        # The sites the edge refuses (revoked certificates): set by the server (auth.Guard).
-        self.barred: Callable[[], Collection[str]] = frozenset
+        # The sites the edge refuses (revoked certificates): none until ``bar_sites_by``.
+        self._barred: Callable[[], Collection[str]] = frozenset
         # Calls waiting without a thread (long polls, stage calls, watches), by what they
         # wait for; and each run's open (round, attempt) as its sites' polls last saw it.
         self.wakeups = Wakeups()
@@ -218,7 +228,7 @@ class Engine:
         for site in self._store.list_sites():
             self._site_tasks[site.id] = site.tasks
             self._sites[site.id] = site
-        for record in self._store.list_runs(states=("pending", "running")):
+        for record in self._store.list_runs(states=(RunState.PENDING, RunState.RUNNING)):
             run = restore_run(self, record)
             if run is None:
                 continue
@@ -345,7 +355,7 @@ class Engine:
             a.update_sha256
             for run in self.runs.values()
             for a in run.assignments.values()
-            if a.state == "accepted" and a.update_sha256
+            if a.state == TaskState.ACCEPTED and a.update_sha256
         }
 
     def _notify_now(self) -> None:
@@ -522,6 +532,15 @@ class Engine:
         """Whether the site counts as online now (is_online, under the lock)."""
         with self._lock:
             return self.is_online(site_id, self.clock())
+
+    def bar_sites_by(self, barred: Callable[[], Collection[str]]) -> None:
+        """From now on, never sample the sites ``barred()`` names into a round (the server's:
+        those whose certificates are revoked, ``auth.Guard.revoked_sites``)."""
+        self._barred = barred
+
+    def barred(self) -> Collection[str]:
+        """The sites never sampled into a round now (``bar_sites_by``; none by default)."""
+        return self._barred()
 
     def eligible_sites(self, run: ActiveRun, now: float) -> list[str]:
         """Online sites serving the run's task and not busy with another run's task."""
@@ -893,7 +912,7 @@ class Engine:
             run.closing = True  # no upload is accepted from here on
             self.notify()
         self.audit.record("run.cancel", who, run=run_id)
-        return "cancelled"
+        return RunState.CANCELLED
 
     def get_run_record(self, run_id: str) -> RunRecord:
         record = self._store.get_run(run_id)
@@ -1036,10 +1055,10 @@ class Engine:
         its metrics; NotFound if the round is not committed."""
         rnd = self._store.get_round(run_id, number)
         ckpt = self._store.get_checkpoint(run_id, number)
-        if rnd is None or ckpt is None or rnd.state != "committed":
+        if rnd is None or ckpt is None or rnd.state != RoundState.COMMITTED:
             raise NotFound(f"run {run_id} has no committed round {number}")
         parts = self._store.list_participations(run_id, number, rnd.attempt)
-        counted = [p for p in parts if p.state == "accepted"]
+        counted = [p for p in parts if p.state == ParticipationState.ACCEPTED]
         tensors = decode_chunks(self.models.read_chunks(ckpt.model_sha256))
         samples = sum(p.num_samples for p in counted)
         return RoundOutcome(tensors, samples, len(counted), dict(rnd.metrics))

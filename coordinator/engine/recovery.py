@@ -24,12 +24,17 @@ from fedra.coordinator.engine.rounds import (
 )
 from fedra.coordinator.ledger import DECLINED, PROVENANCE_EVENT
 from fedra.coordinator.promotion import PromotionState
-from fedra.coordinator.state import ATTEMPT_FAILED, INIT_ROUND, ActiveRun
+from fedra.coordinator.state import ATTEMPT_FAILED, INIT_ROUND, ActiveRun, TaskState
 from fedra.privacy import PrivacyError
 from fedra.protos.codec import CodecError, StreamDecoder, TensorSpec, decode_chunks
 from fedra.runspec import RunSpec
 from fedra.storage.blobs import BlobCorruptError, BlobNotFoundError
-from fedra.storage.records import RunRecord
+from fedra.storage.records import (
+    PENDING_PARTICIPATION_STATES,
+    ParticipationState,
+    RunRecord,
+    RunState,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -106,7 +111,7 @@ def _fail(engine: Engine, record: RunRecord, reason: str, number: int) -> None:
     open_round = engine._store.get_open_round(record.id)
     if open_round is not None:
         engine._store.expire_attempt(record.id, open_round.number, open_round.attempt, reason, now)
-    engine._store.end_run(record.id, "failed", reason, now, number)
+    engine._store.end_run(record.id, RunState.FAILED, reason, now, number)
     log.error("run %s: %s", record.id, reason)
 
 
@@ -161,7 +166,7 @@ def _unmasked_before(engine: Engine, run: ActiveRun, number: int, attempt: int) 
         "ends here (submit it again to go on)"
     )
     engine._store.expire_attempt(run.run_id, number, attempt, reason, now)
-    engine._store.end_run(run.run_id, "failed", reason, now, number)
+    engine._store.end_run(run.run_id, RunState.FAILED, reason, now, number)
     log.error("run %s: %s", run.run_id, reason)
     return True
 
@@ -188,7 +193,7 @@ def _resume_open_round(engine: Engine, run: ActiveRun, number: int, attempt: int
         engine._store.clear_update_data([p.task_id for p in parts if p.update_sha256])
         if attempt >= run.spec.max_round_attempts:  # it was the last: the run had failed
             reason = f"round {number}: gave up after {attempt} attempts"
-            engine._store.end_run(run.run_id, "failed", reason, now, number)
+            engine._store.end_run(run.run_id, RunState.FAILED, reason, now, number)
             log.error("run %s: %s", run.run_id, reason)
             return False
         run.next_attempt = attempt + 1
@@ -217,25 +222,27 @@ def _resume_open_round(engine: Engine, run: ActiveRun, number: int, attempt: int
         a.issued_round = number if p.issued_round is None else p.issued_round
         a.base_round = p.base_round
         engine.mark_seen_for_recovery(p.site_id, now)
-        damage = _spool_damage(engine, p.update_sha256) if p.state == "accepted" else ""
-        if p.state == "accepted" and not damage:
-            a.restore("accepted")
+        accepted = p.state == ParticipationState.ACCEPTED
+        damage = _spool_damage(engine, p.update_sha256) if accepted else ""
+        if accepted and not damage:
+            a.restore(ParticipationState.ACCEPTED)
             a.update_sha256, a.num_samples = p.update_sha256, p.num_samples
             a.nonce = p.nonce or b""  # a retry whose reply the restart lost is answered as done
-        elif p.state == "accepted":  # the round goes on without it (the quorum permitting)
+        elif accepted:  # the round goes on without it (the quorum permitting)
             reason = f"update {damage} across a restart"
             engine._store.fail_participation(p.task_id, reason, now, accepted_too=True)
             log.error("run %s round %d: %s's %s", run.run_id, number, p.site_id, reason)
-            a.restore("failed")
-        elif p.state in ("assigned", "downloaded"):
+            a.restore(ParticipationState.FAILED)
+        elif p.state in PENDING_PARTICIPATION_STATES:
             a.restore(p.state)
         else:
-            a.restore("failed")
+            a.restore(ParticipationState.FAILED)
             a.declined = p.error.startswith(DECLINED)  # the attempt waits on, as before
     fold_ready(engine, run)  # in the same order as before the restart: the same sum
     log.info(
         "run %s round %d: resumed attempt %d with %d of %d updates already in",
-        run.run_id, number, attempt, sum(a.state == "accepted" for a in run.assignments.values()),
+        run.run_id, number, attempt,
+        sum(a.state == TaskState.ACCEPTED for a in run.assignments.values()),
         len(parts),
     )  # fmt: skip
     return True

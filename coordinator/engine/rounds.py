@@ -56,7 +56,13 @@ from fedra.protos.codec import (
 )
 from fedra.protos.compression import Compressor, apply_step
 from fedra.storage.blobs import BLOCK_BYTES, BlobCorruptError
-from fedra.storage.records import CheckpointRecord, ParticipationRecord
+from fedra.storage.records import (
+    CheckpointRecord,
+    ParticipationRecord,
+    ParticipationState,
+    RoundState,
+    RunState,
+)
 from fedra.storage.store import ClaimLostError, transient_fault
 
 if TYPE_CHECKING:
@@ -190,7 +196,7 @@ class RoundDriver:
             else:
                 log.exception("%s: driver crashed", self.tag)
             try:
-                self._finish("failed", reason)
+                self._finish(RunState.FAILED, reason)
             except Exception:  # e.g. the database is down too: it stays running there
                 log.exception("%s: could not record the failure", self.tag)
             finally:
@@ -202,7 +208,7 @@ class RoundDriver:
             if engine.stopping:
                 return False
             if run.cancelled:
-                self._finish("cancelled", "cancelled by an operator")
+                self._finish(RunState.CANCELLED, "cancelled by an operator")
                 return False
         if run.open_round is None and self._budget_spent():
             return False
@@ -234,7 +240,7 @@ class RoundDriver:
             return False
         done = run.next_round - 1
         self._finish(
-            "completed",
+            RunState.COMPLETED,
             f"privacy budget reached: round {run.next_round} would take epsilon to {after:.4g} "
             f"> {privacy.epsilon:g} (delta {privacy.delta:g}); stopped after round {done} of "
             f"{run.spec.rounds} with epsilon {spent.epsilon(privacy.delta):.4g}",
@@ -290,7 +296,7 @@ class RoundDriver:
                 run.run_id, number, attempt, assignments, now, deadline, carry=carry, event=opened
             )
             if number == INIT_ROUND and attempt == 1:
-                engine._store.set_run_state(run.run_id, "running", "", now)
+                engine._store.set_run_state(run.run_id, RunState.RUNNING, "", now)
             run.set_open(number, attempt, assignments, now, deadline)
             logformat.set_about(round=number)
             for site in sampled:  # online when sampled: one liveness timeout to pick it up
@@ -371,7 +377,7 @@ class RoundDriver:
         """Uploads are closed: run the stage that follows them, if the aggregator has one
         (the survivors reveal their shares), to its end (lock held)."""
         run, engine = self.run_state, self.engine
-        accepted = sum(a.state == "accepted" for a in run.assignments.values())
+        accepted = sum(a.state == TaskState.ACCEPTED for a in run.assignments.values())
         if accepted < run.required_updates:
             return  # the attempt fails anyway: ask nobody for anything
         why = run.aggregator.close_uploads()
@@ -420,7 +426,7 @@ class RoundDriver:
                 log.exception("%s round %s: folding accepted updates failed", self.tag,
                               run.open_round)  # fmt: skip
                 run.broken = f"folding accepted updates failed: {type(exc).__name__}"
-        accepted = [a for a in run.assignments.values() if a.state == "accepted"]
+        accepted = [a for a in run.assignments.values() if a.state == TaskState.ACCEPTED]
         short, self._short = self._short, ""
         if run.broken:  # ended short of its quorum: which tasks failed, as a short round says
             return self._retry_or_fail(len(accepted), run.broken, listed=run.broken == short)
@@ -460,14 +466,16 @@ class RoundDriver:
             bad = _first_non_finite(model)
             if bad:  # the outer step diverged: the run cannot go on from here
                 self._finish(
-                    "failed", f"round {number}: the new global model's {bad} is not finite"
+                    RunState.FAILED, f"round {number}: the new global model's {bad} is not finite"
                 )
                 return False
             if before is not None:
                 try:
                     step, residual = self._compress_step(before, model)
                 except ValueError as exc:  # e.g. an outer step too large for fp16
-                    self._finish("failed", f"round {number}: compressing the download: {exc}")
+                    self._finish(
+                        RunState.FAILED, f"round {number}: compressing the download: {exc}"
+                    )
                     return False
                 delta_sha = engine.models.put_chunks(encode_chunks(step))
         model_sha = engine.models.put_chunks(encode_chunks(model, BLOCK_BYTES))
@@ -485,7 +493,7 @@ class RoundDriver:
             why = "committing before its downloads are counted (the database is slow)"
             log.warning("%s round %d: %s", self.tag, number, why)
         parts = engine._store.list_participations(run.run_id, number, run.attempt)
-        metrics = weighted_metrics([p for p in parts if p.state == "accepted"])
+        metrics = weighted_metrics([p for p in parts if p.state == ParticipationState.ACCEPTED])
         if accountant is not None and spec.privacy is not None:
             metrics["privacy_epsilon"] = accountant.epsilon(spec.privacy.delta)
         stop, pending_promotion = "", run.promotion
@@ -504,14 +512,16 @@ class RoundDriver:
             run.run_id, number, model_sha, engine.models.size(model_sha), opt_sha, now,
             delta_sha or None,
         )  # fmt: skip
-        stages = ledger([p for p in parts if p.state == "accepted"], run.aggregate_s)
+        stages = ledger(
+            [p for p in parts if p.state == ParticipationState.ACCEPTED], run.aggregate_s
+        )
         stages["checkpoint_s"] = time.perf_counter() - started
         # Folding left once the last update was in (site order can leave several).
         tail = run.folded_at - run.last_accept_at if run.last_accept_at else 0.0  # 0: resumed
         stages["fold_tail_s"] = max(0.0, tail)
         stages["round_s"] = now - run.opened_at
         crash_point("before_commit", number)
-        final = "completed" if number == spec.rounds or stop else None
+        final = RunState.COMPLETED if number == spec.rounds or stop else None
         carried = [] if final else self._carry_on()
         engine._store.commit_round(
             run.run_id, number, ckpt, metrics, now, final, stages,
@@ -540,15 +550,15 @@ class RoundDriver:
         self._leftovers.append(partial(self._drop_round_updates, number))
         self._leftovers.append(partial(_evict, engine, stale))
         log.info("%s round %d: committed, %s", self.tag, number, _summary(parts, metrics))
-        accepted = [p for p in parts if p.state == "accepted"]
+        accepted = [p for p in parts if p.state == ParticipationState.ACCEPTED]
         engine.observers.round_ended(_ended(
-            run.run_id, number, attempt, "committed", opened, now, parts, carried,
+            run.run_id, number, attempt, RoundState.COMMITTED, opened, now, parts, carried,
             checkpoint_bytes=ckpt.model_bytes, idle_s=idle_s(opened, now, accepted),
             stages=stages, metrics=metrics, model_sha256=model_sha,
         ))  # fmt: skip
         if final:
             log.info("%s: completed after %d rounds%s", self.tag, number, f" ({stop})" * bool(stop))
-            engine.observers.run_ended(RunEnded(run.run_id, "completed", stop))
+            engine.observers.run_ended(RunEnded(run.run_id, RunState.COMPLETED, stop))
             self._forget()
             self._tidy_up()
             return False
@@ -634,7 +644,7 @@ class RoundDriver:
         # tasks' state and error) none of those three looks at.
         parts = engine._store.list_participations(run.run_id, number, attempt)
         if not why:
-            failed = [a for a in run.assignments.values() if a.state == "failed"]
+            failed = [a for a in run.assignments.values() if a.state == TaskState.FAILED]
             if now < run.deadline_at and len(failed) == len(run.assignments) - accepted:
                 why = (
                     f"{accepted} of the {run.required_updates} required updates arrived, "
@@ -661,11 +671,12 @@ class RoundDriver:
         spared = sum(self._spared(number, k) for k in range(1, attempt + 1))
         gives_up = attempt - spared >= spec.max_round_attempts
         engine.observers.round_ended(_ended(
-            run.run_id, number, attempt, "failed" if gives_up else "retried", run.opened_at,
-            now, parts, carried, reason=reason,
+            run.run_id, number, attempt,
+            RoundState.FAILED if gives_up else RoundState.RETRIED,
+            run.opened_at, now, parts, carried, reason=reason,
         ))  # fmt: skip
         if gives_up:
-            self._finish("failed", f"{reason}; gave up after {attempt} attempts")
+            self._finish(RunState.FAILED, f"{reason}; gave up after {attempt} attempts")
             return False
         with engine._lock:
             run.set_closed(next_round=number, next_attempt=attempt + 1)
@@ -718,7 +729,7 @@ class RoundDriver:
             path.unlink(missing_ok=True)
         self.engine._store.clear_update_data([p.task_id for p in parts if p.update_sha256])
 
-    def _finish(self, state: str, reason: str) -> None:
+    def _finish(self, state: RunState, reason: str) -> None:
         run, engine = self.run_state, self.engine
         self._tidy_up()
         now = engine.clock()
@@ -885,7 +896,7 @@ def short_of_quorum(run: ActiveRun) -> str | None:
 def _failures(parts: list[ParticipationRecord], shown: int = 3) -> str:
     """'; failed: site: error, ...' for the failed tasks among an attempt's ``parts``, the
     first few of them, each error cut short: why a round came up short, in its reason."""
-    failed = [p for p in parts if p.state == "failed"]
+    failed = [p for p in parts if p.state == ParticipationState.FAILED]
     if not failed:
         return ""
     listed = "; ".join(f"{p.site_id}: {_shorten(p.error)}" for p in failed[:shown])
@@ -896,26 +907,27 @@ def _failures(parts: list[ParticipationRecord], shown: int = 3) -> str:
 def _declined_only(parts: list[ParticipationRecord]) -> bool:
     """Whether an attempt's tasks that did not count were all declined by the sites'
     policies (and at least one was)."""
-    lost = [p for p in parts if p.state != "accepted"]
+    lost = [p for p in parts if p.state != ParticipationState.ACCEPTED]
     return bool(lost) and all(p.error.startswith(DECLINED) for p in lost)
 
 
 def _ended(
-    run_id: str, number: int, attempt: int, outcome: str, opened_at: float, closed_at: float,
+    run_id: str, number: int, attempt: int, outcome: RoundState, opened_at: float, closed_at: float,
     parts: list[ParticipationRecord], carried: Collection[str] = (), **more: Any,
 ) -> RoundEnded:  # fmt: skip
     """The event of an attempt's close, its bytes counted from its tasks. Tasks
     ``carried`` on to the next round (async: still training) are neither counted nor
     lost here: they are in the round they end in."""
     parts = [p for p in parts if p.task_id not in carried]
-    counts = outcome == "committed"
+    counts = outcome == RoundState.COMMITTED
+    lost = [p for p in parts if not counts or p.state != ParticipationState.ACCEPTED]
     return RoundEnded(
         run_id, number, attempt, outcome, max(0.0, closed_at - opened_at),
-        updates=sum(p.state == "accepted" for p in parts) if counts else 0,
+        updates=sum(p.state == ParticipationState.ACCEPTED for p in parts) if counts else 0,
         bytes_down=sum(p.bytes_down for p in parts),
         bytes_up=sum(p.bytes_up for p in parts),
         lost_bytes=sum(p.bytes_cut for p in parts) + sum(
-            p.bytes_down + p.bytes_up for p in parts if not counts or p.state != "accepted"
+            p.bytes_down + p.bytes_up for p in lost
         ),
         **more,
     )  # fmt: skip
@@ -944,6 +956,6 @@ def weighted_metrics(parts: list[ParticipationRecord]) -> dict[str, float]:
 
 
 def _summary(parts: list[ParticipationRecord], metrics: dict[str, float]) -> str:
-    accepted = sum(p.state == "accepted" for p in parts)
+    accepted = sum(p.state == ParticipationState.ACCEPTED for p in parts)
     shown = ", ".join(f"{k} {format_metric(k, v)}" for k, v in metrics.items())
     return f"{accepted}/{len(parts)} updates" + (f", {shown}" if shown else "")

@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING
 from fedra import pki
 from fedra.coordinator.errors import FailedPrecondition, InvalidArgument
 from fedra.coordinator.state import ActiveRun, Assignment
-from fedra.protos.serde import SecAggRound
 from fedra.runspec import RunSpec
 from fedra.secagg import RoundPlan, SecAggError, ServerSecAgg, plan_round, quant_bits
+from fedra.secagg_round import SecAggRound
 
 if TYPE_CHECKING:
     from fedra.coordinator.engine.core import Engine

@@ -93,7 +93,7 @@ class StorageFaults:
             if engine.stopping:
                 return False
             record = engine._store.get_run(run.run_id)
-            if record is None or record.state not in ("pending", "running"):
+            if record is None or record.state.ended:
                 log.info("%s: ended meanwhile (%s)", self.tag, record.state if record else "gone")
                 return False
             run.drop_aggregate()  # its spill files: the reload makes the attempt's again

@@ -45,6 +45,7 @@ from fedra.protos.compression import (
 )
 from fedra.runspec import WIRE_CODECS, CodecSpec
 from fedra.storage.blobs import BlobDigestError, StorageFullError
+from fedra.storage.records import ParticipationState, RoundState
 from fedra.storage.spool import SmallWriter
 from fedra.storage.writes import DuplicateError, WriteOp
 
@@ -123,7 +124,7 @@ def begin_upload(engine: Engine, h: UpdateHeader) -> UploadTicket:
             )
         if a.pending:
             _check_staleness(engine, run, a)
-        if a.state == "uploading":
+        if a.state == TaskState.UPLOADING:
             raise AlreadyExists(f"an upload for task {h.task_id} is already in progress")
         if not a.pending:
             raise AlreadyExists(
@@ -164,7 +165,7 @@ def _check_already_accepted(engine: Engine, h: UpdateHeader) -> None:
     found = engine.find_task(h.task_id)
     if found is not None:
         a = found[1]
-        counted = a.site_id == h.site_id and a.state == "accepted"
+        counted = a.site_id == h.site_id and a.state == TaskState.ACCEPTED
         if counted and a.nonce == h.nonce and a.update_sha256 == h.sha256:
             raise AlreadyAccepted(h.payload_bytes)
         return
@@ -172,14 +173,18 @@ def _check_already_accepted(engine: Engine, h: UpdateHeader) -> None:
     if (
         past is None
         or past.site_id != h.site_id
-        or past.state != "accepted"
+        or past.state != ParticipationState.ACCEPTED
         or past.nonce != h.nonce
         or past.update_sha256 != h.sha256
     ):
         return  # not this site's accepted update: current_task says why it cannot be sent
     rnd = engine._store.get_round(past.run_id, past.round_number)
-    if rnd is not None and rnd.attempt == past.attempt and rnd.state in ("open", "committed"):
-        over = rnd.state == "open" and engine._store.failed_attempt(
+    if (
+        rnd is not None
+        and rnd.attempt == past.attempt
+        and rnd.state in (RoundState.OPEN, RoundState.COMMITTED)
+    ):
+        over = rnd.state == RoundState.OPEN and engine._store.failed_attempt(
             past.run_id, past.round_number, past.attempt, ATTEMPT_FAILED
         )  # failed, the next attempt not yet open
         if not over:
@@ -400,7 +405,7 @@ def abort_upload(engine: Engine, ticket: UploadTicket) -> None:
     """Give the task back to the site: nothing about it changed."""
     with engine._lock:
         a = ticket.assignment
-        if a.state == "uploading":
+        if a.state == TaskState.UPLOADING:
             a.move(a.before_upload)
             engine.notify()
 
