@@ -20,12 +20,14 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fedra import pki
 from fedra.audit import AuditLog
 from fedra.coordinator.observers import Observer, RoundEnded, RunEnded
 from fedra.storage.records import RoundState
+
+if TYPE_CHECKING:  # identities come from the edge: the engine's audit trail loads no gRPC
+    from fedra import pki
 
 REFUSAL_EVERY_S = 60.0  # one entry per refused identity and reason this often, at most
 MAX_REFUSERS = 10_000  # identities whose last refusal is remembered (then forgotten)

@@ -25,9 +25,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import grpc
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
@@ -35,6 +34,9 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from fedra.config import is_valid_site_id
+
+if TYPE_CHECKING:  # only the credentials need gRPC: a signature check loads none of it
+    import grpc
 from fedra.files import write_atomic
 
 ROLES = ("coordinator", "site", "admin")
@@ -337,6 +339,8 @@ def load_folder(folder: Path, role: str | None = None) -> TlsFiles:
 
 def server_credentials(files: TlsFiles) -> grpc.ServerCredentials:
     """mTLS server credentials: a client without a certificate from our CA is refused."""
+    import grpc  # noqa: PLC0415 - the edges' alone
+
     return grpc.ssl_server_credentials(
         [(files.key, files.cert)], root_certificates=files.ca, require_client_auth=True
     )
@@ -344,6 +348,8 @@ def server_credentials(files: TlsFiles) -> grpc.ServerCredentials:
 
 def channel_credentials(files: TlsFiles) -> grpc.ChannelCredentials:
     """Client credentials presenting our certificate and trusting only our CA."""
+    import grpc  # noqa: PLC0415 - the edges' alone
+
     return grpc.ssl_channel_credentials(
         root_certificates=files.ca, private_key=files.key, certificate_chain=files.cert
     )
