@@ -453,7 +453,11 @@ def _cmd_audit(args: argparse.Namespace) -> int:
 
 def _cmd_submit(args: argparse.Namespace) -> int:
     address = _address(args)  # a bad --coordinator before the file's own errors
-    spec = runspec_from_toml(load_toml(args.spec))
+    doc = load_toml(args.spec)  # its own errors name the file
+    try:
+        spec = runspec_from_toml(doc)
+    except ValueError as exc:  # a key or value of the spec: said with the file it is in
+        raise ConfigError(f"{args.spec}: {exc}") from None
     with _admin(args, address) as admin:
         submitted = admin.submit_run(spec)
     print(submitted.run_id)

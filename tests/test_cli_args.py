@@ -144,6 +144,16 @@ def test_admin_commands_need_host_and_port(command: list[str], address: str) -> 
     )
 
 
+def test_a_run_spec_s_bad_key_is_named_with_its_file(tmp_path: Path, closed_port: int) -> None:
+    """A typo in a run spec names the file as well as the key (a submit may be one of
+    many files), before anything is dialled."""
+    spec = tmp_path / "run.toml"
+    spec.write_text('task = "m:t"\nrounds = 2\nsites_per_rond = 2\n')
+    address = f"127.0.0.1:{closed_port}"
+    result = fedra_cli("run", "submit", str(spec), "--coordinator", address, "--insecure")
+    one_line_error(result, f"{spec}: sites_per_rond: unknown key")
+
+
 def test_an_ipv6_coordinator_needs_brackets(closed_port: int) -> None:
     result = fedra_cli("run", "list", "--coordinator", "::1", "--insecure")
     one_line_error(result, "--coordinator: must be host:port with an IPv6 host in brackets")

@@ -1133,11 +1133,11 @@ def test_a_run_no_known_site_can_serve_is_accepted_with_a_warning(
 ) -> None:
     """Accepted (sites may come later), but the submitter is told why it cannot start."""
 
-    def warnings(sites_per_round: int = 1, min_sites: int = 0) -> list[str]:
+    def warnings(sites_per_round: int = 1, min_sites: int = 0, task: str = TASK) -> list[str]:
         from fedra.protos.serde import runspec_to_proto
         from fedra.runspec import RunSpec
 
-        spec = RunSpec(task=TASK, rounds=1, sites_per_round=sites_per_round, min_sites=min_sites)
+        spec = RunSpec(task=task, rounds=1, sites_per_round=sites_per_round, min_sites=min_sites)
         request = admin_pb2.SubmitRunRequest(spec=runspec_to_proto(spec))
         reply = coordinator.admin.SubmitRun(request, timeout=10)
         assert reply.run_id
@@ -1145,9 +1145,14 @@ def test_a_run_no_known_site_can_serve_is_accepted_with_a_warning(
 
     assert warnings() == [
         f"no site known to this coordinator allows task {TASK}: the run waits until sites "
-        "that do are online"
+        "that do are online (no site has registered yet)"
     ]
     register(coordinator, SITES[0])
+    # A misspelt task: the one meant shows beside it.
+    assert warnings(task=TASK + "x") == [
+        f"no site known to this coordinator allows task {TASK}x: the run waits until sites "
+        f"that do are online (the tasks known sites allow: {TASK})"
+    ]
     assert warnings(sites_per_round=2) == [
         f"only 1 known site(s) allow task {TASK}, fewer than the 2 a round needs (min_sites): "
         "the run waits until more that do are online"

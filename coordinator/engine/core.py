@@ -892,7 +892,7 @@ class Engine:
         if serving == 0:
             return [
                 f"no site known to this coordinator allows task {spec.task}: the run waits "
-                "until sites that do are online"
+                f"until sites that do are online ({self._tasks_known()})"
             ]
         if spec.asynchronous is None and serving < spec.quorum:
             return [
@@ -1044,6 +1044,17 @@ class Engine:
     def runs_named_from(self, prefix: str) -> list[RunRecord]:
         """The runs whose name starts with ``prefix``, oldest first (a region's own)."""
         return [r for r in self._store.list_runs() if r.name.startswith(prefix)]
+
+    def _tasks_known(self, shown: int = 5) -> str:
+        """The tasks that known sites allow, the most allowed first: a misspelt task shows
+        beside the one meant."""
+        with self._lock:
+            counts = Counter(t for tasks in self._site_tasks.values() for t in tasks)
+        if not counts:
+            return "no site has registered yet"
+        named = ", ".join(task for task, _ in counts.most_common(shown))
+        more = f" and {len(counts) - shown} more" if len(counts) > shown else ""
+        return f"the tasks known sites allow: {named}{more}"
 
     def sites_serving(self, task: str) -> int:
         """How many sites known to this coordinator allow ``task``."""
