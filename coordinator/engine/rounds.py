@@ -493,7 +493,8 @@ class RoundDriver:
             why = "committing before its downloads are counted (the database is slow)"
             log.warning("%s round %d: %s", self.tag, number, why)
         parts = engine._store.list_participations(run.run_id, number, run.attempt)
-        metrics = weighted_metrics([p for p in parts if p.state == ParticipationState.ACCEPTED])
+        accepted = [p for p in parts if p.state == ParticipationState.ACCEPTED]
+        metrics = weighted_metrics(accepted)
         if accountant is not None and spec.privacy is not None:
             metrics["privacy_epsilon"] = accountant.epsilon(spec.privacy.delta)
         stop, pending_promotion = "", run.promotion
@@ -512,9 +513,7 @@ class RoundDriver:
             run.run_id, number, model_sha, engine.models.size(model_sha), opt_sha, now,
             delta_sha or None,
         )  # fmt: skip
-        stages = ledger(
-            [p for p in parts if p.state == ParticipationState.ACCEPTED], run.aggregate_s
-        )
+        stages = ledger(accepted, run.aggregate_s)
         stages["checkpoint_s"] = time.perf_counter() - started
         # Folding left once the last update was in (site order can leave several).
         tail = run.folded_at - run.last_accept_at if run.last_accept_at else 0.0  # 0: resumed
@@ -550,7 +549,6 @@ class RoundDriver:
         self._leftovers.append(partial(self._drop_round_updates, number))
         self._leftovers.append(partial(_evict, engine, stale))
         log.info("%s round %d: committed, %s", self.tag, number, _summary(parts, metrics))
-        accepted = [p for p in parts if p.state == ParticipationState.ACCEPTED]
         engine.observers.round_ended(_ended(
             run.run_id, number, attempt, RoundState.COMMITTED, opened, now, parts, carried,
             checkpoint_bytes=ckpt.model_bytes, idle_s=idle_s(opened, now, accepted),
